@@ -1,0 +1,26 @@
+"""megatron_rl package. ``patches/`` installs as ``megatron_rl.patches`` (no top-level ``patches`` module)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="Megatron-core backend for RL post-training (PPO/GRPO, multi-turn agents)",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl.patches"],
+    package_dir={"megatron_rl.patches": "patches"},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "pyyaml",
+        "numpy",
+        "psutil",  # megatron-core's checkpoint saver hangs without it (DIST_CKPT_NOTES.md)
+        "einops",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis", "pytest-timeout"],
+        "hf": ["transformers>=5,<6", "safetensors", "mbridge==0.15.1"],
+        "demo": ["tqdm", "tensorboard", "matplotlib"],
+        "gpu": ["transformer-engine"],
+    },
+)
