@@ -200,3 +200,265 @@ class MegatronRLConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     seed: int = 1234
     """Global seed (weights, sampling, data order)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading, dumping, validation
+# --------------------------------------------------------------------------------------------------------------
+
+import dataclasses  # noqa: E402
+import difflib  # noqa: E402
+import types  # noqa: E402
+import typing  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import yaml  # noqa: E402
+
+
+def _positive(section: str, obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{section}.{name}={value!r} must be positive; set it to an integer >= 1")
+
+
+def _validate_parallel(p: ParallelConfig, world_size: int | None) -> None:
+    _positive("parallel", p, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        raise ValueError(
+            "parallel.sequence_parallel=True has no effect with parallel.tensor_model_parallel_size=1; "
+            "set sequence_parallel=false or tensor_model_parallel_size > 1"
+        )
+    if p.context_parallel_size != 1:
+        raise ValueError(
+            f"parallel.context_parallel_size={p.context_parallel_size} is not supported yet; set it to 1"
+        )
+    if world_size is None:
+        return
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size * "
+            f"pipeline_model_parallel_size * context_parallel_size = {model_parallel}; change the number of "
+            "processes (NPROC) or the parallel sizes"
+        )
+
+
+def _validate_model(m: ModelConfig) -> None:
+    _positive("model", m, ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                           "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings"))
+    if m.num_attention_heads % m.num_query_groups != 0:
+        raise ValueError(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"model.num_query_groups={m.num_query_groups}; choose num_query_groups dividing the head count"
+        )
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
+    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
+        raise ValueError(f"optimizer.lr={o.lr} / optimizer.min_lr={o.min_lr}: need 0 <= min_lr <= lr")
+    if o.lr_warmup_steps < 0:
+        raise ValueError(f"optimizer.lr_warmup_steps={o.lr_warmup_steps} must be >= 0")
+    if o.use_distributed_optimizer and o.optimizer != "adam":
+        raise ValueError(
+            f"optimizer.use_distributed_optimizer=True needs optimizer.optimizer='adam' (got {o.optimizer!r}): "
+            "megatron-core's distributed optimizer supports Adam only"
+        )
+
+
+def _validate_algorithm(a: AlgorithmConfig, step_wise: bool) -> None:
+    if a.loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(
+            f"algorithm.loss_reduction={a.loss_reduction!r} is not one of {list(LOSS_REDUCTIONS)}"
+        )
+    if a.loss_reduction == "seq_mean_token_sum_norm" and a.max_seq_len is None:
+        raise ValueError(
+            "algorithm.loss_reduction='seq_mean_token_sum_norm' needs algorithm.max_seq_len (its normalizer); "
+            "set algorithm.max_seq_len to the generation budget"
+        )
+    if step_wise and a.advantage_estimator in TEMPORAL_ESTIMATORS:
+        raise ValueError(
+            f"algorithm.advantage_estimator={a.advantage_estimator!r} is temporal and cannot be used with "
+            "stepwise.step_wise_trajectories=True; use an outcome estimator such as 'grpo' or 'rloo'"
+        )
+    _positive("algorithm", a, ("max_seq_len",))
+
+
+def _validate_batch(b: BatchConfig) -> None:
+    _positive("batch", b, ("train_batch_size", "policy_mini_batch_size", "n_samples_per_prompt",
+                           "micro_batch_size", "max_tokens_per_micro_batch", "update_epochs_per_batch"))
+    if b.train_batch_size % b.policy_mini_batch_size != 0:
+        raise ValueError(
+            f"batch.train_batch_size={b.train_batch_size} is not divisible by "
+            f"batch.policy_mini_batch_size={b.policy_mini_batch_size}; both count prompts and the batch must "
+            "split into whole mini-batches"
+        )
+    if (b.micro_batch_size is None) == (b.max_tokens_per_micro_batch is None):
+        raise ValueError(
+            f"set exactly one of batch.micro_batch_size ({b.micro_batch_size}) and "
+            f"batch.max_tokens_per_micro_batch ({b.max_tokens_per_micro_batch}); set the other to null"
+        )
+
+
+def _validate_stepwise(s: StepWiseConfig) -> None:
+    if s.merge_stepwise_output and not s.step_wise_trajectories:
+        raise ValueError(
+            "stepwise.merge_stepwise_output=True needs stepwise.step_wise_trajectories=True; "
+            "enable step-wise training or disable merging"
+        )
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    _positive("checkpoint", c, ("keep_last", "save_timeout_s"))
+    if c.save_interval < 0:
+        raise ValueError(f"checkpoint.save_interval={c.save_interval} must be >= 0 (0 = only at the end)")
+
+
+def validate_config(cfg: MegatronRLConfig, world_size: int | None = None) -> None:
+    """Check every rule that can be checked without the model; ``world_size`` adds the divisibility check."""
+    _validate_parallel(cfg.parallel, world_size)
+    _validate_model(cfg.model)
+    _validate_optimizer(cfg.optimizer)
+    _validate_algorithm(cfg.algorithm, cfg.stepwise.step_wise_trajectories)
+    _validate_batch(cfg.batch)
+    _validate_stepwise(cfg.stepwise)
+    _validate_checkpoint(cfg.checkpoint)
+    _positive("logging", cfg.logging, ("log_interval",))
+    for hook in _EXTRA_VALIDATORS:
+        hook(cfg)
+
+
+_EXTRA_VALIDATORS: list[typing.Callable[[MegatronRLConfig], None]] = []
+"""Validators registered by other modules (e.g. algorithms checks that estimator/loss names exist)."""
+
+
+def register_config_validator(fn: typing.Callable[[MegatronRLConfig], None]) -> None:
+    """Add a validator run by ``validate_config`` (used by modules owning registries)."""
+    if fn not in _EXTRA_VALIDATORS:
+        _EXTRA_VALIDATORS.append(fn)
+
+
+def _closest(name: str, valid: typing.Iterable[str], prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.0)
+    return f"; did you mean {prefix + match[0]!r}?" if match else ""
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Check ``value`` against a field annotation (after YAML parsing); int -> float is allowed."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(key, value, option)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ValueError(f"{key}={value!r} is not one of {list(choices)}")
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} must be a bool (true/false)")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}={value!r} must be an int")
+        return value
+    if annotation is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}={value!r} must be a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}={value!r} must be a string")
+        return value
+    return value
+
+
+def _apply(obj: object, data: dict, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            raise ValueError(f"unknown config key {key!r}{_closest(name, fields, prefix)}")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ValueError(f"config key {key!r} is a section; give a mapping, not {value!r}")
+            _apply(current, value, f"{key}.")
+        else:
+            setattr(obj, name, _coerce(key, value, hints[name]))
+
+
+def _dotted_to_nested(overrides: typing.Sequence[str]) -> list[dict]:
+    nested = []
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value (e.g. optimizer.lr=1e-5)")
+        dotted, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw != "" else None
+        node: dict = {}
+        root = node
+        parts = dotted.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+        nested.append(root)
+    return nested
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: typing.Sequence[str] = (),
+    *,
+    world_size: int | None = None,
+) -> MegatronRLConfig:
+    """Defaults <- YAML overrides at ``path`` <- dotted ``key=value`` overrides, then ``validate_config``.
+
+    Unknown keys and wrong types raise ``ValueError`` naming the key and the closest valid key.
+    """
+    cfg = MegatronRLConfig()
+    if path is not None:
+        text = Path(path).read_text()
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        _apply(cfg, data, "")
+    for nested in _dotted_to_nested(overrides):
+        _apply(cfg, nested, "")
+    validate_config(cfg, world_size)
+    return cfg
+
+
+def config_to_dict(cfg: MegatronRLConfig) -> dict:
+    """Plain nested dict of the resolved config (YAML-serializable)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: MegatronRLConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML; ``load_config(path)`` gives an equal config back."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def config_from_dict(data: dict) -> MegatronRLConfig:
+    """Inverse of ``config_to_dict`` (validated)."""
+    cfg = MegatronRLConfig()
+    _apply(cfg, data, "")
+    validate_config(cfg)
+    return cfg
