@@ -1,0 +1,164 @@
+"""Multi-rank test harness: run a function on N gloo ranks of this machine and collect the results.
+
+    from multirank import run_ranks            # tests/ is on sys.path (tests/conftest.py)
+
+    def _check(rank, world_size, arg):         # module-level, so a spawned child can import it
+        groups = initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=1)
+        ...
+        return {"loss": 1.0}                   # anything picklable (tensors: .detach() them)
+
+    results = run_ranks(2, _check, arg)        # [result of rank 0, result of rank 1]
+
+Each rank is a fresh ``spawn`` process with ``RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT`` set
+(a free localhost port per call) and ``OMP_NUM_THREADS=1``; ``fn`` initializes the process group itself
+(normally through ``megatron_rl.distributed.bootstrap.initialize_distributed``, which reads that env).
+After ``fn`` returns or raises, the harness calls ``destroy_distributed()`` in the child if a process group
+is still alive, so ``fn`` need not (doing it twice is harmless).
+
+A child exception is re-raised in the parent as ``RuntimeError`` carrying the child's traceback; the other
+ranks are then killed (they would block in a collective). A run longer than ``timeout`` seconds kills every
+child and raises ``TimeoutError``. Cost: ~3 s of imports per rank, serialized on a 2-core machine, so group
+many checks into one spawn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port that is free on localhost right now (bound then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Temporarily set environment variables (spawned children inherit the parent's environ at start)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    """Body of one spawned rank: run fn, report ("ok", result) or ("error", traceback), clean up."""
+    os.environ.update(_rank_env(rank, world_size, port))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent, incl. SystemExit
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        _destroy_if_initialized()
+
+
+def _destroy_if_initialized() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from megatron_rl.distributed.bootstrap import destroy_distributed
+
+        destroy_distributed()
+
+
+def _kill(procs: list) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+    for proc in procs:
+        proc.join(timeout=5)
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; results in rank order.
+
+    ``fn`` must be a module-level (importable) function and its result picklable. Raises ``RuntimeError``
+    with the child's traceback if a rank fails or dies, ``TimeoutError`` after ``timeout`` seconds; in both
+    cases every child is killed first.
+    """
+    assert world_size >= 1, world_size
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = []
+    with _environ({"OMP_NUM_THREADS": "1"}):
+        for rank in range(world_size):
+            proc = ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results), daemon=True)
+            proc.start()
+            procs.append(proc)
+    try:
+        collected = _collect(procs, results, timeout)
+    except BaseException:
+        _kill(procs)
+        raise
+    for proc in procs:
+        proc.join(timeout=30)
+    _kill(procs)
+    return [collected[rank] for rank in range(world_size)]
+
+
+def _collect(procs: list, results: Any, timeout: float) -> dict[int, Any]:
+    """Wait for one message per rank; fail fast on a child error, a dead child, or the deadline."""
+    collected: dict[int, Any] = {}
+    dead_since: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(collected) < len(procs):
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(len(procs))) - set(collected))
+            raise TimeoutError(f"run_ranks: ranks {missing} did not finish within {timeout:.0f} s")
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue_module.Empty:
+            _raise_if_dead(procs, collected, dead_since)
+            continue
+        if status == "error":
+            raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{payload}")
+        collected[rank] = payload
+    return collected
+
+
+def _raise_if_dead(procs: list, collected: dict[int, Any], dead_since: dict[int, float]) -> None:
+    """A child that exited without a message for a few seconds (its message may still be in flight when it
+    has just exited) was killed (segfault, OOM) or returned something unpicklable."""
+    now = time.monotonic()
+    for rank, proc in enumerate(procs):
+        if rank in collected or proc.is_alive():
+            continue
+        if now - dead_since.setdefault(rank, now) > _DEAD_GRACE_S:
+            raise RuntimeError(
+                f"rank {rank} of {len(procs)} exited (code {proc.exitcode}) without a result; "
+                "a killed process, or a result that cannot be pickled"
+            )
+
+
+_DEAD_GRACE_S = 3.0
