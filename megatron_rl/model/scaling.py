@@ -1,0 +1,54 @@
+"""The gradient-scaling contract between our summed losses and megatron-core (DESIGN.md section 5).
+
+Place in the data flow: ``loss_fn`` (algorithms/) returns a *summed* per-token loss for one micro-batch on one
+DP rank; this module turns it into the value handed to megatron-core's pipeline schedule, so that after
+``finalize_model_grads`` every parameter's gradient equals the gradient of the single global sum over the
+whole mini-batch (all micro-batches, all DP ranks). This is the only place where that arithmetic lives.
+
+Derivation (megatron-core 0.16.1, measured in MEGATRON_CPU_NOTES.md):
+
+    Let L = sum over DP ranks d and micro-batches m of L_{d,m}   (the global summed loss we want to train on).
+    The schedule (forward_step_calc_loss, 2-tuple return) does, on the last PP stage, in place:
+        loss *= cp_size ;  loss /= num_microbatches
+    DDP (finalize_model_grads -> finish_grad_sync) averages gradients over the DP x CP group:
+        grad = (1 / (dp_size * cp_size)) * sum over the DP x CP group of the local grads
+    With the value handed to the schedule s * L_{d,m}, the final gradient is
+        (1 / (dp * cp)) * sum_{d,c} sum_m  grad(s * L_{d,m} * cp / num_microbatches)
+      = s / (dp * num_microbatches) * grad(sum_{d,m} L_{d,m})        (each CP shard holds part of L_{d,m})
+    so s = num_microbatches * dp_size gives exactly grad(L). The CP factor cancels between the schedule and
+    DDP and does not appear in s.
+
+The schedule divides *in place*: a reported metric that shares storage with the loss would be divided too, so
+reported values are detached copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def megatron_loss_scale(num_microbatches: int, dp_size: int) -> int:
+    """Factor ``s`` applied to a summed micro-batch loss before megatron-core sees it (derivation above)."""
+    assert num_microbatches >= 1 and dp_size >= 1, (num_microbatches, dp_size)
+    return num_microbatches * dp_size
+
+
+def scale_loss_for_megatron(
+    summed_loss: torch.Tensor,
+    reported: Mapping[str, Any],
+    *,
+    num_microbatches: int,
+    dp_size: int,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The 2-tuple a megatron-core ``loss_func`` returns: ``(scaled_loss, reported)``.
+
+    summed_loss: scalar, the micro-batch's summed loss on this DP rank (keeps its autograd graph).
+    reported: anything picklable (we pass ``dict[str, Metric]`` of floats); copied so it never aliases the
+        loss that the schedule later divides in place.
+    """
+    assert summed_loss.dim() == 0, f"summed_loss must be a scalar, got shape {tuple(summed_loss.shape)}"
+    scaled = summed_loss * megatron_loss_scale(num_microbatches, dp_size)
+    return scaled, {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in reported.items()}
