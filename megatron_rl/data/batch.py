@@ -1,0 +1,332 @@
+"""Rollout lists -> the unified left-padded tensor block, and ``TrainingBatch``, the container every later stage uses.
+
+Place in the data flow (DESIGN.md section 1): after validation/merging, before advantages. The layout is the one
+of DESIGN.md section 2 (one left-padded block, width ``S = max_i(p_i + r_i)``, response tensors right-aligned
+over ``R = max_i(r_i)`` columns):
+
+    sequences[i]       [PAD .. PAD | prompt_i | response_i]      [B, S]
+    response_mask[i]   [0 .. 0 | 1 .. 1]  (last r_i columns)     [B, R]
+
+Conversion is vectorized: each per-sequence list becomes one numpy array (C speed), the arrays are joined,
+and the flat stream is written into the block with one ``masked_scatter`` (row-major order of a right-aligned
+mask is exactly "row by row, left to right"). No Python loop touches individual tokens.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable, Iterable, Sequence
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_rl.data.generator_output import GeneratorOutput, is_scalar_reward, validate_generator_output
+
+SEQUENCE_KEY = "sequences"
+ATTENTION_MASK_KEY = "attention_mask"
+
+
+def convert_prompts_responses_to_batch_tensors(
+    pad_token_id: int,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    rewards: Sequence[float | Sequence[float]],
+    loss_masks: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]] | None = None,
+    max_seq_len: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Build the left-padded block of DESIGN.md section 2 from per-sequence lists.
+
+    Returns ``(sequences [B,S] int64, attention_mask [B,S] int64, response_mask [B,R] int64,
+    rewards [B,R] float32, loss_masks [B,R] float32, logprobs [B,R] float32 | None)``. A scalar reward lands
+    on the row's last response token (column ``R-1``). Past ``max_seq_len`` this warns and keeps every token.
+    Empty prompts or responses raise ``ValueError`` (see generator_output.py for why).
+    """
+    _check_row_counts(prompts=prompts, responses=responses, rewards=rewards, loss_masks=loss_masks, logprobs=logprobs)
+    prompt_lens = _row_lengths(prompts, "prompts")
+    response_lens = _row_lengths(responses, "responses")
+    total_lens = prompt_lens + response_lens
+    _warn_if_too_long(total_lens, max_seq_len)
+
+    attention_mask = right_aligned_mask(total_lens, int(total_lens.max()))  # [B, S]
+    response_mask = right_aligned_mask(response_lens, int(response_lens.max()))  # [B, R]
+    tokens = _flatten(chain.from_iterable(zip(prompts, responses)), np.int64)
+    sequences = _scatter_rows(tokens, attention_mask, pad_token_id)
+
+    mask_values = _flatten_token_aligned(loss_masks, response_lens, "loss_masks", np.float32)
+    loss_mask_t = _scatter_rows(mask_values, response_mask, 0.0)
+    rewards_t = _rewards_tensor(rewards, response_lens, response_mask)
+    logprobs_t = None
+    if logprobs is not None:
+        logprob_values = _flatten_token_aligned(logprobs, response_lens, "logprobs", np.float32)
+        logprobs_t = _scatter_rows(logprob_values, response_mask, 0.0)
+    return sequences, attention_mask, response_mask, rewards_t, loss_mask_t, logprobs_t
+
+
+def right_aligned_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, width]`` int64 mask whose row i has its last ``lengths[i]`` columns set."""
+    columns = torch.arange(width)
+    return (columns[None, :] >= (width - lengths)[:, None]).long()
+
+
+def response_values(x: torch.Tensor, response_mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per-sample response values ``x[i, -r_i:]`` with ``r_i = response_mask[i].sum()`` (``x`` is ``[B, R]``).
+
+    Rows with ``r_i = 0`` (DP padding rows) give empty tensors.
+    """
+    assert x.shape[:2] == response_mask.shape, (tuple(x.shape), tuple(response_mask.shape))
+    lengths = response_mask.sum(dim=1)
+    width = response_mask.shape[1]
+    right_aligned = right_aligned_mask(lengths, width).bool()
+    return list(torch.split(x[right_aligned], lengths.tolist()))
+
+
+def _check_row_counts(**fields: Sequence[Any] | None) -> None:
+    num_rows = len(fields["prompts"])
+    if num_rows == 0:
+        raise ValueError("prompts is empty: a batch needs at least one sequence.")
+    for name, rows in fields.items():
+        if rows is not None and len(rows) != num_rows:
+            raise ValueError(f"{name} has {len(rows)} rows but prompts has {num_rows}: give one entry per sequence.")
+
+
+def _row_lengths(rows: Sequence[Sequence[Any]], name: str) -> torch.Tensor:
+    lengths = torch.from_numpy(np.fromiter(map(len, rows), np.int64, count=len(rows)))  # [B]
+    empty = torch.nonzero(lengths == 0).flatten()
+    if len(empty) > 0:
+        raise ValueError(
+            f"{name}[{int(empty[0])}] is empty: every sequence needs at least one prompt token and one response "
+            "token (see megatron_rl/data/generator_output.py)."
+        )
+    return lengths
+
+
+def _warn_if_too_long(total_lens: torch.Tensor, max_seq_len: int | None) -> None:
+    if max_seq_len is None:
+        return
+    too_long = int((total_lens > max_seq_len).sum())
+    if too_long:
+        warnings.warn(
+            f"{too_long} sequence(s) exceed max_seq_len={max_seq_len} (longest {int(total_lens.max())} tokens); "
+            "they are kept whole, not truncated. Raise max_seq_len or shorten generation.",
+            stacklevel=3,
+        )
+
+
+def _flatten(rows: Iterable[Sequence[Any]], dtype: type) -> torch.Tensor:
+    """Concatenate lists into one flat tensor; one numpy conversion per list (C speed per token)."""
+    arrays = [np.asarray(row, dtype=dtype) for row in rows]
+    return torch.from_numpy(np.concatenate(arrays)) if arrays else torch.from_numpy(np.zeros(0, dtype=dtype))
+
+
+def _flatten_token_aligned(
+    rows: Sequence[Sequence[float]],
+    response_lens: torch.Tensor,
+    name: str,
+    dtype: type,
+    row_ids: list[int] | None = None,
+) -> torch.Tensor:
+    """Flatten per-token lists after checking each matches its response length. ``row_ids`` maps ``rows``
+    back to batch rows (for error messages) when ``rows`` is a subset."""
+    lengths = torch.from_numpy(np.fromiter(map(len, rows), np.int64, count=len(rows)))
+    bad = torch.nonzero(lengths != response_lens).flatten()
+    if len(bad) > 0:
+        j = int(bad[0])
+        i = row_ids[j] if row_ids is not None else j
+        raise ValueError(
+            f"{name}[{i}] has length {int(lengths[j])} but responses[{i}] has length {int(response_lens[j])}: "
+            "give one value per response token."
+        )
+    return _flatten(rows, dtype)
+
+
+def _scatter_rows(flat: torch.Tensor, mask: torch.Tensor, fill: float | int) -> torch.Tensor:
+    """Write ``flat`` row by row into the set positions of ``mask`` ``[B, W]``; elsewhere ``fill``."""
+    assert flat.numel() == int(mask.sum()), (flat.numel(), int(mask.sum()))
+    out = torch.full(mask.shape, fill, dtype=flat.dtype)
+    return out.masked_scatter_(mask.bool(), flat)
+
+
+def _rewards_tensor(
+    rewards: Sequence[float | Sequence[float]], response_lens: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """``[B, R]`` float32: scalar rewards on the last column, per-token rewards right-aligned."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    scalar = torch.tensor([is_scalar_reward(r) for r in rewards], dtype=torch.bool)
+    scalar_rows = torch.nonzero(scalar).flatten()
+    token_rows = torch.nonzero(~scalar).flatten()
+    if len(scalar_rows) > 0:
+        out[scalar_rows, -1] = torch.tensor([float(rewards[i]) for i in scalar_rows.tolist()], dtype=torch.float32)
+    if len(token_rows) > 0:
+        row_ids = token_rows.tolist()
+        token_lists = [rewards[i] for i in row_ids]
+        values = _flatten_token_aligned(token_lists, response_lens[token_rows], "rewards", np.float32, row_ids)
+        out[token_rows] = _scatter_rows(values, response_mask[token_rows], 0.0)
+    return out
+
+
+class TrainingBatch:
+    """Tensors with leading dim ``B`` plus per-row metadata (docs/INTERFACES.md, "data/").
+
+    Standard keys: ``sequences [B,S] int64``, ``attention_mask [B,S] int64``, ``response_mask [B,R] int64``,
+    ``loss_mask [B,R] float32``, ``rewards [B,R] float32``; optional ``rollout_logprobs``, ``old_logprobs``,
+    ``ref_logprobs``, ``advantages``, ``returns``, ``values`` (``[B,R] float32``). Per-token tensors are
+    right-aligned (DESIGN.md section 2), so widening one means left-padding it.
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        uids: Sequence[Hashable],
+        trajectory_ids: Sequence[Hashable],
+        is_last_step: Sequence[bool],
+    ) -> None:
+        self.uids = list(uids)
+        self.trajectory_ids = list(trajectory_ids)
+        self.is_last_step = list(is_last_step)
+        for name in ("trajectory_ids", "is_last_step"):
+            if len(getattr(self, name)) != len(self.uids):
+                raise ValueError(
+                    f"TrainingBatch {name} has {len(getattr(self, name))} entries but uids has {len(self.uids)}: "
+                    "give one entry per row."
+                )
+        self.tensors: dict[str, torch.Tensor] = {}
+        for key, value in tensors.items():
+            self[key] = value
+
+    def __len__(self) -> int:
+        return len(self.uids)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if value.dim() == 0 or value.shape[0] != len(self):
+            raise ValueError(
+                f"TrainingBatch[{key!r}] has shape {tuple(value.shape)} but the batch has {len(self)} rows: every "
+                "tensor needs leading dimension B."
+            )
+        self.tensors[key] = value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.tensors
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in self.tensors.items())
+        return f"TrainingBatch(B={len(self)}, {shapes})"
+
+    def slice(self, start: int, end: int) -> TrainingBatch:
+        """Rows ``[start, end)`` (tensor views; widths unchanged)."""
+        return TrainingBatch(
+            {k: v[start:end] for k, v in self.tensors.items()},
+            self.uids[start:end],
+            self.trajectory_ids[start:end],
+            self.is_last_step[start:end],
+        )
+
+    @staticmethod
+    def concat(batches: Sequence[TrainingBatch], pad_token_id: int = 0) -> TrainingBatch:
+        """Stack rows of ``batches``; narrower per-token tensors are left-padded (``sequences`` with
+        ``pad_token_id``, everything else with 0)."""
+        if not batches:
+            raise ValueError("TrainingBatch.concat got an empty list: pass at least one batch.")
+        keys = batches[0].keys()
+        for j, batch in enumerate(batches):
+            if set(batch.keys()) != set(keys):
+                raise ValueError(
+                    f"TrainingBatch.concat: batch {j} has keys {sorted(batch.keys())} but batch 0 has {sorted(keys)}: "
+                    "all batches need the same tensors."
+                )
+        tensors = {k: _left_pad_cat([b[k] for b in batches], pad_token_id if k == SEQUENCE_KEY else 0) for k in keys}
+        return TrainingBatch(
+            tensors,
+            [u for b in batches for u in b.uids],
+            [t for b in batches for t in b.trajectory_ids],
+            [s for b in batches for s in b.is_last_step],
+        )
+
+    def pad_to_multiple(self, k: int, pad_token_id: int) -> tuple[TrainingBatch, int]:
+        """Append dummy rows until ``len`` is a multiple of ``k``; returns ``(batch, num_pad_rows)``.
+
+        A dummy row is one ``pad_token_id`` token with attention_mask 1 (a minimal valid sequence), and zeros
+        everywhere else (loss_mask, response_mask, advantages, rewards, logprobs ...); its metadata is uid
+        ``None``, trajectory id ``None``, ``is_last_step=True``. Works for any ``num_pad_rows`` (even > B).
+        """
+        if k < 1:
+            raise ValueError(f"pad_to_multiple: k={k} must be >= 1 (e.g. the data-parallel size).")
+        num_pad = -len(self) % k
+        if num_pad == 0:
+            return self, 0
+        dummy = TrainingBatch(
+            {key: _dummy_rows(key, t, num_pad, pad_token_id) for key, t in self.tensors.items()},
+            [None] * num_pad,
+            [None] * num_pad,
+            [True] * num_pad,
+        )
+        return TrainingBatch.concat([self, dummy], pad_token_id), num_pad
+
+    def to(self, device: torch.device | str) -> TrainingBatch:
+        return TrainingBatch(
+            {k: v.to(device) for k, v in self.tensors.items()}, self.uids, self.trajectory_ids, self.is_last_step
+        )
+
+    @staticmethod
+    def from_generator_output(
+        out: GeneratorOutput, pad_token_id: int, max_seq_len: int | None = None, step_wise: bool = False
+    ) -> TrainingBatch:
+        """Validate ``out`` and convert it. Without trajectory ids each sequence is its own trajectory
+        (id = its index, ``is_last_step=True``)."""
+        validate_generator_output(out, step_wise)
+        sequences, attention_mask, response_mask, rewards, loss_mask, logprobs = (
+            convert_prompts_responses_to_batch_tensors(
+                pad_token_id,
+                out["prompt_token_ids"],
+                out["response_ids"],
+                out["rewards"],
+                out["loss_masks"],
+                out.get("rollout_logprobs"),
+                max_seq_len,
+            )
+        )
+        tensors = {
+            SEQUENCE_KEY: sequences,
+            ATTENTION_MASK_KEY: attention_mask,
+            "response_mask": response_mask,
+            "loss_mask": loss_mask,
+            "rewards": rewards,
+        }
+        if logprobs is not None:
+            tensors["rollout_logprobs"] = logprobs
+        num_seqs = len(out["uids"])
+        trajectory_ids = out.get("trajectory_ids") or list(range(num_seqs))
+        is_last_step = out.get("is_last_step") or [True] * num_seqs
+        return TrainingBatch(tensors, out["uids"], trajectory_ids, is_last_step)
+
+
+def _left_pad_cat(tensors: list[torch.Tensor], fill: int) -> torch.Tensor:
+    """Concatenate along dim 0, left-padding dim 1 (the right-aligned token dim) to the widest."""
+    if tensors[0].dim() < 2:
+        return torch.cat(tensors)
+    width = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        if t.shape[1] < width:
+            pad = torch.full((t.shape[0], width - t.shape[1], *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+            t = torch.cat([pad, t], dim=1)
+        padded.append(t)
+    return torch.cat(padded)
+
+
+def _dummy_rows(key: str, like: torch.Tensor, num_rows: int, pad_token_id: int) -> torch.Tensor:
+    """``num_rows`` padding rows for tensor ``key`` (see ``TrainingBatch.pad_to_multiple``)."""
+    rows = torch.zeros((num_rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    if key == SEQUENCE_KEY:
+        rows.fill_(pad_token_id)
+    elif key == ATTENTION_MASK_KEY:
+        rows[:, -1] = 1
+    return rows
