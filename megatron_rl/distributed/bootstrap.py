@@ -1,0 +1,174 @@
+"""Process-group bootstrap: the first Megatron stage of a run (DESIGN.md section 7).
+
+    torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), or nothing for one process
+      -> torch.distributed process group (NCCL with CUDA, gloo without; CPU patches applied once without CUDA)
+      -> megatron-core parallel_state (order tp-cp-ep-dp-pp: TP ranks are adjacent)
+      -> seeds (python, numpy, torch, megatron's model-parallel RNG tracker)
+      -> ParallelGroups, passed explicitly to everything after this point
+
+Seeding follows megatron's training loop: every stage seeds ``seed + 100 * pp_rank`` (TP and DP ranks of a
+stage share the seed, so ``use_cpu_initialization`` gives identical full weights on every TP rank and DDP
+replicas start equal); ``model_parallel_cuda_manual_seed`` adds the TP-rank-dependent model-parallel RNG
+state used by dropout inside model-parallel regions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import ParallelConfig, _validate_parallel
+
+ProcessGroup = dist.ProcessGroup
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's place in the TP x CP x DP x PP grid, and the process groups to pass around."""
+
+    rank: int
+    world_size: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    cp_size: int
+    cp_rank: int
+    is_first_stage: bool
+    is_last_stage: bool
+    sequence_parallel: bool
+    tp_group: ProcessGroup
+    pp_group: ProcessGroup
+    dp_group: ProcessGroup
+    """Data-parallel group without context parallelism."""
+    dp_cp_group: ProcessGroup
+    """Data x context parallel group: the group DDP reduces over."""
+    cp_group: ProcessGroup
+    mp_group: ProcessGroup
+    """Model-parallel (TP x PP) group."""
+    embd_group: ProcessGroup | None
+    """First and last PP stage (tied embedding grads); None-like on other ranks as in megatron."""
+    pos_embd_group: ProcessGroup | None
+    pg_collection: object
+    """megatron.core.process_groups_config.ProcessGroupCollection of all the above (megatron's names)."""
+    device: torch.device
+    """Where tensors of this rank live (cuda:LOCAL_RANK or cpu)."""
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _init_process_group(timeout_minutes: int) -> None:
+    """Join the torchrun job described by the env, or start a one-rank group on a free local port."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend, init_method=init_method, rank=0, world_size=1, timeout=timeout)
+
+
+def _seed_everything(seed: int, pp_rank: int) -> None:
+    from megatron.core import tensor_parallel
+
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(stage_seed)
+
+
+def initialize_distributed(
+    parallel: ParallelConfig, seed: int, *, timeout_minutes: int = 30
+) -> ParallelGroups:
+    """Initialize torch.distributed (if needed) and megatron-core's parallel state; return the groups.
+
+    Raises ValueError (before any collective) when the world size is not divisible by
+    tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size. A process group that
+    already exists (e.g. created by the caller) is reused; megatron's parallel state must not exist yet
+    (call ``destroy_distributed`` first).
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
+    _validate_parallel(parallel, world_size)
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron parallel state is already initialized; call destroy_distributed() first")
+    if not torch.cuda.is_available():
+        from megatron_rl.patches import apply_cpu_patches
+
+        apply_cpu_patches()
+    else:
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+    if not dist.is_initialized():
+        _init_process_group(timeout_minutes)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    groups = _collect_groups(parallel)
+    _seed_everything(seed, groups.pp_rank)
+    return groups
+
+
+def _collect_groups(parallel: ParallelConfig) -> ParallelGroups:
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return ParallelGroups(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_size=pp_size,
+        pp_rank=pp_rank,
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        is_first_stage=pp_rank == 0,
+        is_last_stage=pp_rank == pp_size - 1,
+        sequence_parallel=parallel.sequence_parallel,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        cp_group=ps.get_context_parallel_group(),
+        mp_group=ps.get_model_parallel_group(),
+        embd_group=ps.get_embedding_group(check_initialized=False),
+        pos_embd_group=ps.get_position_embedding_group(check_initialized=False),
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        device=device,
+    )
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's parallel state and the process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,63 @@
+"""initialize_distributed: argument checks before any collective, groups and seeding on 1 and 2 ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import ParallelConfig
+from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+from multirank import run_ranks
+
+
+def test_world_size_not_divisible_raises_before_any_collective(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")  # nothing listens: any rendezvous attempt would hang or fail
+    with pytest.raises(ValueError, match="world size 3 is not divisible"):
+        initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=0)
+    assert not dist.is_initialized()
+
+
+def test_single_process_without_env(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    groups = initialize_distributed(ParallelConfig(), seed=3)
+    try:
+        assert (groups.world_size, groups.tp_size, groups.pp_size, groups.dp_size) == (1, 1, 1, 1)
+        assert groups.is_first_stage and groups.is_last_stage
+        assert groups.pg_collection.tp is groups.tp_group
+        with pytest.raises(RuntimeError, match="already initialized"):
+            initialize_distributed(ParallelConfig(), seed=3)
+    finally:
+        destroy_distributed()
+    assert not dist.is_initialized()
+
+
+def _tp2_groups_and_rng(rank: int, world_size: int) -> dict:
+    from megatron.core import tensor_parallel
+
+    groups = initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=7)
+    default_draw = torch.rand(4)  # same seed on both TP ranks (one stage)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        forked = torch.rand(4)  # model-parallel state: differs by tp_rank
+    after = torch.rand(4)  # fork restored the default stream
+    rank_sum = torch.tensor([float(rank)])
+    dist.all_reduce(rank_sum, group=groups.tp_group)
+    return {
+        "tp": (groups.tp_rank, groups.tp_size), "dp": groups.dp_size, "tp_sum": rank_sum.item(),
+        "default": default_draw, "forked": forked, "after": after,
+    }
+
+
+@pytest.mark.multirank
+def test_tp2_groups_and_model_parallel_rng():
+    out = run_ranks(2, _tp2_groups_and_rng)
+    assert [o["tp"] for o in out] == [(0, 2), (1, 2)]
+    assert all(o["dp"] == 1 and o["tp_sum"] == 1.0 for o in out)
+    torch.manual_seed(7)
+    expected_default = torch.rand(4)
+    expected_after = torch.rand(4)
+    for o in out:
+        torch.testing.assert_close(o["default"], expected_default, rtol=0, atol=0)
+        torch.testing.assert_close(o["after"], expected_after, rtol=0, atol=0)
+    assert not torch.equal(out[0]["forked"], out[1]["forked"])
