@@ -189,6 +189,24 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class DemoConfig:
+    """The main job's toy RL loop (megatron_rl/main.py, megatron_rl/demo/); ignored by library use."""
+
+    num_steps: int = 150
+    """RL train steps of the main job (one batch of fresh rollouts each)."""
+    num_turns: int = 3
+    """Turns per episode of the next-digit game (megatron_rl/demo/environment.py)."""
+    digit_offset: int = 1
+    """The game's rule: the right answer to digit d is (d + digit_offset) mod 10."""
+    max_new_tokens: int = 3
+    """Response length cap per turn (the right answer takes 2 tokens: digit and stop token)."""
+    temperature: float = 1.0
+    """Sampling temperature; 1.0 makes rollout and trainer log-probs comparable (mismatch metrics ~0)."""
+    baseline_episodes: int = 2000
+    """Episodes a uniformly random policy plays to estimate the random-baseline reward of the summary."""
+
+
+@dataclass(kw_only=True)
 class MegatronRLConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -198,6 +216,7 @@ class MegatronRLConfig:
     stepwise: StepWiseConfig = field(default_factory=StepWiseConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
     seed: int = 1234
     """Global seed (weights, sampling, data order)."""
 
