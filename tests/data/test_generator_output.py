@@ -1,0 +1,88 @@
+"""validate_generator_output: valid inputs pass; each rule fails with a ValueError naming field and index."""
+
+import copy
+
+import pytest
+
+from megatron_rl.data import validate_generator_output
+
+
+def step_wise_output() -> dict:
+    """Two trajectories: ("p0", 0) with two steps, ("p0", 1) with one step."""
+    return {
+        "prompt_token_ids": [[1, 2], [1, 2, 3, 4], [1, 2]],
+        "response_ids": [[3], [5, 6], [7]],
+        "rewards": [0.0, 1.0, [0.0]],
+        "loss_masks": [[1], [1, 0], [1]],
+        "rollout_logprobs": [[-0.1], [-0.2, -0.3], [-0.4]],
+        "uids": ["p0", "p0", "p0"],
+        "trajectory_ids": [("p0", 0), ("p0", 0), ("p0", 1)],
+        "is_last_step": [False, True, True],
+        "stop_reasons": ["stop", "stop", "length"],
+    }
+
+
+def test_valid_outputs_pass():
+    out = step_wise_output()
+    validate_generator_output(out, step_wise=True)
+    validate_generator_output(out, step_wise=False)
+    minimal = {k: out[k] for k in ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "uids")}
+    validate_generator_output(minimal, step_wise=False)
+    validate_generator_output({**minimal, "rollout_logprobs": None}, step_wise=False)
+
+
+def _set(path, value):
+    def change(out):
+        if len(path) == 1:
+            out[path[0]] = value
+        else:
+            out[path[0]][path[1]] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (_set(["uids"], ["p0", "p0"]), r"\['uids'\] has 2 entries"),
+        (_set(["stop_reasons"], ["stop"]), r"\['stop_reasons'\] has 1 entries"),
+        (lambda out: out.pop("loss_masks"), "missing field 'loss_masks'"),
+        (_set(["prompt_token_ids", 2], []), r"\['prompt_token_ids'\]\[2\] is empty"),
+        (_set(["response_ids", 0], []), r"\['response_ids'\]\[0\] is empty"),
+        (_set(["loss_masks", 1], [1]), r"\['loss_masks'\]\[1\] has length 1 but response_ids\[1\] has length 2"),
+        (_set(["rollout_logprobs", 2], [-0.1, -0.2]), r"\['rollout_logprobs'\]\[2\] has length 2"),
+        (_set(["rewards", 1], [1.0]), r"\['rewards'\]\[1\] has length 1"),
+        (_set(["rewards", 1], None), r"\['rewards'\]\[1\] is a NoneType"),
+    ],
+)
+def test_rules_for_every_mode(change, match):
+    for step_wise in (False, True):
+        out = copy.deepcopy(step_wise_output())
+        change(out)
+        with pytest.raises(ValueError, match=match):
+            validate_generator_output(out, step_wise=step_wise)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda out: out.pop("trajectory_ids"), "missing field 'trajectory_ids'"),
+        (_set(["is_last_step"], None), "missing field 'is_last_step'"),
+        (
+            lambda out: out.update(trajectory_ids=["a", "b", "a"], is_last_step=[True, True, True]),
+            r"\['trajectory_ids'\]\[2\] = 'a' reappears",
+        ),
+        (_set(["trajectory_ids"], [["a"], ["a"], ["b"]]), r"\['trajectory_ids'\]\[0\] = \['a'\] is not hashable"),
+        (_set(["is_last_step"], [True, True, True]), r"\['is_last_step'\]\[0\] is True but should be False"),
+        (_set(["is_last_step"], [False, False, True]), r"\['is_last_step'\]\[1\] is False but should be True"),
+        (_set(["is_last_step"], [False, True, False]), r"\['is_last_step'\]\[2\] .*the final entry"),
+        (_set(["uids"], ["p0", "p1", "p1"]), r"\['uids'\]\[1\] = 'p1' differs from uids\[0\]"),
+    ],
+)
+def test_step_wise_rules(change, match):
+    out = copy.deepcopy(step_wise_output())
+    change(out)
+    with pytest.raises(ValueError, match=match):
+        validate_generator_output(out, step_wise=True)
+    if "missing" not in match:
+        validate_generator_output(out, step_wise=False)  # step-wise rules only apply step-wise
