@@ -1,0 +1,112 @@
+"""Hugging Face ``config.json`` -> megatron_rl ``ModelConfig`` (Llama, Qwen2, Qwen3).
+
+Place in the data flow: set-up, before the model is built (``model.builder.build_gpt_model`` reads the
+returned ``ModelConfig``); ``hf/weights.py`` then fills the built model with the checkpoint's tensors.
+
+Mapping (HF_BRIDGE_NOTES.md "Layout facts"):
+
+    num_hidden_layers -> num_layers            intermediate_size -> ffn_hidden_size
+    num_key_value_heads -> num_query_groups     head_dim -> kv_channels (else hidden_size // heads)
+    rope theta -> rotary_base                   rms_norm_eps -> layernorm_epsilon
+    tie_word_embeddings -> share_embeddings_and_output_weights
+    qwen2 -> add_qkv_bias=True                  qwen3 -> qk_layernorm=True
+
+Features the Megatron model here cannot reproduce (RoPE scaling, sliding windows, biases outside q/k/v, an
+activation other than SiLU) raise ValueError instead of loading a silently different model. Only local
+directories are read (no downloads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def load_hf_config(hf_dir: str | os.PathLike) -> Any:
+    """The ``transformers`` config of a local checkpoint directory; ValueError for a missing directory, a
+    missing config.json or an unsupported ``model_type``."""
+    path = Path(hf_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model.hf_path={str(hf_dir)!r} has no config.json; point it at a local Hugging Face checkpoint "
+            "directory (config.json + *.safetensors + tokenizer files)"
+        )
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as err:
+        raise ValueError(
+            f"model.hf_path={str(hf_dir)!r}: config.json cannot be read as a supported architecture ({err}); "
+            f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        ) from err
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model.hf_path={str(hf_dir)!r} has model_type={hf_config.model_type!r} "
+            f"(architectures={getattr(hf_config, 'architectures', None)}); supported model_type values: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return hf_config
+
+
+def rope_theta(hf_config: Any) -> float:
+    """RoPE base: transformers 5 keeps it in ``rope_parameters``, 4.x in ``rope_theta``."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    assert theta is not None, "transformers config without a RoPE theta"
+    return float(theta)
+
+
+def _reject_unsupported(hf_config: Any, where: str) -> None:
+    """ValueError for HF features our GPTModel would silently compute differently."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    scaling = getattr(hf_config, "rope_scaling", None)
+    problems = []
+    if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) != "default"):
+        problems.append(f"RoPE scaling rope_type={rope_type!r} (only 'default' is supported)")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf_config.hidden_act!r} (only 'silu' SwiGLU is supported)")
+    if getattr(hf_config, "mlp_bias", False):
+        problems.append("mlp_bias=True (MLP biases are not supported)")
+    if hf_config.model_type != "qwen2" and getattr(hf_config, "attention_bias", False):
+        problems.append("attention_bias=True (it adds an o_proj bias; only Qwen2-style q/k/v biases are supported)")
+    if getattr(hf_config, "use_sliding_window", False):
+        problems.append("use_sliding_window=True (sliding-window attention is not supported)")
+    if problems:
+        raise ValueError(f"{where}: unsupported model features: {'; '.join(problems)}")
+
+
+def model_config_from_hf(hf_dir: str | os.PathLike, base: ModelConfig | None = None) -> ModelConfig:
+    """``ModelConfig`` with every shape field taken from ``hf_dir/config.json`` and ``hf_path=hf_dir``.
+
+    Fields that are not part of the checkpoint (``params_dtype``, ``attention_backend``, ``init_method_std``)
+    come from ``base`` (defaults when None).
+    """
+    hf_config = load_hf_config(hf_dir)
+    _reject_unsupported(hf_config, f"model.hf_path={str(hf_dir)!r} ({hf_config.model_type})")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return dataclasses.replace(
+        base or ModelConfig(),
+        hf_path=str(hf_dir),
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        kv_channels=head_dim,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        rotary_base=rope_theta(hf_config),
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        add_qkv_bias=hf_config.model_type == "qwen2",
+        qk_layernorm=hf_config.model_type == "qwen3",
+    )
