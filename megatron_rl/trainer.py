@@ -1,0 +1,236 @@
+"""The RL step: rollouts in, optimizer steps out. The one module that knows the order of the stages.
+
+Place in the data flow (DESIGN.md section 1): everything between a ``GeneratorOutput`` and the optimizer::
+
+    GeneratorOutput
+      -> validate -> merge (step-wise, optional) -> TrainingBatch [B, S] / [B, R]
+      -> old log-probs (policy) and reference log-probs (reference model), no grad      [B, R]
+      -> token rewards (- KL, optional) -> advantages (step-wise aware) -> whitening (optional)
+      -> for each epoch, for each prompt-based mini-batch:
+             normalize advantages over the mini-batch's rows (loss_reduction) -> DP padding
+             -> policy.forward_backward(policy_loss_fn) -> policy.optim_step()
+      -> metrics
+
+The trainer itself is pure orchestration: it touches no Megatron internal and no ``torch.distributed``. The
+policy (``megatron_rl.model.policy.MegatronPolicy``, or anything with the same ``forward`` /
+``forward_backward`` / ``optim_step``) takes the *global* batch on every rank and returns global results, so
+every rank runs ``train_step`` on the same rollouts and gets the same metrics.
+
+Metrics are ``Metric`` partials merged exactly (``megatron_rl.metrics``). Across the optimizer steps of one
+train step, token/sequence means stay exact means over the whole batch; losses (``reduce="sum"`` within a
+mini-batch, i.e. the mini-batch objective) become means over the optimizer steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+
+from megatron_rl.algorithms.advantages import compute_advantages_and_returns
+from megatron_rl.algorithms.kl import apply_kl_to_rewards
+from megatron_rl.algorithms.losses import LossContext, policy_loss_fn
+from megatron_rl.algorithms.normalization import normalize_minibatch_advantages, whiten_advantages
+from megatron_rl.config import MegatronRLConfig
+from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.data.generator_output import GeneratorOutput, validate_generator_output
+from megatron_rl.data.merge import merge_stepwise_output
+from megatron_rl.data.minibatch import compute_prompt_mini_batch_boundaries
+from megatron_rl.metrics import Metric, finalize_metrics, mean_metric, merge_metrics
+
+Metrics = dict[str, Metric]
+
+
+class PolicyLike(Protocol):
+    """What the trainer needs of a policy (docs/INTERFACES.md, ``model/policy.py``)."""
+
+    def forward(self, batch: TrainingBatch, *, compute_entropy: bool = False) -> dict[str, torch.Tensor]: ...
+
+    def forward_backward(self, batch: TrainingBatch, loss_fn: Any, loss_config: Any, *,
+                         compute_entropy: bool = False) -> Metrics: ...
+
+    def optim_step(self) -> dict[str, float]: ...
+
+
+class Trainer:
+    """Runs RL steps on a policy (and an optional frozen reference model for KL).
+
+    ``dp_size`` is the data-parallel size of the policy (mini-batches are padded to a multiple of it);
+    ``pad_token_id`` pads sequences. ``train_step`` must be called with the same rollouts on every rank.
+    """
+
+    def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, pad_token_id: int, dp_size: int = 1,
+                 reference: PolicyLike | None = None) -> None:
+        algo = config.algorithm
+        if (algo.use_kl_loss or algo.use_kl_in_reward) and reference is None:
+            raise ValueError(
+                "algorithm.use_kl_loss / use_kl_in_reward need a reference model: pass reference=MegatronPolicy("
+                "config, groups, role='reference') to Trainer, or set both to false"
+            )
+        if algo.advantage_estimator == "gae":
+            raise ValueError("algorithm.advantage_estimator='gae' needs a critic, which the Trainer does not run "
+                             "yet; use 'grpo', 'rloo' or 'reinforce++'")
+        self.config = config
+        self.policy = policy
+        self.reference = reference
+        self.pad_token_id = pad_token_id
+        self.dp_size = dp_size
+        self.optimizer_steps = 0
+        """Optimizer steps taken by this trainer (all train steps)."""
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The RL step
+    # ----------------------------------------------------------------------------------------------------------
+
+    def train_step(self, generator_output: GeneratorOutput) -> dict[str, float]:
+        """One RL step on one batch of rollouts (identical on every rank); returns final metric values."""
+        metrics: Metrics = {}
+        with timed(metrics, "timing/prepare_s"):
+            rollouts = self.validate_and_merge(generator_output, metrics)
+            batch = self.to_training_batch(rollouts)  # [B, S] / [B, R]
+        with timed(metrics, "timing/old_logprobs_s"):
+            self.add_old_and_ref_logprobs(batch)  # old_logprobs (+ ref_logprobs) [B, R]
+        metrics.update(rollout_metrics(batch))
+        metrics.update(self.add_advantages(batch))  # advantages, returns [B, R]
+        with timed(metrics, "timing/update_s"):
+            metrics.update(self.update_policy(batch))
+        return finalize_metrics(metrics)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Stages, in order
+    # ----------------------------------------------------------------------------------------------------------
+
+    @property
+    def step_wise(self) -> bool:
+        return self.config.stepwise.step_wise_trajectories
+
+    def validate_and_merge(self, out: GeneratorOutput, metrics: Metrics) -> GeneratorOutput:
+        """Check the rollouts; merge consecutive turns whose prompts extend each other (step-wise, optional)."""
+        validate_generator_output(out, step_wise=self.step_wise)
+        if not (self.step_wise and self.config.stepwise.merge_stepwise_output):
+            return out
+        merged, counts = merge_stepwise_output(out)
+        metrics.update({f"stepwise/{name}": Metric(value, 1.0, "sum") for name, value in counts.items()})
+        return merged
+
+    def to_training_batch(self, out: GeneratorOutput) -> TrainingBatch:
+        """The left-padded tensor block of DESIGN.md section 2."""
+        return TrainingBatch.from_generator_output(
+            out, self.pad_token_id, max_seq_len=self.config.algorithm.max_seq_len, step_wise=self.step_wise
+        )
+
+    @torch.no_grad()
+    def add_old_and_ref_logprobs(self, batch: TrainingBatch) -> None:
+        """``old_logprobs`` from the policy before any update; ``ref_logprobs`` when a reference model exists."""
+        batch["old_logprobs"] = self.policy.forward(batch)["logprobs"].float()
+        if self.reference is not None:
+            batch["ref_logprobs"] = self.reference.forward(batch)["logprobs"].float()
+
+    def add_advantages(self, batch: TrainingBatch) -> Metrics:
+        """Token rewards (minus the KL penalty when it goes into the reward) -> ``advantages``, ``returns``."""
+        algo = self.config.algorithm
+        rewards, metrics = batch["rewards"], {}
+        if algo.use_kl_in_reward:
+            rewards, metrics = apply_kl_to_rewards(rewards, batch["old_logprobs"], batch["ref_logprobs"],
+                                                   batch["response_mask"], algo.kl_loss_coef, algo.kl_estimator_type)
+        advantages, returns = compute_advantages_and_returns(
+            rewards, batch["response_mask"], batch.uids, algo.advantage_estimator, algo,
+            is_last_step=batch.is_last_step if self.step_wise else None,
+        )
+        if algo.advantage_whitening:
+            advantages = whiten_advantages(advantages, batch["response_mask"])
+        batch["advantages"], batch["returns"] = advantages, returns
+        metrics["advantages/mean"] = mean_metric(advantages, batch["loss_mask"])
+        metrics["advantages/abs_max"] = Metric(float(advantages.abs().max()), 1.0, "max")
+        return metrics
+
+    def update_policy(self, batch: TrainingBatch) -> Metrics:
+        """``update_epochs_per_batch`` passes over the prompt-based mini-batches, one optimizer step each."""
+        boundaries = compute_prompt_mini_batch_boundaries(batch.uids, self.config.batch.policy_mini_batch_size)
+        per_step = [
+            self.train_mini_batch(batch.slice(start, end))
+            for _ in range(self.config.batch.update_epochs_per_batch)
+            for start, end in boundaries
+        ]
+        return merge_metrics(*per_step)
+
+    def train_mini_batch(self, mini_batch: TrainingBatch) -> Metrics:
+        """Normalize the advantages over this mini-batch's rows, pad for DP, accumulate gradients, step."""
+        algo = self.config.algorithm
+        mini_batch["advantages"] = normalize_minibatch_advantages(
+            mini_batch["advantages"], mini_batch["loss_mask"], algo.loss_reduction, algo.max_seq_len
+        )
+        loss_context = LossContext.for_minibatch(algo, mini_batch["loss_mask"])  # before DP padding
+        padded, _ = mini_batch.pad_to_multiple(self.dp_size, self.pad_token_id)
+        loss_metrics = self.policy.forward_backward(
+            padded, policy_loss_fn, loss_context, compute_entropy=algo.entropy_loss_coef != 0.0
+        )
+        step_metrics = self.policy.optim_step()
+        self.optimizer_steps += 1
+        return {**per_optimizer_step(loss_metrics), **optimizer_metrics(step_metrics)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Metric helpers (pure)
+# --------------------------------------------------------------------------------------------------------------
+
+def rollout_metrics(batch: TrainingBatch) -> Metrics:
+    """Reward, lengths and (when rollout log-probs are given) the rollout/old log-prob mismatch of a batch.
+
+    ``reward/mean`` is the mean over trajectories of the last step's summed token rewards (where step-wise
+    rewards sit; a non-step-wise row is its own last step).
+    """
+    last = torch.tensor(batch.is_last_step, dtype=torch.bool)  # [B]
+    trajectory_rewards = batch["rewards"].sum(dim=-1)[last]  # [num_trajectories]
+    metrics = {
+        "reward/mean": mean_metric(trajectory_rewards),
+        "reward/max": Metric(float(trajectory_rewards.max()), 1.0, "max"),
+        "reward/min": Metric(float(trajectory_rewards.min()), 1.0, "min"),
+        "response_length/mean": mean_metric(batch["response_mask"].sum(dim=-1).float()),
+        "batch/num_sequences": Metric(len(batch), 1.0, "sum"),
+        "batch/num_trajectories": Metric(int(last.sum()), 1.0, "sum"),
+        "batch/loss_tokens": Metric(batch["loss_mask"].sum(), 1.0, "sum"),
+    }
+    if "rollout_logprobs" in batch and "old_logprobs" in batch:
+        metrics.update(logprob_mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["loss_mask"]))
+    return metrics
+
+
+def logprob_mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                             loss_mask: torch.Tensor) -> Metrics:
+    """Mean and max of ``|rollout - old|`` over loss tokens (``[B, R]`` each): sampler vs trainer numerics."""
+    valid = loss_mask > 0
+    diff = (rollout_logprobs.float() - old_logprobs.float()).abs()
+    diff = torch.where(valid, diff, torch.zeros_like(diff))
+    return {
+        "rollout/logprob_abs_diff_mean": mean_metric(diff, loss_mask),
+        "rollout/logprob_abs_diff_max": Metric(float(diff.max()) if valid.any() else 0.0, 1.0, "max"),
+    }
+
+
+def per_optimizer_step(metrics: Mapping[str, Metric]) -> Metrics:
+    """Turn one mini-batch's ``sum`` metrics (its objective) into one sample of a mean over optimizer steps."""
+    return {
+        name: Metric(m.final(), 1.0, "mean") if m.reduce == "sum" else m
+        for name, m in metrics.items()
+    }
+
+
+def optimizer_metrics(step: Mapping[str, float]) -> Metrics:
+    """``optim_step``'s floats (``grad_norm``, ``lr``): means over optimizer steps, the max grad norm, a count."""
+    out: Metrics = {f"optim/{name}": Metric(float(value), 1.0, "mean") for name, value in step.items()}
+    if "grad_norm" in step:
+        out["optim/grad_norm_max"] = Metric(float(step["grad_norm"]), 1.0, "max")
+    out["optim/steps"] = Metric(1.0, 1.0, "sum")
+    return out
+
+
+@contextmanager
+def timed(metrics: Metrics, name: str) -> Iterator[None]:
+    """Add the wall time of the block to ``metrics[name]`` (seconds, reduce="sum")."""
+    start = time.perf_counter()
+    yield
+    metrics[name] = Metric(time.perf_counter() - start, 1.0, "sum")
