@@ -1,0 +1,155 @@
+"""What the main job shows and leaves behind (rank 0 only): progress bar, metrics files, plot, summary.
+
+Place in the data flow: the last stage of every RL step of ``megatron_rl/main.py`` (``RunReporter.log_step``) and
+of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
+
+    metrics.jsonl        one JSON object per logged step: {"step": n, "time_s": ..., <metric>: <float>, ...}
+    tensorboard/         the same scalars as TensorBoard events (when logging.tensorboard and tensorboard exist)
+    reward_loss.png      reward and policy loss vs step (matplotlib, Agg backend)
+    summary.txt          one paragraph: start reward, end reward, random baseline, wall time
+
+Resuming appends to ``metrics.jsonl``; lines of steps after the resume point (a crashed tail) are dropped first,
+so the file holds each step once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+REWARD_KEY = "reward/mean"
+LOSS_KEY = "policy/loss"
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """Rows of a metrics JSONL file (an unreadable trailing line, from a killed run, is ignored)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only rows with ``step <= last_step`` (called when resuming from the checkpoint of ``last_step``)."""
+    rows = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def plot_reward_and_loss(rows: list[dict[str, float]], png_path: Path, *, baseline: float | None = None) -> None:
+    """Two panels, reward and policy loss vs step; a dashed line at the random baseline reward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in ((ax_reward, REWARD_KEY), (ax_loss, LOSS_KEY)):
+        points = [(r["step"], r[key]) for r in rows if key in r and math.isfinite(r[key])]
+        if points:
+            ax.plot(*zip(*points), marker=".", linewidth=1)
+        ax.set_xlabel("train step")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    if baseline is not None:
+        ax_reward.axhline(baseline, linestyle="--", color="gray", label=f"random policy {baseline:.3f}")
+        ax_reward.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def window_mean(rows: list[dict[str, float]], key: str, *, first: bool, window: int = 5) -> float:
+    """Mean of ``key`` over the first (or last) ``window`` rows that have it; NaN when none do."""
+    values = [r[key] for r in rows if key in r]
+    values = values[:window] if first else values[-window:]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary_paragraph(rows: list[dict[str, float]], *, baseline: float, wall_time_s: float, window: int = 5) -> str:
+    """One paragraph: reward at the start and end of training (means over ``window`` steps), the random baseline."""
+    start = window_mean(rows, REWARD_KEY, first=True, window=window)
+    end = window_mean(rows, REWARD_KEY, first=False, window=window)
+    steps = int(rows[-1]["step"]) if rows else 0
+    verdict = "learned" if end > max(start, baseline) + 0.1 else "did not clearly learn"
+    return (
+        f"After {steps} train steps ({wall_time_s:.0f} s of wall time in this run), the policy {verdict}: mean "
+        f"reward {start:.3f} over the first {window} steps -> {end:.3f} over the last {window} steps, against "
+        f"{baseline:.3f} for a uniformly random policy (rewards are in [0, 1])."
+    )
+
+
+@dataclass
+class RunReporter:
+    """Rank-0 outputs of the main job. Construct only on rank 0."""
+
+    output_dir: Path
+    total_steps: int
+    start_step: int = 0
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        truncate_metrics(self.metrics_path, self.start_step)
+        self._tb = self._open_tensorboard() if self.tensorboard else None
+        self._bar = self._open_progress_bar() if self.progress_bar else None
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("reporting: tensorboard is not installed; metrics go to metrics.jsonl only")
+            return None
+        return SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def _open_progress_bar(self):
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.start_step, desc="RL steps", dynamic_ncols=True)
+
+    def log_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Append the step's metrics to the JSONL file and TensorBoard, advance the bar with live reward/loss."""
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._bar is not None:
+            self._bar.set_postfix(reward=f"{metrics.get(REWARD_KEY, float('nan')):.3f}",
+                                  loss=f"{metrics.get(LOSS_KEY, float('nan')):.4f}")
+            self._bar.update(1)
+
+    def write(self, message: str) -> None:
+        """Print without breaking the progress bar."""
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def finish(self, *, baseline: float, wall_time_s: float) -> str:
+        """Close the bar and writers, save the plot and the summary; returns the summary paragraph."""
+        self.close()
+        rows = read_metrics(self.metrics_path)
+        plot_reward_and_loss(rows, self.output_dir / "reward_loss.png", baseline=baseline)
+        summary = summary_paragraph(rows, baseline=baseline, wall_time_s=wall_time_s)
+        (self.output_dir / "summary.txt").write_text(summary + "\n")
+        return summary
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
