@@ -95,6 +95,8 @@ class RunReporter:
     start_step: int = 0
     tensorboard: bool = True
     progress_bar: bool = True
+    log_interval: int = 1
+    """Steps between printed metric lines when there is no progress bar."""
 
     def __post_init__(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +127,9 @@ class RunReporter:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._bar is None and step % self.log_interval == 0:
+            print(f"step {step}/{self.total_steps}  reward {metrics.get(REWARD_KEY, float('nan')):.3f}  "
+                  f"loss {metrics.get(LOSS_KEY, float('nan')):.4f}", flush=True)
         if self._bar is not None:
             self._bar.set_postfix(reward=f"{metrics.get(REWARD_KEY, float('nan')):.3f}",
                                   loss=f"{metrics.get(LOSS_KEY, float('nan')):.4f}")

@@ -169,3 +169,30 @@ def test_summary_windows() -> None:
     rows = [{"step": s, "reward/mean": r} for s, r in enumerate([0.0, 0.1, 0.8, 0.9], start=1)]
     text = summary_paragraph(rows, baseline=0.03, wall_time_s=60, window=2)
     assert "0.050" in text and "0.850" in text and "learned" in text
+
+
+class TablePolicy:
+    """``forward(batch)`` of a bigram table in the left-padded layout (DESIGN.md section 2), like MegatronPolicy."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.rows_seen: list[int] = []
+
+    def forward(self, batch, *, compute_entropy: bool = False):
+        seq, width = batch["sequences"], batch["response_mask"].shape[1]
+        self.rows_seen.append(len(batch))
+        logp = torch.log_softmax(self.table[seq[:, :-1]], -1).gather(-1, seq[:, 1:, None])[..., 0]
+        return {"logprobs": logp[:, -width:]}
+
+
+def test_policy_next_token_logprobs_is_the_full_distribution() -> None:
+    from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
+
+    table = torch.randn(TOK.vocab_size, TOK.vocab_size, generator=torch.Generator().manual_seed(2))
+    policy = TablePolicy(table)
+    fn = policy_next_token_logprobs(policy, TOK.vocab_size, TOK.pad_token_id)
+    contexts = [[1, 7, 3], [1, 7, 3], [1, 9, 3, 10, 2, 4, 12, 3], [5]]  # different lengths, one duplicate
+    got = fn(contexts)
+    expected = torch.log_softmax(table[torch.tensor([c[-1] for c in contexts])], -1)
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert policy.rows_seen == [3 * TOK.vocab_size]  # duplicates computed once
