@@ -132,8 +132,9 @@ def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, eps: float =
     """Whole-batch whitening ``(A - mean) / sqrt(var + eps)`` over ``mask`` (``[B, R]``); zero where masked.
 
     Mean and (Bessel-corrected) variance are over the masked tokens of the whole batch; with fewer than two
-    valid tokens every centered value is 0, so the result is all zeros (never NaN). This is the ``algorithm.advantage_whitening`` switch, applied once per batch, before
-    the per-mini-batch reduction weights.
+    valid tokens every centered value is 0, so the result is all zeros (never NaN). This is the
+    ``algorithm.advantage_whitening`` switch, applied once per batch, before the per-mini-batch reduction
+    weights.
     """
     valid = mask > 0
     n = valid.sum()

@@ -21,6 +21,7 @@ from megatron_rl.algorithms import (
     kl_penalty,
     normalize_minibatch_advantages,
     policy_loss_fn,
+    value_loss_fn,
 )
 from megatron_rl.config import LOSS_REDUCTIONS, AlgorithmConfig
 from megatron_rl.metrics import finalize_metrics, merge_metrics
@@ -77,7 +78,7 @@ def _pad_rows(b: dict, advantages: torch.Tensor, n: int) -> dict:
     return out
 
 
-def _random_split(rng: random.Random, rows: int) -> list[slice]:
+def _random_split(rng: random.Random, rows: int) -> tuple[list[slice], int]:
     """Contiguous DP shards of a padded mini-batch, each cut into uneven micro-batches."""
     dp = rng.choice([1, 2, 3, 4])
     padded = -(-rows // dp) * dp
@@ -136,7 +137,7 @@ def test_whole_equals_any_split(reduction, loss_type):
     cfg = _config(loss_type)
     adv = normalize_minibatch_advantages(b["raw_advantages"], b["loss_mask"], reduction, MAX_SEQ_LEN)
     loss_a, grad_a, metrics_a = _whole(b, adv, cfg)
-    rng = random.Random(hash((reduction, loss_type)) % 1000)
+    rng = random.Random(f"{reduction}-{loss_type}")  # deterministic (str seeds are not hashed)
     for _ in range(4):
         slices, num_pad = _random_split(rng, ROWS)
         loss_b, grad_b, metrics_b = _split(b, adv, cfg, slices, num_pad)
@@ -176,3 +177,27 @@ def test_mean_of_microbatch_means_differs_on_uneven_split():
     assert not torch.allclose(theta.grad, grad_a, rtol=1e-2, atol=1e-4)
     _, grad_b, _ = _split(b, adv, cfg, slices, 0)  # the same uneven split, reduction in the advantages
     torch.testing.assert_close(grad_b, grad_a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", LOSS_REDUCTIONS)
+def test_value_loss_whole_equals_any_split(reduction):
+    """The critic follows the same reduction, from ``LossContext``, without touching the advantages."""
+    b = _minibatch()
+    g = torch.Generator().manual_seed(1)
+    mb = {"loss_mask": b["loss_mask"], "returns": torch.randn(ROWS, WIDTH, generator=g),
+          "values": torch.randn(ROWS, WIDTH, generator=g)}
+    cfg = AlgorithmConfig(loss_reduction=reduction, max_seq_len=MAX_SEQ_LEN, value_clip=0.2)
+    ctx = LossContext.for_minibatch(cfg, b["loss_mask"])
+    preds = mb["values"] + torch.randn(ROWS, WIDTH, generator=g)
+
+    def grad_of(slices):
+        v = preds.clone().requires_grad_(True)
+        sum(value_loss_fn(v[rows], None, {k: t[rows] for k, t in mb.items()}, ctx)[0] for rows in slices).backward()
+        return v.grad
+
+    whole = grad_of([slice(None)])
+    rng = random.Random(reduction)
+    for _ in range(3):
+        slices, num_pad = _random_split(rng, ROWS)
+        slices = [slice(s.start, min(s.stop, ROWS)) for s in slices if s.start < ROWS]  # no padding rows here
+        torch.testing.assert_close(grad_of(slices), whole, rtol=1e-5, atol=1e-7)
