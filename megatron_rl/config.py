@@ -287,21 +287,11 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
 
 
 def _validate_algorithm(a: AlgorithmConfig, step_wise: bool) -> None:
-    if a.loss_reduction not in LOSS_REDUCTIONS:
-        raise ValueError(
-            f"algorithm.loss_reduction={a.loss_reduction!r} is not one of {list(LOSS_REDUCTIONS)}"
-        )
-    if a.loss_reduction == "seq_mean_token_sum_norm" and a.max_seq_len is None:
-        raise ValueError(
-            "algorithm.loss_reduction='seq_mean_token_sum_norm' needs algorithm.max_seq_len (its normalizer); "
-            "set algorithm.max_seq_len to the generation budget"
-        )
-    if step_wise and a.advantage_estimator in TEMPORAL_ESTIMATORS:
-        raise ValueError(
-            f"algorithm.advantage_estimator={a.advantage_estimator!r} is temporal and cannot be used with "
-            "stepwise.step_wise_trajectories=True; use an outcome estimator such as 'grpo' or 'rloo'"
-        )
-    _positive("algorithm", a, ("max_seq_len",))
+    # The algorithms package owns its registries (estimators, losses, reductions); import lazily because it
+    # imports this module.
+    from megatron_rl.algorithms.validation import validate_algorithm_config
+
+    validate_algorithm_config(a, step_wise)
 
 
 def _validate_batch(b: BatchConfig) -> None:
@@ -344,18 +334,6 @@ def validate_config(cfg: MegatronRLConfig, world_size: int | None = None) -> Non
     _validate_stepwise(cfg.stepwise)
     _validate_checkpoint(cfg.checkpoint)
     _positive("logging", cfg.logging, ("log_interval",))
-    for hook in _EXTRA_VALIDATORS:
-        hook(cfg)
-
-
-_EXTRA_VALIDATORS: list[typing.Callable[[MegatronRLConfig], None]] = []
-"""Validators registered by other modules (e.g. algorithms checks that estimator/loss names exist)."""
-
-
-def register_config_validator(fn: typing.Callable[[MegatronRLConfig], None]) -> None:
-    """Add a validator run by ``validate_config`` (used by modules owning registries)."""
-    if fn not in _EXTRA_VALIDATORS:
-        _EXTRA_VALIDATORS.append(fn)
 
 
 def _closest(name: str, valid: typing.Iterable[str], prefix: str = "") -> str:

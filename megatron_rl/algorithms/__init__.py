@@ -4,7 +4,7 @@ Place in the data flow: batch tensors -> ``compute_advantages_and_returns`` (who
 ``whiten_advantages`` -> ``normalize_advantages_per_minibatch`` (policy only) -> per micro-batch
 ``policy_loss_fn`` / ``value_loss_fn`` (summed losses, Metric partials). No Megatron import here.
 
-Importing this package registers ``validate_algorithm_config`` with the config loader.
+``validate_algorithm_config`` is run by ``megatron_rl.config.validate_config``.
 """
 
 from megatron_rl.algorithms.advantages import (
@@ -33,16 +33,13 @@ from megatron_rl.algorithms.normalization import (
     reduction_weights,
     whiten_advantages,
 )
-from megatron_rl.algorithms.validation import validate_algorithm_config, validate_config_hook
-from megatron_rl.config import register_config_validator
-
-register_config_validator(validate_config_hook)
+from megatron_rl.algorithms.validation import validate_algorithm_config
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_REDUCTION_WEIGHTS", "POLICY_LOSSES", "LossContext",
     "apply_kl_to_rewards", "compute_advantages_and_returns", "get_advantage_estimator", "get_policy_loss",
     "kl_penalty", "masked_mean", "normalize_advantages_per_minibatch", "normalize_minibatch_advantages",
     "off_policy_weights", "policy_loss_fn", "ppo_policy_loss", "reduction_weights", "register_advantage_estimator",
-    "register_policy_loss", "validate_algorithm_config", "validate_config_hook", "value_loss", "value_loss_fn",
+    "register_policy_loss", "validate_algorithm_config", "value_loss", "value_loss_fn",
     "whiten_advantages",
 ]

@@ -1,8 +1,7 @@
 """Validation of ``AlgorithmConfig`` against the algorithm registries (estimators, losses, reductions).
 
-Place in the data flow: run once by the config loader (``validate_config`` calls the hook registered in
-``megatron_rl.algorithms``), so a bad combination fails before any model is built. Each error names the field,
-the value and the fix.
+Place in the data flow: run once by the config loader (``megatron_rl.config.validate_config`` calls it), so
+a bad combination fails before any model is built. Each error names the field, the value and the fix.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS
 from megatron_rl.algorithms.kl import KL_ESTIMATORS
 from megatron_rl.algorithms.losses import POLICY_LOSSES
 from megatron_rl.algorithms.normalization import LOSS_REDUCTION_WEIGHTS
-from megatron_rl.config import TEMPORAL_ESTIMATORS, AlgorithmConfig, MegatronRLConfig
+from megatron_rl.config import TEMPORAL_ESTIMATORS, AlgorithmConfig
 
 OFF_POLICY_CORRECTIONS = ("none", "token_tis", "sequence_tis")
 
@@ -75,7 +74,3 @@ def validate_algorithm_config(cfg: AlgorithmConfig, step_wise: bool) -> None:
     _check_numbers(cfg)
     _check_combinations(cfg, step_wise)
 
-
-def validate_config_hook(cfg: MegatronRLConfig) -> None:
-    """``register_config_validator`` hook: validates ``cfg.algorithm`` with the run's step-wise switch."""
-    validate_algorithm_config(cfg.algorithm, cfg.stepwise.step_wise_trajectories)
