@@ -10,8 +10,15 @@ Names passed to megatron-core keep megatron-core's spelling (``tensor_model_para
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
 
 LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
 TEMPORAL_ESTIMATORS = ("gae", "reinforce++")
@@ -225,14 +232,6 @@ class MegatronRLConfig:
 # Loading, dumping, validation
 # --------------------------------------------------------------------------------------------------------------
 
-import dataclasses  # noqa: E402
-import difflib  # noqa: E402
-import types  # noqa: E402
-import typing  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import yaml  # noqa: E402
 
 
 def _positive(section: str, obj: object, names: tuple[str, ...]) -> None:
