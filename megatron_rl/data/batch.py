@@ -8,8 +8,10 @@ over ``R = max_i(r_i)`` columns):
     response_mask[i]   [0 .. 0 | 1 .. 1]  (last r_i columns)     [B, R]
 
 Conversion is vectorized: each per-sequence list becomes one numpy array (C speed), the arrays are joined,
-and the flat stream is written into the block with one ``masked_scatter`` (row-major order of a right-aligned
-mask is exactly "row by row, left to right"). No Python loop touches individual tokens.
+and the flat stream is written into the block with one boolean-mask assignment (the row-major order of a
+right-aligned mask is exactly "row by row, left to right"). No Python loop touches individual tokens. numpy
+rather than torch for the scatter: ``ndarray[mask] = flat`` is ~2x faster than ``Tensor.masked_scatter_`` on CPU
+and the tensors are wrapped without a copy (``torch.from_numpy``).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def convert_prompts_responses_to_batch_tensors(
 
 def right_aligned_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, width]`` int64 mask whose row i has its last ``lengths[i]`` columns set."""
-    columns = torch.arange(width)
+    columns = torch.arange(width, device=lengths.device)
     return (columns[None, :] >= (width - lengths)[:, None]).long()
 
 
@@ -115,10 +117,10 @@ def _warn_if_too_long(total_lens: torch.Tensor, max_seq_len: int | None) -> None
         )
 
 
-def _flatten(rows: Iterable[Sequence[Any]], dtype: type) -> torch.Tensor:
-    """Concatenate lists into one flat tensor; one numpy conversion per list (C speed per token)."""
+def _flatten(rows: Iterable[Sequence[Any]], dtype: type) -> np.ndarray:
+    """Concatenate lists into one flat array; one numpy conversion per list (C speed per token)."""
     arrays = [np.asarray(row, dtype=dtype) for row in rows]
-    return torch.from_numpy(np.concatenate(arrays)) if arrays else torch.from_numpy(np.zeros(0, dtype=dtype))
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
 
 def _flatten_token_aligned(
@@ -127,7 +129,7 @@ def _flatten_token_aligned(
     name: str,
     dtype: type,
     row_ids: list[int] | None = None,
-) -> torch.Tensor:
+) -> np.ndarray:
     """Flatten per-token lists after checking each matches its response length. ``row_ids`` maps ``rows``
     back to batch rows (for error messages) when ``rows`` is a subset."""
     lengths = torch.from_numpy(np.fromiter(map(len, rows), np.int64, count=len(rows)))
@@ -142,11 +144,13 @@ def _flatten_token_aligned(
     return _flatten(rows, dtype)
 
 
-def _scatter_rows(flat: torch.Tensor, mask: torch.Tensor, fill: float | int) -> torch.Tensor:
-    """Write ``flat`` row by row into the set positions of ``mask`` ``[B, W]``; elsewhere ``fill``."""
-    assert flat.numel() == int(mask.sum()), (flat.numel(), int(mask.sum()))
-    out = torch.full(mask.shape, fill, dtype=flat.dtype)
-    return out.masked_scatter_(mask.bool(), flat)
+def _scatter_rows(flat: np.ndarray, mask: torch.Tensor, fill: float | int) -> torch.Tensor:
+    """Write ``flat [N]`` row by row into the set positions of ``mask [B, W]``; elsewhere ``fill``."""
+    mask_np = mask.bool().numpy()
+    assert flat.shape[0] == int(mask_np.sum()), (flat.shape, int(mask_np.sum()))
+    out = np.full(mask_np.shape, fill, dtype=flat.dtype)
+    out[mask_np] = flat
+    return torch.from_numpy(out)
 
 
 def _rewards_tensor(
