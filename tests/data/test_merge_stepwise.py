@@ -1,5 +1,7 @@
 """merge_stepwise_output: the three observation cases, no-merge cases, carried values, loop reference."""
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -158,7 +160,9 @@ def trajectories(draw):
 @settings(max_examples=60, deadline=None)
 @given(trajectories())
 def test_matches_loop_reference_and_keeps_loss_tokens(out):
+    original = copy.deepcopy(out)
     merged, counts = merge_stepwise_output(out)
+    assert out == original  # the input is not modified
     validate_generator_output(merged, step_wise=True)
     expected = reference_merge(out)
     assert counts == {"num_seq_before_merge": len(out["uids"]), "num_seq_after_merge": len(expected)}
