@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -75,7 +76,9 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
 
     torch.set_num_threads(1)
     try:
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle (a copy): torch's queue reductions would share tensors through the child's shared
+        # memory, which is gone once the child exits (EOFError in the parent).
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - everything must reach the parent, incl. SystemExit
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -83,12 +86,17 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
 
 
 def _destroy_if_initialized() -> None:
+    """destroy_distributed() if fn used megatron, else just the process group (no megatron import cost)."""
+    import sys
+
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if "megatron.core.parallel_state" in sys.modules:
         from megatron_rl.distributed.bootstrap import destroy_distributed
 
         destroy_distributed()
+    elif dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _kill(procs: list) -> None:
@@ -143,7 +151,7 @@ def _collect(procs: list, results: Any, timeout: float) -> dict[int, Any]:
             continue
         if status == "error":
             raise RuntimeError(f"rank {rank} of {len(procs)} failed:\n{payload}")
-        collected[rank] = payload
+        collected[rank] = pickle.loads(payload)
     return collected
 
 

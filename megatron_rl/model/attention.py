@@ -1,0 +1,140 @@
+"""Portable core attention that accepts packed THD input (P8; DESIGN.md section 3).
+
+megatron-core's local ``DotProductAttention`` rejects ``packed_seq_params``
+(``transformer/dot_product_attention.py:153``) and TransformerEngine needs a GPU. This module has the same
+constructor and forward signature as ``DotProductAttention`` in 0.16.1 and is put into the local layer spec by
+``megatron_rl.model.builder``. Inputs, per TP rank (``np`` query heads, ``ng`` key/value groups, ``hn`` head dim):
+
+    THD (packed_seq_params.qkv_format == "thd"):   q [T, np, hn], k/v [T, ng, hn]  ->  [T, np*hn]
+        sequence i occupies rows cu[i]:cu[i+1] (cu_seqlens_q_padded if given, else cu_seqlens_q); each
+        sequence attends causally to itself only (block-diagonal causal); rows after cu[-1] give 0.
+    padded (sbhd):                                 q [s, b, np, hn], k/v [s, b, ng, hn]  ->  [s, b, np*hn]
+        attention_mask [b|1, 1, s, s] bool, True = masked (megatron's convention); None = causal.
+
+Math is torch's scaled_dot_product_attention (GQA via ``enable_gqa``), one call per packed sequence: cost is
+``sum_i n_i**2`` rather than ``T**2``. Masked-out logits get the dtype's most negative value rather than -inf,
+so a fully masked (padding) query row yields a finite, ignored output instead of NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class PackedDotProductAttention(MegatronModule):
+    """Drop-in for megatron's ``DotProductAttention`` (same arguments) that also accepts THD input."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        _check_supported(config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp_size = pg_collection.tp.size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.num_heads = config.num_attention_heads // tp_size  # np
+        self.num_groups = config.num_query_groups // tp_size  # ng
+        assert self.num_heads * tp_size == config.num_attention_heads, "heads not divisible by TP (builder checks)"
+        assert self.num_groups * tp_size == config.num_query_groups, "groups not divisible by TP (builder checks)"
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        assert attention_bias is None, "attention_bias is not supported by PackedDotProductAttention"
+        with self._dropout_rng():
+            if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+                return self._thd(query, key, value, packed_seq_params)
+            assert packed_seq_params is None or packed_seq_params.qkv_format == "sbhd", packed_seq_params
+            causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+            return self._padded(query, key, value, attention_mask, causal)
+
+    def _thd(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
+        """q [T, np, hn], k/v [T, ng, hn] -> [T, np*hn], block-diagonal causal over cu_seqlens."""
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        assert torch.equal(cu_q.cpu(), cu_kv.cpu()), "self-attention expects cu_seqlens_q == cu_seqlens_kv"
+        bounds = cu_q.tolist()
+        total = query.shape[0]
+        assert bounds[0] == 0 and bounds[-1] <= total, (bounds, total)
+        outs = [
+            self._sdpa(query[s:e, None], key[s:e, None], value[s:e, None], None, causal=True)[:, 0]  # [n, np*hn]
+            for s, e in zip(bounds[:-1], bounds[1:])
+            if e > s
+        ]
+        if bounds[-1] < total:
+            outs.append(query.new_zeros(total - bounds[-1], self.num_heads * query.shape[-1]))
+        return torch.cat(outs, dim=0)
+
+    def _padded(self, query, key, value, attention_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """q [s, b, np, hn], k/v [s, b, ng, hn], mask [b|1, 1, s, s] (True = masked) -> [s, b, np*hn].
+
+        An explicit mask is used as given (it must already contain the causal part, as megatron's does);
+        without one, ``causal`` decides."""
+        if attention_mask is None:
+            return self._sdpa(query, key, value, None, causal=causal)
+        mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+        mask = mask.masked_fill(attention_mask.bool(), torch.finfo(query.dtype).min)
+        return self._sdpa(query, key, value, mask, causal=False)
+
+    def _sdpa(self, query, key, value, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """[s, b, h, hn] inputs -> [s, b, np*hn] (additive float ``mask`` or ``causal``)."""
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, hn]
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            enable_gqa=self.num_heads != self.num_groups,
+        )  # [b, np, s, hn]
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _dropout_rng(self) -> contextlib.AbstractContextManager:
+        """Dropout draws from the model-parallel RNG stream unless sequence parallel (as megatron does)."""
+        if self.dropout_p > 0 and self.training and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
+
+
+def _check_supported(config: TransformerConfig) -> None:
+    if config.context_parallel_size != 1:
+        raise ValueError(
+            f"context_parallel_size={config.context_parallel_size} is not supported by the local attention; "
+            "use attention_backend='te' on GPU or context_parallel_size=1"
+        )
+    if config.window_size is not None:
+        raise ValueError(f"window_size={config.window_size} is not supported by the local attention; unset it")
+    if config.softmax_type != "vanilla":
+        raise ValueError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")

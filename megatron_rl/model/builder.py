@@ -1,0 +1,185 @@
+"""Model builder: ModelConfig + ParallelConfig -> megatron-core GPTModel for this rank's pipeline stage.
+
+Place in the data flow (DESIGN.md section 1): the "Megatron model (TP/PP)" box. Called once per model
+(policy, reference) after ``initialize_distributed``; the result is wrapped by the policy (DDP, optimizer).
+
+The model is Llama-style: RoPE, RMSNorm, SwiGLU MLP (``gated_linear_unit``: fc1 holds [gate; up]), GQA, no
+linear biases except the optional QKV bias (Qwen2), optional q/k RMSNorm (Qwen3), tied or untied output layer.
+Logits stay vocab-sharded (``parallel_output=True``): ``[b, s, V_padded/tp]`` (``[1, T, V_padded/tp]`` packed)
+on the last stage; feed them to ``megatron_rl.model.logprobs``.
+
+Layer spec:
+    TransformerEngine spec   attention_backend="te", or "auto" when TE is importable and CUDA is available
+    local spec               otherwise: megatron's ``get_gpt_layer_local_spec`` with the core attention
+                             replaced by ``PackedDotProductAttention`` (accepts THD, P8) and every norm
+                             (layer, q/k, final) by ``model.norm.RMSNorm`` (sequence-parallel aware, P7)
+
+Settings (MEGATRON_CPU_NOTES.md): ``use_cpu_initialization=True`` (identical full weights for every TP layout
+under one seed; the model is moved to ``groups.device`` afterwards), ``perform_initialization=True``, all
+fusions off, and ``variable_seq_lengths=True`` so pipeline stages accept packed micro-batches of different
+lengths; 0.16.1 only allows that with ``moe_token_dispatcher_type="alltoall"``, which has no effect on a
+dense model. ``finalize_model_grads_func`` is NOT set here: the training wrapper sets it on
+``model.config`` (without it the schedule performs no DP/SP/embedding gradient sync).
+
+Vocabulary: padded up to a multiple of ``tensor_model_parallel_size`` (``padded_vocab_size``); the padded
+logit columns are real (randomly initialized) outputs, so pass ``valid_vocab_size=model_cfg.vocab_size`` to
+the log-prob function to exclude them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.distributed.bootstrap import ParallelGroups
+from megatron_rl.model.attention import PackedDotProductAttention
+from megatron_rl.model.norm import RMSNorm
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """Smallest multiple of ``tp_size`` >= ``vocab_size`` (each TP rank holds an equal vocab shard)."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def _divisible(field: str, value: int, by_name: str, by: int) -> None:
+    if value % by != 0:
+        raise ValueError(
+            f"model.{field}={value} is not divisible by {by_name}={by}; choose {by_name} dividing {field} "
+            f"(or change {field})"
+        )
+
+
+def _validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
+    tp, pp = parallel_cfg.tensor_model_parallel_size, parallel_cfg.pipeline_model_parallel_size
+    _divisible("num_attention_heads", model_cfg.num_attention_heads, "tensor_model_parallel_size", tp)
+    _divisible("num_query_groups", model_cfg.num_query_groups, "tensor_model_parallel_size", tp)
+    _divisible("ffn_hidden_size", model_cfg.ffn_hidden_size, "tensor_model_parallel_size", tp)
+    _divisible("num_layers", model_cfg.num_layers, "pipeline_model_parallel_size", pp)
+    _divisible("num_attention_heads", model_cfg.num_attention_heads, "model.num_query_groups",
+               model_cfg.num_query_groups)
+    if model_cfg.kv_channels is None:
+        _divisible("hidden_size", model_cfg.hidden_size, "model.num_attention_heads", model_cfg.num_attention_heads)
+
+
+def use_transformer_engine(model_cfg: ModelConfig) -> bool:
+    """Whether the TE layer spec is used (see module doc); ValueError for 'te' without TE or CUDA."""
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    if model_cfg.attention_backend == "te":
+        if not (have_te and torch.cuda.is_available()):
+            raise ValueError(
+                "model.attention_backend='te' needs TransformerEngine and CUDA; install transformer-engine on a "
+                "GPU machine or set attention_backend='local' (or 'auto')"
+            )
+        return True
+    return model_cfg.attention_backend == "auto" and have_te and torch.cuda.is_available()
+
+
+def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> TransformerConfig:
+    """megatron-core TransformerConfig for ``model_cfg`` under ``parallel_cfg`` (ValueError on bad shapes)."""
+    _validate(model_cfg, parallel_cfg)
+    dtype = _DTYPES[model_cfg.params_dtype]
+    return TransformerConfig(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups,
+        kv_channels=model_cfg.kv_channels,
+        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+        context_parallel_size=parallel_cfg.context_parallel_size,
+        sequence_parallel=parallel_cfg.sequence_parallel,
+        normalization="RMSNorm",
+        layernorm_epsilon=model_cfg.layernorm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model_cfg.add_qkv_bias,
+        qk_layernorm=model_cfg.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model_cfg.init_method_std,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall",  # required by variable_seq_lengths in 0.16.1; no MoE here
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def _local_layer_spec(qk_layernorm: bool) -> ModuleSpec:
+    """megatron's local GPT layer spec with the THD attention (P8) and the SP-aware RMSNorm (P7)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
+    layer = spec.submodules
+    layer.input_layernorm = RMSNorm
+    layer.pre_mlp_layernorm = RMSNorm
+    attention = layer.self_attention.submodules
+    attention.core_attention = PackedDotProductAttention
+    if qk_layernorm:
+        attention.q_layernorm = RMSNorm
+        attention.k_layernorm = RMSNorm
+    return spec
+
+
+def _block_spec(config: TransformerConfig, model_cfg: ModelConfig, pp_rank: int):
+    """The decoder spec for this stage: TE layer spec, or local layers + our final norm."""
+    if use_transformer_engine(model_cfg):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.qk_layernorm)
+    # An explicit block spec sets the final norm (megatron would take the module global LayerNormImpl).
+    num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[_local_layer_spec(model_cfg.qk_layernorm)] * num_layers,
+                                      layer_norm=RMSNorm)
+
+
+def build_gpt_model(
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    groups: ParallelGroups,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+) -> GPTModel:
+    """This rank's GPTModel stage (embedding on the first stage, output layer on the last by default)."""
+    config = build_transformer_config(model_cfg, parallel_cfg)
+    vocab = padded_vocab_size(model_cfg.vocab_size, parallel_cfg.tensor_model_parallel_size)
+    if vocab != model_cfg.vocab_size:
+        logger.warning("vocab_size %d padded to %d (multiple of tensor_model_parallel_size=%d)",
+                       model_cfg.vocab_size, vocab, parallel_cfg.tensor_model_parallel_size)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_block_spec(config, model_cfg, groups.pp_rank),
+        vocab_size=vocab,
+        max_sequence_length=model_cfg.max_position_embeddings,
+        pre_process=groups.is_first_stage if pre_process is None else pre_process,
+        post_process=groups.is_last_stage if post_process is None else post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=model_cfg.rotary_base,
+        pg_collection=groups.pg_collection,
+    )
+    return model.to(groups.device)
