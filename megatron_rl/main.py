@@ -17,10 +17,12 @@ same command again resumes from it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from megatron_rl.demo.reporting import RunReporter
 from megatron_rl.demo.rollout import episodes_to_generator_output, mean_reward, play_episodes
 from megatron_rl.demo.sampler import SamplingParams, sampling_generator, uniform_next_token_logprobs
 from megatron_rl.demo.tokenizer import DigitTokenizer
+from megatron_rl.metrics import Metric
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -154,12 +157,26 @@ def rl_step(job: Job, next_token_logprobs, step: int) -> dict[str, float]:
         rng=random.Random(config.seed * 1_000_003 + step),
         generator=sampling_generator(config.seed, step),
     )
+    check_ranks_agree(job.groups, played)
     rollout_s = time.perf_counter() - started
     rollouts = episodes_to_generator_output(played, step_wise=config.stepwise.step_wise_trajectories)
     metrics = job.trainer.train_step(rollouts)
     metrics["timing/rollout_s"] = rollout_s
     metrics["timing/step_s"] = time.perf_counter() - started
     return metrics
+
+
+def check_ranks_agree(groups, played) -> None:
+    """Every rank must have sampled the same tokens, else each would train on different data (silently)."""
+    from megatron_rl.distributed.metrics import reduce_metrics
+
+    checksum = zlib.crc32(json.dumps([p.episode.responses for p in played]).encode())
+    probe = {"max": Metric(checksum, 1.0, "max"), "min": Metric(checksum, 1.0, "min")}
+    for name in ("dp_group", "tp_group", "pp_group"):
+        agreed = reduce_metrics(probe, getattr(groups, name))
+        if agreed["max"].value != agreed["min"].value:
+            raise RuntimeError(f"ranks of the {name} sampled different rollouts (checksums {agreed['min'].value} "
+                               f"vs {agreed['max'].value}): sampling must be identical on every rank")
 
 
 def random_baseline(job: Job) -> float:

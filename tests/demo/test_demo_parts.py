@@ -186,11 +186,11 @@ class TablePolicy:
 
 
 def test_policy_next_token_logprobs_is_the_full_distribution() -> None:
-    from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
+    from megatron_rl.demo.policy_sampling import candidate_next_token_logprobs
 
     table = torch.randn(TOK.vocab_size, TOK.vocab_size, generator=torch.Generator().manual_seed(2))
     policy = TablePolicy(table)
-    fn = policy_next_token_logprobs(policy, TOK.vocab_size, TOK.pad_token_id)
+    fn = candidate_next_token_logprobs(policy, TOK.vocab_size, TOK.pad_token_id)
     contexts = [[1, 7, 3], [1, 7, 3], [1, 9, 3, 10, 2, 4, 12, 3], [5]]  # different lengths, one duplicate
     got = fn(contexts)
     expected = torch.log_softmax(table[torch.tensor([c[-1] for c in contexts])], -1)
