@@ -265,7 +265,7 @@ class TrainingBatch:
             raise ValueError(f"pad_to_multiple: k={k} must be >= 1 (e.g. the data-parallel size).")
         num_pad = -len(self) % k
         if num_pad == 0:
-            return self, 0
+            return self.slice(0, len(self)), 0  # a new container: callers may add keys without touching self
         dummy = TrainingBatch(
             {key: _dummy_rows(key, t, num_pad, pad_token_id) for key, t in self.tensors.items()},
             [None] * num_pad,
