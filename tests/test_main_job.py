@@ -1,0 +1,99 @@
+"""The main job end to end, launched the way the README says (``run_megatron.sh`` -> torchrun -> main).
+
+Three launches, each a few RL steps of ``configs/demo_cpu.yaml`` on 2 gloo ranks:
+
+1. DP2 on one node for 2 steps, with the README's command (``bash scripts/setup.sh && bash run_megatron.sh``)
+   plus overrides: exit 0, finite losses, every output file, a checkpoint at step 2;
+2. the same command with ``demo.num_steps=3``: resumes from that checkpoint (loads it) and runs step 3 only;
+3. TP2 as two single-process "nodes" (two torchrun invocations on localhost, ``NNODES=2``, ``NODE_RANK=0/1``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multirank import free_port
+
+pytestmark = pytest.mark.multirank
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["demo.baseline_episodes=200", "logging.progress_bar=false", "checkpoint.save_interval=1"]
+
+
+def launch(env_extra: dict[str, str], overrides: list[str], *, readme_form: bool = False) -> subprocess.Popen:
+    """``bash run_megatron.sh <overrides>``; ``readme_form``: exactly the README's command line, overrides added."""
+    env = {**os.environ, **env_extra}
+    if readme_form:
+        command = ["bash", "-c", 'bash scripts/setup.sh && bash run_megatron.sh "$@"', "main-job", *overrides]
+    else:
+        env["PY"] = sys.executable
+        command = ["bash", str(ROOT / "run_megatron.sh"), *overrides]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"run_megatron.sh timed out:\n{out[-4000:]}") from None
+    assert proc.returncode == 0, f"run_megatron.sh exited {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+def metrics_rows(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_run(output_dir: Path, steps: int) -> list[dict]:
+    rows = metrics_rows(output_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row in rows:
+        for key in ("reward/mean", "policy/loss", "optim/grad_norm", "rollout/logprob_abs_diff_max"):
+            assert key in row and math.isfinite(row[key]), (key, row)
+        assert row["optim/steps"] == 2  # 8 games per step / 4 per mini-batch
+        assert row["rollout/logprob_abs_diff_max"] < 1e-4  # the sampler and the trainer agree
+    for name in ("config.yaml", "reward_loss.png", "summary.txt"):
+        assert (output_dir / name).is_file(), name
+    assert any((output_dir / "tensorboard").iterdir())
+    assert (output_dir / "checkpoints" / f"step_{steps:08d}").is_dir()
+    assert (output_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
+    return rows
+
+
+def test_run_megatron_dp2_then_resume(tmp_path: Path) -> None:
+    out_dir = tmp_path / "dp2"
+    env = {"NPROC": "2", "MASTER_PORT": str(free_port())}
+    common = [*FAST, f"logging.output_dir={out_dir}"]
+    out = finish(launch(env, [*common, "demo.num_steps=2"], readme_form=True))
+    assert "outputs in" in out and "random policy" in out
+    first = check_run(out_dir, 2)
+    assert "random policy" in (out_dir / "summary.txt").read_text()
+
+    env["MASTER_PORT"] = str(free_port())
+    out = finish(launch(env, [*common, "demo.num_steps=3"]))
+    assert "resuming after step 2" in out
+    rows = check_run(out_dir, 3)
+    assert rows[:2] == first  # steps 1-2 are not re-run; step 3 continues from the loaded checkpoint
+
+
+def test_two_node_launch_tp2(tmp_path: Path) -> None:
+    out_dir = tmp_path / "tp2"
+    port = str(free_port())
+    overrides = [*FAST, f"logging.output_dir={out_dir}", "demo.num_steps=2", "parallel.tensor_model_parallel_size=2"]
+    nodes = [
+        launch({"NPROC": "1", "NNODES": "2", "NODE_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port}, overrides)
+        for rank in (0, 1)
+    ]
+    outputs = [finish(proc) for proc in nodes]
+    assert "TP2 PP1 DP1" in outputs[0]
+    check_run(out_dir, 2)
