@@ -1,0 +1,221 @@
+"""Hugging Face safetensors <-> this rank's Megatron GPTModel chunks, under any TP/PP layout (via mbridge).
+
+Place in the data flow: set-up (import: after ``model.builder.build_gpt_model``, before training) and export
+(after training, or for a rollout engine). ``model_config_from_hf`` (``hf/config.py``) gives the shapes.
+
+We build the model ourselves (local or TE spec, ``model/builder.py``) and use mbridge 0.15.1 only to move
+tensors: ``load_weights`` (tensor-parallel rank 0 of each stage reads the safetensors, converts, scatters the
+TP shards) and ``export_weights`` (a collective generator: all-gathers TP shards, broadcasts over PP, yields HF
+names and full tensors; every rank must run it to the end). What mbridge needs here (HF_BRIDGE_NOTES.md):
+
+- two names of the local layer spec it does not know: ``input_layernorm.weight`` and
+  ``pre_mlp_layernorm.weight`` (mbridge maps only TE's fused ``layer_norm_weight`` names);
+- ``rope_theta`` set from transformers 5's ``rope_parameters``;
+- per-instance name maps: ``Qwen2Bridge`` redirects ``output_layer.weight`` for tied embeddings by mutating
+  its *class* dict, which would leak into every later Qwen2 bridge of the process; Llama has no such redirect;
+- the parallel state taken from our ``ParallelGroups`` (mbridge would read megatron's globals, and would turn
+  on sequence parallelism for TP > 1 in a config it builds for itself; that config is unused here);
+- the vocabulary padding of ``model/builder.py`` (rows appended up to a multiple of TP: zero on import,
+  dropped on export).
+
+Export writes ``model.safetensors`` (or size-limited shards + ``model.safetensors.index.json``) on rank 0,
+plus the source directory's config and tokenizer files, so ``transformers`` loads the result directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.hf.config import load_hf_config, model_config_from_hf, rope_theta
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth")
+
+
+def make_bridge(hf_dir: str | os.PathLike, groups: Any, dtype: torch.dtype, padded_vocab_size: int) -> Any:
+    """An mbridge ``Bridge`` for ``hf_dir`` that speaks our layer names and layout (module docstring)."""
+    from mbridge import AutoBridge
+    from mbridge.core.parallel_states import ParallelStates
+
+    hf_config = load_hf_config(hf_dir)
+    hf_config.rope_theta = rope_theta(hf_config)
+    states = ParallelStates(
+        tp_size=groups.tp_size, tp_rank=groups.tp_rank, pp_size=groups.pp_size, pp_rank=groups.pp_rank,
+        vpp_size=None, cp_size=groups.cp_size, cp_rank=groups.cp_rank,
+        tp_group=groups.tp_group, pp_group=groups.pp_group, cp_group=groups.cp_group,
+    )  # fmt: skip
+    bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
+    _set_name_maps(bridge, tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    bridge.make_vocab_size_divisible_by = groups.tp_size
+    bridge.vocab_size, bridge.padded_vocab_size = hf_config.vocab_size, padded_vocab_size
+    return bridge
+
+
+def _set_name_maps(bridge: Any, tied: bool) -> None:
+    """Instance-level copies of mbridge's name maps with the local-spec norms and the tied output layer."""
+    bridge._DIRECT_MAPPING = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+        "output_layer.weight": "model.embed_tokens.weight" if tied else "lm_head.weight",
+    }
+    bridge._MLP_MAPPING = {
+        "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+        **type(bridge)._MLP_MAPPING,
+    }
+    bridge._OTHER_MAPPING = {
+        **type(bridge)._OTHER_MAPPING,
+        "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
+    }
+    bridge._get_hf_shared_weight_keys = lambda: ["model.embed_tokens.weight"] if tied else []
+
+
+def _bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any) -> Any:
+    embedding_or_output = _vocab_parallel_rows(model_chunks[0])
+    dtype = next(model_chunks[0].parameters()).dtype
+    padded = _all_reduce_max(embedding_or_output, groups)
+    return make_bridge(hf_dir, groups, dtype, padded)
+
+
+def _vocab_parallel_rows(chunk: torch.nn.Module) -> int:
+    """Full (padded) vocabulary rows of this stage's embedding or output layer; 0 for a middle stage."""
+    for name, param in chunk.named_parameters():
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            return param.shape[0] * getattr(chunk.config, "tensor_model_parallel_size", 1)
+    return 0
+
+
+def _all_reduce_max(value: int, groups: Any) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64, device=groups.device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=groups.pp_group)
+    return int(tensor.item())
+
+
+def check_hf_matches(model_cfg: Any, hf_dir: str | os.PathLike) -> None:
+    """ValueError if ``model_cfg`` does not have the shapes of the checkpoint in ``hf_dir``."""
+    from megatron_rl.checkpoint.dist import model_shape_mismatches
+
+    hf_model = dataclasses.asdict(model_config_from_hf(hf_dir))
+    diffs = model_shape_mismatches(hf_model, dataclasses.asdict(model_cfg), "HF config.json")
+    if diffs:
+        raise ValueError(
+            f"model.hf_path={str(hf_dir)!r} does not match the model config ({'; '.join(diffs)}); "
+            "build the model from megatron_rl.hf.model_config_from_hf(hf_path)"
+        )
+
+
+def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any,
+                    model_cfg: Any | None = None) -> None:
+    """Copy the safetensors of ``hf_dir`` into this rank's bare GPTModel chunks (collective over TP/PP).
+
+    ``model_cfg`` (the ModelConfig the chunks were built from) is checked against ``hf_dir`` first.
+    """
+    if model_cfg is not None:
+        check_hf_matches(model_cfg, hf_dir)
+    if not list(Path(hf_dir).glob("*.safetensors")):
+        raise ValueError(f"model.hf_path={str(hf_dir)!r} has no *.safetensors files (only safetensors are read)")
+    bridge = _bridge_for(model_chunks, hf_dir, groups)
+    with torch.no_grad():
+        bridge.load_weights(model_chunks, str(hf_dir))
+
+
+def load_hf_into_policy(policy: Any, hf_dir: str | os.PathLike | None = None) -> None:
+    """Load ``hf_dir`` (default ``config.model.hf_path``) into a ``MegatronPolicy``; refreshes the optimizer's
+    main (fp32) copies of the parameters, which were taken when the optimizer was built."""
+    hf_dir = hf_dir or policy.config.model.hf_path
+    if hf_dir is None:
+        raise ValueError("model.hf_path is not set; pass the local HF checkpoint directory")
+    load_hf_weights([policy.module], hf_dir, policy.groups, policy.config.model)
+    if policy.optimizer is not None:
+        policy.optimizer.reload_model_params()
+
+
+def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank."""
+    bridge = _bridge_for(model_chunks, hf_dir, groups)
+    with torch.no_grad():
+        for name, tensor in bridge.export_weights(model_chunks):
+            yield name, tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def export_hf(model_chunks: list[torch.nn.Module], out_dir: str | os.PathLike, hf_dir: str | os.PathLike,
+              groups: Any, *, max_shard_bytes: int = 5 << 30) -> Path:
+    """Write the model as a Hugging Face checkpoint in ``out_dir`` (rank 0 writes; collective).
+
+    ``hf_dir`` is the checkpoint the model came from: its config and tokenizer files are copied.
+    """
+    out_dir = Path(out_dir)
+    if Path(hf_dir).resolve() == out_dir.resolve():
+        raise ValueError(f"export directory {str(out_dir)!r} is the source hf_path; choose another directory")
+    writer = _ShardWriter(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
+    for name, tensor in iter_hf_weights(model_chunks, hf_dir, groups):
+        if writer is not None:
+            writer.add(name, tensor)
+    if writer is not None:
+        writer.close()
+        _copy_side_files(Path(hf_dir), out_dir)
+    dist.barrier()
+    return out_dir
+
+
+def export_policy_to_hf(policy: Any, out_dir: str | os.PathLike, hf_dir: str | os.PathLike | None = None) -> Path:
+    """``export_hf`` of a ``MegatronPolicy`` (source directory default ``config.model.hf_path``)."""
+    hf_dir = hf_dir or policy.config.model.hf_path
+    if hf_dir is None:
+        raise ValueError("export needs the source HF directory (config/tokenizer): set model.hf_path")
+    return export_hf([policy.module], out_dir, hf_dir, policy.groups)
+
+
+class _ShardWriter:
+    """Accumulates tensors and writes safetensors shards of at most ``max_bytes`` (one file if it fits)."""
+
+    def __init__(self, out_dir: Path, max_bytes: int) -> None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for old in out_dir.glob("model*.safetensors*"):
+            old.unlink()
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[list[str]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.pending or any(name in f for f in self.files):
+            return  # tied embedding exported from both ends of the pipeline: the same tensor
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self.out_dir / f".shard{len(self.files)}.tmp"), metadata={"format": "pt"})
+        self.files.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.files:
+            self._flush()
+        count = len(self.files)
+        names = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for i, final in enumerate(names):
+            os.replace(self.out_dir / f".shard{i}.tmp", self.out_dir / final)
+        if count > 1:
+            weight_map = {t: names[i] for i, tensors in enumerate(self.files) for t in tensors}
+            index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _copy_side_files(src: Path, dst: Path) -> None:
+    """config.json, generation config and tokenizer files of the source checkpoint (everything but weights)."""
+    for path in src.iterdir():
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, dst / path.name)

@@ -1,0 +1,197 @@
+"""HF checkpoints in and out of MegatronPolicy under DP2 (TP1), TP2 and PP2, against the HF model itself.
+
+One 2-rank spawn visits the three layouts (re-initializing megatron's parallel state in between) and, for each
+tiny model variant of ``conftest.py`` (Llama; Qwen2 with q/k/v biases; Qwen3 with q/k norms and
+head_dim != hidden/heads; Qwen2 with tied embeddings):
+- imports the HF safetensors, runs ``MegatronPolicy.forward`` (packed THD input) on a left-padded batch;
+- on PP1 layouts also runs the bare GPTModel on the padded batch with an explicit causal+padding mask
+  (the unpacked path), gathering the vocab-parallel logits;
+- exports back to HF format.
+The parent compares per-token response log-probs with ``transformers``' own forward on the same left-padded
+batch (fp32: max |diff| < 1e-4), the exported safetensors with the source (bitwise), and reloads the export
+with ``transformers``.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from multirank import run_ranks
+
+PROMPT_LENS = [5, 2, 9, 3]
+RESPONSE_LENS = [4, 7, 1, 6]
+LAYOUTS = {"tp1dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+TOL = 1e-4  # fp32, same weights: only summation-order differences (measured <= 1e-6)
+
+
+def _batch_tensors(vocab: int = 256, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Left-padded sequences [B, S] / right-aligned response mask [B, R] (DESIGN.md section 2)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width, resp = len(PROMPT_LENS), max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)), max(RESPONSE_LENS)
+    t = {
+        "sequences": torch.zeros(rows, width, dtype=torch.long),
+        "attention_mask": torch.zeros(rows, width, dtype=torch.long),
+        "response_mask": torch.zeros(rows, resp, dtype=torch.long),
+        "loss_mask": torch.zeros(rows, resp),
+    }
+    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
+        t["sequences"][i, width - p - r :] = torch.randint(3, vocab, (p + r,), generator=g)
+        t["attention_mask"][i, width - p - r :] = 1
+        t["response_mask"][i, resp - r :] = 1
+        t["loss_mask"][i, resp - r :] = 1.0
+    return t
+
+
+def response_logprobs_from_logits(logits: torch.Tensor, sequences: torch.Tensor, width: int) -> torch.Tensor:
+    """Full-vocab logits [B, S, V] -> log p(sequences[:, t+1]) for the last ``width`` targets: [B, width]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)[:, :-1]
+    token = logp.gather(-1, sequences[:, 1:, None]).squeeze(-1)  # [B, S-1]
+    return token[:, -width:]
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_reference(hf_dir: str) -> torch.Tensor:
+    """HF log-probs of the test batch, computed once per model directory."""
+    return hf_response_logprobs(Path(hf_dir), _batch_tensors())
+
+
+def hf_response_logprobs(hf_dir: Path, tensors: dict[str, torch.Tensor], dtype=torch.float32) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        logits = model(input_ids=tensors["sequences"], attention_mask=tensors["attention_mask"]).logits
+    return response_logprobs_from_logits(logits, tensors["sequences"], tensors["response_mask"].shape[1])
+
+
+# ---------------------------------------------------------------------- runs in the children
+
+
+def _padded_forward_logprobs(module, tensors: dict[str, torch.Tensor], groups) -> torch.Tensor:
+    """The unpacked path: bare GPTModel on [B, S] with a causal + left-padding mask (True = masked)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    seq, am = tensors["sequences"], tensors["attention_mask"].bool()
+    s = seq.shape[1]
+    allowed = torch.tril(torch.ones(s, s, dtype=torch.bool))[None] & am[:, None, :]
+    positions = torch.arange(s)[None].expand_as(seq)
+    with torch.no_grad():
+        logits = module(seq, positions, ~allowed[:, None])  # [B, S, V/tp]
+        logits = gather_from_tensor_model_parallel_region(logits, group=groups.tp_group)
+    return response_logprobs_from_logits(logits, seq, tensors["response_mask"].shape[1])
+
+
+def _layout_run(layout: str, model_dirs: dict[str, str], tensors, export_root: str) -> dict:
+    from megatron.core import parallel_state
+
+    from megatron_rl.config import MegatronRLConfig, ModelConfig, ParallelConfig
+    from megatron_rl.data.batch import TrainingBatch
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+    from megatron_rl.hf.config import model_config_from_hf
+    from megatron_rl.hf.weights import export_policy_to_hf, load_hf_into_policy
+    from megatron_rl.model.policy import MegatronPolicy
+
+    tp, pp = LAYOUTS[layout]
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    groups = initialize_distributed(parallel, seed=7)
+    n = tensors["sequences"].shape[0]
+    batch = TrainingBatch(dict(tensors), list(range(n)), list(range(n)), [True] * n)
+    out = {}
+    for variant, path in model_dirs.items():
+        model = model_config_from_hf(path, base=ModelConfig(attention_backend="local"))
+        policy = MegatronPolicy(MegatronRLConfig(parallel=parallel, model=model), groups, role="reference")
+        load_hf_into_policy(policy)
+        out[(variant, "packed")] = policy.forward(batch)["logprobs"]
+        if pp == 1:
+            out[(variant, "padded")] = _padded_forward_logprobs(policy.module, tensors, groups)
+        export_policy_to_hf(policy, Path(export_root) / f"{layout}_{variant}")
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def _hf_child(rank: int, world_size: int, model_dirs: dict[str, str], tensors, export_root: str) -> dict:
+    results = {}
+    for layout in LAYOUTS:
+        for key, value in _layout_run(layout, model_dirs, tensors, export_root).items():
+            results[(layout, *key)] = value
+    return results if rank == 0 else {}
+
+
+# ---------------------------------------------------------------------- tests (parent)
+
+
+@pytest.fixture(scope="module")
+def hf_run(hf_models, tmp_path_factory):
+    export_root = tmp_path_factory.mktemp("hf_export")
+    tensors = _batch_tensors()
+    dirs = {name: str(path) for name, path in hf_models.items()}
+    results = run_ranks(2, _hf_child, dirs, tensors, str(export_root), timeout=300)[0]
+    return results, tensors, export_root
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logprobs_match_hf(hf_run, hf_models, layout):
+    results, tensors, _ = hf_run
+    mask = tensors["response_mask"].bool()
+    for variant, path in hf_models.items():
+        reference = _hf_reference(str(path))
+        paths = ["packed"] + (["padded"] if LAYOUTS[layout][1] == 1 else [])
+        for path_kind in paths:
+            ours = results[(layout, variant, path_kind)]
+            diff = (ours - reference)[mask].abs().max().item()
+            assert diff < TOL, (layout, variant, path_kind, diff)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_export_is_bitwise_and_loads_in_transformers(hf_run, hf_models, layout):
+    from safetensors.torch import load_file
+
+    _, tensors, export_root = hf_run
+    for variant, src in hf_models.items():
+        out = export_root / f"{layout}_{variant}"
+        source, exported = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+        assert sorted(source) == sorted(exported), (layout, variant)
+        for name in source:
+            assert torch.equal(source[name], exported[name]), (layout, variant, name)
+        assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+        assert torch.equal(hf_response_logprobs(out, tensors), _hf_reference(str(src)))
+
+
+def _gpu_child(rank: int, world_size: int, hf_dir: str, tensors) -> torch.Tensor:
+    from megatron_rl.config import MegatronRLConfig, ModelConfig, ParallelConfig
+    from megatron_rl.data.batch import TrainingBatch
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+    from megatron_rl.hf.config import model_config_from_hf
+    from megatron_rl.hf.weights import load_hf_into_policy
+    from megatron_rl.model.policy import MegatronPolicy
+
+    groups = initialize_distributed(ParallelConfig(), seed=7)
+    model = model_config_from_hf(hf_dir, base=ModelConfig(params_dtype="bfloat16", attention_backend="auto"))
+    policy = MegatronPolicy(MegatronRLConfig(model=model), groups, role="reference")
+    load_hf_into_policy(policy)
+    n = tensors["sequences"].shape[0]
+    batch = TrainingBatch({k: v.to(groups.device) for k, v in tensors.items()}, list(range(n)), list(range(n)), [True] * n)
+    return policy.forward(batch)["logprobs"].float().cpu()
+
+
+@pytest.mark.gpu
+def test_logprobs_match_hf_bf16_gpu(hf_models):
+    """bf16 weights and activations (TE attention when installed) vs the fp32 HF forward of the same weights.
+
+    Tolerance: bf16 keeps 8 significant bits (relative rounding 2**-9 per operation). The tiny models' logits
+    are O(1), so each layer adds errors of order 1e-3 to 1e-2 in the logits; log-softmax in fp32 passes them
+    through roughly unchanged. Two layers plus embedding/output rounding stay well inside max |diff| 0.05 and a
+    mean of 0.01, while a wrong mapping moves log-probs by 0.06-0.4 (negative controls of HF_BRIDGE_NOTES.md).
+    """
+    tensors = _batch_tensors()
+    mask = tensors["response_mask"].bool()
+    for variant, path in hf_models.items():
+        ours = run_ranks(1, _gpu_child, str(path), tensors, timeout=300)[0]
+        diff = (ours - _hf_reference(str(path)))[mask].abs()
+        assert diff.max().item() < 0.05 and diff.mean().item() < 0.01, (variant, diff.max().item())
