@@ -165,10 +165,15 @@ def _collect_groups(parallel: ParallelConfig) -> ParallelGroups:
     )
 
 
-def destroy_distributed() -> None:
-    """Tear down megatron's parallel state and the process group (safe to call twice)."""
+def destroy_distributed(*, keep_process_group: bool = False) -> None:
+    """Tear down megatron's parallel state and the process group (safe to call twice).
+
+    ``keep_process_group=True`` keeps torch.distributed's default group so that ``initialize_distributed``
+    can set up another layout in the same processes (re-creating the group from the same torchrun env
+    would rendezvous on a port whose store is gone).
+    """
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_process_group:
         dist.destroy_process_group()

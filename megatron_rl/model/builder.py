@@ -143,9 +143,9 @@ def _local_layer_spec(qk_layernorm: bool) -> ModuleSpec:
     return spec
 
 
-def _block_spec(config: TransformerConfig, model_cfg: ModelConfig, pp_rank: int):
+def _block_spec(config: TransformerConfig, model_cfg: ModelConfig, pp_rank: int, use_te: bool):
     """The decoder spec for this stage: TE layer spec, or local layers + our final norm."""
-    if use_transformer_engine(model_cfg):
+    if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.qk_layernorm)
@@ -164,6 +164,7 @@ def build_gpt_model(
     post_process: bool | None = None,
 ) -> GPTModel:
     """This rank's GPTModel stage (embedding on the first stage, output layer on the last by default)."""
+    use_te = use_transformer_engine(model_cfg)
     config = build_transformer_config(model_cfg, parallel_cfg)
     vocab = padded_vocab_size(model_cfg.vocab_size, parallel_cfg.tensor_model_parallel_size)
     if vocab != model_cfg.vocab_size:
@@ -171,7 +172,7 @@ def build_gpt_model(
                        model_cfg.vocab_size, vocab, parallel_cfg.tensor_model_parallel_size)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_block_spec(config, model_cfg, groups.pp_rank),
+        transformer_layer_spec=_block_spec(config, model_cfg, groups.pp_rank, use_te),
         vocab_size=vocab,
         max_sequence_length=model_cfg.max_position_embeddings,
         pre_process=groups.is_first_stage if pre_process is None else pre_process,

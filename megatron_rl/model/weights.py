@@ -1,0 +1,140 @@
+"""Full (un-sharded) state dicts of a TP/PP-sharded GPTModel, and sharding one back in.
+
+Place in the data flow: beside the model. Layout-parity tests build one single-process model, take its state
+dict, and load it into a TP/PP layout (``load_full_state_dict``); HF import/export can go through the same
+two functions. ``full_state_dict`` has the keys and shapes of a TP1/PP1 model of the same spec:
+
+    tensor-parallel params   (``param.tensor_model_parallel``) split along ``param.partition_dim`` into
+                             ``tp`` equal chunks, rank r holding chunk r; except
+    gated fc1 (SwiGLU)       full ``[gate; up]`` (``[2*ffn, h]``); rank r holds ``[gate_r; up_r]`` where
+                             gate_r, up_r are chunk r of gate and up (each rank applies silu(gate) * up to
+                             its own half), so chunking the full tensor directly would be wrong
+    qkv                      per-query-group [q; k; v] rows, groups contiguous: plain chunking is right
+    pipeline stages          local ``decoder.layers.{i}`` is global layer ``layer_number - 1``
+    tied output layer        the last stage's ``output_layer.weight`` copy is not in the full dict (a TP1/PP1
+                             tied model has none); it is loaded from ``embedding.word_embeddings.weight``
+    padded vocabulary        full dicts keep the padded rows; loading a dict with fewer vocab rows pads zeros
+
+Both functions accept a wrapped model (DDP, Float16Module: anything with ``.module``) and are collective over
+the TP group (all_gather) and the PP group (all_gather_object) when those are larger than 1.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.distributed.bootstrap import ParallelGroups
+
+_LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)\.(.*)$")
+_TIED_COPY = "output_layer.weight"
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _local_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Local name -> parameter or buffer (with its partition attributes), without ``_extra_state`` entries."""
+    return {
+        name: tensor
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if not name.endswith("_extra_state") and isinstance(tensor, torch.Tensor)
+    }
+
+
+def _global_name(model: torch.nn.Module, name: str) -> str:
+    match = _LAYER.match(name)
+    if match is None:
+        return name
+    layer_number = model.decoder.layers[int(match[2])].layer_number  # 1-based, global across PP stages
+    return f"{match[1]}{layer_number - 1}.{match[3]}"
+
+
+def _is_gated_fc1(model: torch.nn.Module, name: str) -> bool:
+    return model.config.gated_linear_unit and re.search(r"linear_fc1\.(weight|bias)$", name) is not None
+
+
+def _is_tied_copy(model: torch.nn.Module, name: str) -> bool:
+    return name == _TIED_COPY and model.share_embeddings_and_output_weights
+
+
+def _unshard_tp(shards: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
+    if not gated:
+        return torch.cat(shards, dim=dim)
+    halves = [shard.chunk(2, dim=dim) for shard in shards]  # [(gate_r, up_r)]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+
+
+def _shard_tp(full: torch.Tensor, local_shape: torch.Size, dim: int, gated: bool, tp: int, rank: int):
+    if gated:
+        gate, up = full.chunk(2, dim=dim)
+        return torch.cat([gate.chunk(tp, dim=dim)[rank], up.chunk(tp, dim=dim)[rank]], dim=dim)
+    missing = local_shape[dim] * tp - full.shape[dim]
+    if missing > 0:  # vocabulary padded to a multiple of tp
+        pad_shape = list(full.shape)
+        pad_shape[dim] = missing
+        full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    return full.chunk(tp, dim=dim)[rank]
+
+
+def _gather_tp(tensor: torch.Tensor, groups: ParallelGroups, dim: int, gated: bool) -> torch.Tensor:
+    shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
+    dist.all_gather(shards, tensor.contiguous(), group=groups.tp_group)
+    return _unshard_tp(shards, dim, gated)
+
+
+@torch.no_grad()
+def full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, TP- and PP-unsharded, on CPU, on every rank (collective)."""
+    model = _unwrap(model)
+    stage: dict[str, torch.Tensor] = {}
+    for name, tensor in _local_tensors(model).items():
+        if _is_tied_copy(model, name):
+            continue
+        value = tensor.detach()
+        if getattr(tensor, "tensor_model_parallel", False) and groups.tp_size > 1:
+            value = _gather_tp(value, groups, tensor.partition_dim, _is_gated_fc1(model, name))
+        stage[_global_name(model, name)] = value.cpu().clone()
+    if groups.pp_size == 1:
+        return stage
+    stages: list[dict[str, torch.Tensor] | None] = [None] * groups.pp_size
+    dist.all_gather_object(stages, stage, group=groups.pp_group)
+    return {name: value for part in stages for name, value in part.items()}
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], groups: ParallelGroups) -> None:
+    """Copy this rank's shard of ``full_sd`` (a ``full_state_dict`` / TP1-PP1 state dict) into ``model``.
+
+    KeyError naming the missing keys if ``full_sd`` lacks a tensor this stage needs; ValueError on a shape
+    that does not match.
+    """
+    model = _unwrap(model)
+    local = _local_tensors(model)
+    missing = [n for n in local if _source_name(model, n) not in full_sd]
+    if missing:
+        raise KeyError(f"load_full_state_dict: full state dict lacks {missing[:5]} ({len(missing)} missing)")
+    for name, tensor in local.items():
+        full = full_sd[_source_name(model, name)].to(tensor.device, tensor.dtype)
+        if getattr(tensor, "tensor_model_parallel", False):
+            full = _shard_tp(full, tensor.shape, tensor.partition_dim, _is_gated_fc1(model, name),
+                             groups.tp_size, groups.tp_rank)
+        if full.shape != tensor.shape:
+            raise ValueError(
+                f"load_full_state_dict: {name} needs shape {tuple(tensor.shape)} on this rank, the full state "
+                f"dict gives {tuple(full.shape)}; build the model from the same ModelConfig"
+            )
+        tensor.data.copy_(full)
+
+
+def _source_name(model: torch.nn.Module, name: str) -> str:
+    """Key of ``name``'s tensor in a full state dict (the tied output layer reads the embedding)."""
+    if _is_tied_copy(model, name):
+        return _EMBEDDING
+    return _global_name(model, name)
