@@ -1,0 +1,429 @@
+"""MegatronPolicy under TP2, PP2, DP2, TP2xPP2 (gloo) against single-process references.
+
+One 1-rank spawn builds the reference: the full weights, per-row log-probs and gradients of the global summed
+loss from a plain GPTModel with plain torch autograd (no packing, no schedule, no DDP), and the weights after
+one optimizer step of a single-process MegatronPolicy. Each layout then runs in one spawn that loads those
+weights and returns everything the tests compare: forward log-probs, gradients after
+forward_backward + finalization for several micro-batch counts, metrics, weights after a step, and (DP2) the
+deferred-finalization, scaling-factor-ablation and bad-input checks. Spawns are module-scoped and shared.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from megatron_rl.metrics import Metric
+from multirank import run_ranks
+
+PROMPT_LENS = [3, 9, 2, 5, 12, 4, 6]
+RESPONSE_LENS = [6, 2, 11, 4, 1, 8, 5]  # uneven token counts; B=7 is odd, so DP2 adds a dummy row
+MB_COUNTS = (1, 2, 4)
+LR = 0.05
+
+
+# ---------------------------------------------------------------------- shared helpers (run in the children)
+
+
+def _to_bytes(obj) -> bytes:
+    """Results travel as bytes: tensors sent through a multiprocessing queue are shared via file descriptors
+    that vanish when the child exits before the parent unpickles them (FileNotFoundError, seen here)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(blob: bytes):
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def _config(tp: int = 1, pp: int = 1, *, optimizer: str = "sgd", distributed: bool = False):
+    from megatron_rl.config import MegatronRLConfig, ModelConfig, OptimizerConfig, ParallelConfig
+
+    return MegatronRLConfig(
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        model=ModelConfig(attention_backend="local"),
+        optimizer=OptimizerConfig(optimizer=optimizer, lr=LR, clip_grad=1.0, use_distributed_optimizer=distributed),
+        seed=1234,
+    )
+
+
+def _batch_tensors(seed: int = 0, vocab: int = 128) -> dict[str, torch.Tensor]:
+    """Left-padded [B, S] / right-aligned [B, R] tensors (DESIGN.md section 2), built by hand."""
+    g = torch.Generator().manual_seed(seed)
+    num_rows = len(PROMPT_LENS)
+    width = max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS))
+    resp_width = max(RESPONSE_LENS)
+    t = {
+        "sequences": torch.zeros(num_rows, width, dtype=torch.long),
+        "attention_mask": torch.zeros(num_rows, width, dtype=torch.long),
+        "response_mask": torch.zeros(num_rows, resp_width, dtype=torch.long),
+        "loss_mask": torch.zeros(num_rows, resp_width),
+        "advantages": torch.randn(num_rows, resp_width, generator=g),
+    }
+    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
+        t["sequences"][i, width - p - r :] = torch.randint(1, vocab, (p + r,), generator=g)
+        t["attention_mask"][i, width - p - r :] = 1
+        t["response_mask"][i, resp_width - r :] = 1
+        t["loss_mask"][i, resp_width - r :] = (torch.rand(r, generator=g) > 0.2).float()
+    t["loss_mask"][1] = 0.0  # a row with no loss token
+    t["advantages"] *= t["response_mask"]
+    return t
+
+
+def _batch(tensors: dict[str, torch.Tensor]):
+    from megatron_rl.data.batch import TrainingBatch
+
+    n = tensors["sequences"].shape[0]
+    return TrainingBatch(dict(tensors), list(range(n)), list(range(n)), [True] * n)
+
+
+def summed_pg_loss(logprobs, entropy, mb, loss_config):
+    """The simple summed policy-gradient loss of the brief, with metrics of every reduce kind."""
+    mask = mb["loss_mask"]
+    loss = -(logprobs * mb["advantages"] * mask).sum()
+    metrics = {
+        "loss": Metric(loss.detach(), 1.0, "sum"),
+        "loss_tokens": Metric(mask.sum(), 1.0, "sum"),
+        "logprob_mean": Metric((logprobs.detach() * mask).sum(), mask.sum(), "mean"),
+        "logprob_min": Metric(float(logprobs.detach()[mask > 0].min()) if mask.any() else math.inf, 1.0, "min"),
+    }
+    return loss, metrics
+
+
+def _full_grads(policy) -> dict[str, torch.Tensor]:
+    """Finalized main grads in the single-process state-dict layout (params temporarily view their grads)."""
+    params = [p for p in policy.module.parameters() if p.requires_grad]
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.main_grad.view_as(p)
+        return {k: v.clone() for k, v in policy.full_state_dict().items()}
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def _fresh_policy(cfg, groups, full_sd):
+    from megatron_rl.model.policy import MegatronPolicy
+
+    policy = MegatronPolicy(cfg, groups)
+    policy.load_full_state_dict(full_sd)
+    return policy
+
+
+def _micro_batch_size(num_rows: int, dp_size: int, count: int) -> int:
+    shard = -(-num_rows // dp_size)
+    return -(-shard // count)
+
+
+def _grad_runs(policy, batch, dp_size: int) -> dict:
+    """Gradient after forward_backward + finalize for each micro-batch count, plus the metrics."""
+    out = {}
+    for count in MB_COUNTS:
+        policy.config.batch.micro_batch_size = _micro_batch_size(len(batch), dp_size, count)
+        out[f"metrics_{count}"] = policy.forward_backward(batch, summed_pg_loss, None)
+        policy.finalize_grads()
+        out[f"grad_{count}"] = _full_grads(policy)
+        policy.zero_grad()
+    return out
+
+
+def _token_budget_run(policy, batch) -> dict:
+    """Token-budget micro-batches (packs of different lengths; under DP2 some ranks get a dummy one)."""
+    policy.config.batch.micro_batch_size = None
+    policy.config.batch.max_tokens_per_micro_batch = 22  # DP2: 2 packs on rank 0, 3 on rank 1 -> a dummy
+    metrics = policy.forward_backward(batch, summed_pg_loss, None)
+    policy.finalize_grads()
+    grads = _full_grads(policy)
+    policy.zero_grad()
+    policy.config.batch.max_tokens_per_micro_batch = None
+    policy.config.batch.micro_batch_size = 4
+    return {"metrics_budget": metrics, "grad_budget": grads}
+
+
+def _step(policy, batch) -> dict:
+    policy.forward_backward(batch, summed_pg_loss, None)
+    info = policy.optim_step()
+    return {"step_info": info, "weights": policy.full_state_dict()}
+
+
+# ---------------------------------------------------------------------- the reference (1 rank)
+
+
+def _row_logprobs(model, tensors) -> torch.Tensor:
+    """[B, R] log-probs, one plain (unpacked, causal) forward per row, placed right-aligned by hand."""
+    seqs, am = tensors["sequences"], tensors["attention_mask"]
+    width, resp_width = seqs.shape[1], tensors["response_mask"].shape[1]
+    rows = []
+    for i in range(seqs.shape[0]):
+        tokens = seqs[i][am[i].bool()][None]  # [1, n]
+        n = tokens.shape[1]
+        logits = model(tokens, torch.arange(n)[None], None)  # [1, n, V]
+        lp = torch.log_softmax(logits.float(), dim=-1)[0, :-1].gather(-1, tokens[0, 1:, None])[:, 0]  # [n-1]
+        full = torch.zeros(width, dtype=lp.dtype)
+        full = torch.cat([full[: width - n], lp, full[:1]])  # column c predicts column c+1
+        rows.append(full[width - resp_width - 1 : width - 1])
+    return torch.stack(rows)
+
+
+def _reference_rank(rank, world_size, tensors):
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+    from megatron_rl.model.builder import build_gpt_model
+    from megatron_rl.model.weights import load_full_state_dict
+    from megatron_rl.model.policy import MegatronPolicy
+
+    cfg = _config()
+    groups = initialize_distributed(cfg.parallel, cfg.seed)
+    policy = MegatronPolicy(cfg, groups)
+    full_sd = {k: v.clone() for k, v in policy.full_state_dict().items()}
+    plain = build_gpt_model(cfg.model, cfg.parallel, groups)
+    load_full_state_dict(plain, full_sd, groups)
+    logprobs = _row_logprobs(plain, tensors)
+    loss = -(logprobs * tensors["advantages"] * tensors["loss_mask"]).sum()
+    loss.backward()
+    out = {
+        "full_sd": full_sd,
+        "logprobs": logprobs.detach(),
+        "loss": float(loss),
+        "grads": {k: p.grad.clone() for k, p in plain.named_parameters()},
+    }
+    batch = _batch(tensors)
+    out.update(_step(_fresh_policy(cfg, groups, full_sd), batch))
+    out["adam_weights"] = _step(_fresh_policy(_config(optimizer="adam"), groups, full_sd), batch)["weights"]
+    out.update(_bad_input_checks(policy, tensors))
+    return _to_bytes(out)
+
+
+def _bad_input_checks(policy, tensors) -> dict:
+    """Each bad input must raise ValueError naming the field, before any collective."""
+    cases = {}
+
+    def case(name, mutate):
+        bad = {k: v.clone() for k, v in tensors.items()}
+        mutate(bad)
+        try:
+            policy.forward(_batch(bad))
+            cases[name] = "no error"
+        except ValueError as err:
+            cases[name] = str(err)
+
+    case("token_id", lambda t: t["sequences"].__setitem__((0, -1), 128))
+    case("negative_token_id", lambda t: t["sequences"].__setitem__((2, -1), -3))
+    case("too_long", lambda t: t.update(_too_long(t)))
+    case("loss_mask_shape", lambda t: t.update(loss_mask=t["loss_mask"][:, 1:]))
+    case("attention_mask_shape", lambda t: t.update(attention_mask=t["attention_mask"][:, 1:]))
+    # A micro-batch with no valid loss token: finite zero loss and zero gradient.
+    zero = {k: v.clone() for k, v in tensors.items()}
+    zero["loss_mask"].zero_()
+    policy.config.batch.micro_batch_size = 2
+    metrics = policy.forward_backward(_batch(zero), summed_pg_loss, None)
+    policy.finalize_grads()
+    grads = _full_grads(policy)
+    policy.zero_grad()
+    cases["zero_mask_loss"] = metrics["loss"].final()
+    cases["zero_mask_grad_max"] = max(float(g.abs().max()) for g in grads.values())
+    return {"bad_inputs": cases}
+
+
+def _too_long(t):
+    long = 600  # > max_position_embeddings=512
+    seqs = torch.ones(t["sequences"].shape[0], long, dtype=torch.long)
+    am = torch.ones_like(seqs)
+    return {"sequences": seqs, "attention_mask": am}
+
+
+# ---------------------------------------------------------------------- the layouts
+
+
+def _layout_rank(rank, world_size, tp, pp, tensors, full_sd, extras):
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+
+    cfg = _config(tp, pp)
+    groups = initialize_distributed(cfg.parallel, cfg.seed)
+    batch = _batch(tensors)
+    policy = _fresh_policy(cfg, groups, full_sd)
+    out = {"dp_size": groups.dp_size}
+    out["forward"] = {k: v.cpu() for k, v in policy.forward(batch, compute_entropy=True).items()}
+    out.update(_grad_runs(policy, batch, groups.dp_size))
+    out.update(_token_budget_run(policy, batch))
+    out.update(_step(_fresh_policy(cfg, groups, full_sd), batch))
+    if "dp_checks" in extras:
+        out.update(_dp_checks(cfg, groups, batch, tensors, full_sd))
+    return _to_bytes(out)
+
+
+def _dp_checks(cfg, groups, batch, tensors, full_sd) -> dict:
+    from megatron_rl.model import scaling
+
+    out = {}
+    # Deferred finalization: two forward_backward calls on halves + one step == one call on the whole.
+    policy = _fresh_policy(cfg, groups, full_sd)
+    policy.forward_backward(batch.slice(0, 3), summed_pg_loss, None)
+    policy.forward_backward(batch.slice(3, len(batch)), summed_pg_loss, None)
+    out["halves_step_info"] = policy.optim_step()
+    out["halves_weights"] = policy.full_state_dict()
+    # Ablations: each factor of the contract dropped in turn must break gradient invariance.
+    policy = _fresh_policy(cfg, groups, full_sd)
+    original = scaling.megatron_loss_scale
+    policy.config.batch.micro_batch_size = _micro_batch_size(len(batch), groups.dp_size, 2)
+    for name, fake in {"no_dp": lambda n, d: n, "no_num_microbatches": lambda n, d: d}.items():
+        scaling.megatron_loss_scale = fake
+        try:
+            policy.forward_backward(batch, summed_pg_loss, None)
+        finally:
+            scaling.megatron_loss_scale = original
+        policy.finalize_grads()
+        out[f"ablation_{name}"] = _full_grads(policy)
+        policy.zero_grad()
+    # Distributed optimizer (Adam only) across DP ranks.
+    out["adam_weights"] = _step(_fresh_policy(_config(optimizer="adam", distributed=True), groups, full_sd), batch)[
+        "weights"
+    ]
+    # Bad input on every rank: ValueError everywhere, then the ranks still agree in collectives.
+    bad = {k: v.clone() for k, v in tensors.items()}
+    bad["sequences"][0, -1] = 10_000
+    try:
+        policy.forward(_batch(bad))
+        out["bad_input"] = "no error"
+    except ValueError as err:
+        out["bad_input"] = str(err)
+    out["after_bad_input"] = policy.forward(batch)["logprobs"].cpu()
+    return out
+
+
+# ---------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return _batch_tensors()
+
+
+@pytest.fixture(scope="module")
+def reference(tensors):
+    return _from_bytes(run_ranks(1, _reference_rank, tensors, timeout=300)[0])
+
+
+LAYOUTS = {
+    "tp2": (2, 2, 1, ()),
+    "pp2": (2, 1, 2, ()),
+    "dp2": (2, 1, 1, ("dp_checks",)),
+    "tp2xpp2": (4, 2, 2, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def layout_results(tensors, reference):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            world, tp, pp, extras = LAYOUTS[name]
+            results = run_ranks(world, _layout_rank, tp, pp, tensors, reference["full_sd"], extras, timeout=600)
+            cache[name] = [_from_bytes(r) for r in results]
+        return cache[name]
+
+    return get
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def _max_rel_err(got: dict, ref: dict) -> float:
+    """||got - ref|| / ||ref|| over all tensors of ``ref`` (``got`` may hold extra buffers)."""
+    assert set(ref) <= set(got), sorted(set(ref) - set(got))
+    num = math.sqrt(sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref))
+    den = math.sqrt(sum(float(ref[k].pow(2).sum()) for k in ref))
+    return num / den
+
+
+def test_reference_policy_matches_plain_autograd(reference):
+    """Sanity of the reference itself: grads are non-trivial and cover every parameter."""
+    assert reference["loss"] != 0.0
+    assert set(reference["grads"]) <= set(reference["full_sd"])
+    assert all(torch.isfinite(g).all() for g in reference["grads"].values())
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_forward_logprobs_layout_parity(layout, layout_results, reference, tensors):
+    for rank_out in layout_results(layout):
+        got = rank_out["forward"]["logprobs"]
+        diff = (got - reference["logprobs"]).abs().max()
+        assert diff < 1e-5, f"{layout}: max |logprob diff| {diff:.2e}"
+        assert got.shape == reference["logprobs"].shape
+        assert torch.isfinite(rank_out["forward"]["entropy"]).all()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gradient_invariance(layout, layout_results, reference):
+    """Gradient after finalize == single-process gradient of the global summed loss, for 1, 2, 4 micro-batches."""
+    for rank_out in layout_results(layout):
+        for key in [f"grad_{c}" for c in MB_COUNTS] + ["grad_budget"]:
+            err = _max_rel_err(rank_out[key], reference["grads"])
+            assert err < 1e-5, f"{layout} {key}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_metrics_identical_on_every_rank(layout, layout_results, reference, tensors):
+    results = layout_results(layout)
+    for key in [f"metrics_{c}" for c in MB_COUNTS] + ["metrics_budget"]:
+        first = {k: m.final() for k, m in results[0][key].items()}
+        for rank_out in results[1:]:
+            assert {k: m.final() for k, m in rank_out[key].items()} == first
+        assert first["loss"] == pytest.approx(reference["loss"], rel=1e-5, abs=1e-5)
+        assert first["loss_tokens"] == float(tensors["loss_mask"].sum())
+        masked = reference["logprobs"][tensors["loss_mask"] > 0]
+        assert first["logprob_mean"] == pytest.approx(float(masked.mean()), abs=1e-5)
+        assert first["logprob_min"] == pytest.approx(float(masked.min()), abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_one_step_same_weights(layout, layout_results, reference):
+    for rank_out in layout_results(layout):
+        err = _max_rel_err(rank_out["weights"], reference["weights"])
+        assert err < 1e-6, f"{layout}: weights after one step differ, relative error {err:.2e}"
+        assert rank_out["step_info"]["grad_norm"] == pytest.approx(reference["step_info"]["grad_norm"], rel=1e-5)
+        assert rank_out["step_info"]["lr"] == pytest.approx(LR)
+
+
+def test_reference_grad_norm_is_plain_norm(reference):
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in reference["grads"].values()))
+    assert reference["step_info"]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
+def test_deferred_finalization(layout_results, reference):
+    for rank_out in layout_results("dp2"):
+        err = _max_rel_err(rank_out["halves_weights"], rank_out["weights"])
+        assert err < 1e-6, f"halves + one step vs whole: relative error {err:.2e}"
+        assert rank_out["halves_step_info"]["grad_norm"] == pytest.approx(rank_out["step_info"]["grad_norm"], rel=1e-5)
+
+
+def test_dropping_a_scale_factor_breaks_invariance(layout_results, reference):
+    for rank_out in layout_results("dp2"):
+        for name in ("no_dp", "no_num_microbatches"):
+            err = _max_rel_err(rank_out[f"ablation_{name}"], reference["grads"])
+            assert err > 0.3, f"dropping {name} should change the gradient (relative error {err:.2e})"
+
+
+def test_distributed_optimizer_matches_single_process_adam(layout_results, reference):
+    for rank_out in layout_results("dp2"):
+        err = _max_rel_err(rank_out["adam_weights"], reference["adam_weights"])
+        assert err < 1e-6, f"distributed Adam vs single-process Adam: relative error {err:.2e}"
+
+
+def test_bad_inputs_raise_value_error_naming_the_field(reference, layout_results):
+    cases = reference["bad_inputs"]
+    assert "sequences" in cases["token_id"] and "vocab_size" in cases["token_id"]
+    assert "vocab_size" in cases["negative_token_id"]
+    assert "max_position_embeddings" in cases["too_long"]
+    assert "loss_mask" in cases["loss_mask_shape"]
+    assert "attention_mask" in cases["attention_mask_shape"]
+    assert cases["zero_mask_loss"] == 0.0 and math.isfinite(cases["zero_mask_loss"])
+    assert cases["zero_mask_grad_max"] == 0.0
+    for rank_out in layout_results("dp2"):  # every rank raised, and the ranks still work together afterwards
+        assert "vocab_size" in rank_out["bad_input"]
+        assert (rank_out["after_bad_input"] - reference["logprobs"]).abs().max() < 1e-5
