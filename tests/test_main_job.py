@@ -59,7 +59,7 @@ def check_run(output_dir: Path, steps: int) -> list[dict]:
     for row in rows:
         for key in ("reward/mean", "policy/loss", "optim/grad_norm", "rollout/logprob_abs_diff_max"):
             assert key in row and math.isfinite(row[key]), (key, row)
-        assert row["optim/steps"] == 2  # 8 games per step / 4 per mini-batch
+        assert row["optim/steps"] == 8  # 8 games per step / 2 per mini-batch x 2 epochs
         assert row["rollout/logprob_abs_diff_max"] < 1e-4  # the sampler and the trainer agree
     for name in ("config.yaml", "reward_loss.png", "summary.txt"):
         assert (output_dir / name).is_file(), name
@@ -97,3 +97,22 @@ def test_two_node_launch_tp2(tmp_path: Path) -> None:
     outputs = [finish(proc) for proc in nodes]
     assert "TP2 PP1 DP1" in outputs[0]
     check_run(out_dir, 2)
+
+
+@pytest.mark.parametrize("path, world_size", [("configs/demo_cpu.yaml", 2), ("configs/demo_gpu_qwen3_0p6b.yaml", 4)])
+def test_shipped_configs_load_and_fit_the_demo(path: str, world_size: int) -> None:
+    from megatron_rl.config import load_config
+    from megatron_rl.demo.tokenizer import DigitTokenizer
+    from megatron_rl.main import check_demo_config
+
+    config = load_config(ROOT / path, world_size=world_size)
+    check_demo_config(config, DigitTokenizer())
+
+
+def test_demo_config_errors_name_the_key() -> None:
+    from megatron_rl.config import load_config
+    from megatron_rl.demo.tokenizer import DigitTokenizer
+    from megatron_rl.main import check_demo_config
+
+    with pytest.raises(ValueError, match="model.vocab_size=128"):
+        check_demo_config(load_config(None), DigitTokenizer())
