@@ -40,11 +40,13 @@ def _from_bytes(blob: bytes):
     return torch.load(io.BytesIO(blob), weights_only=False)
 
 
-def _config(tp: int = 1, pp: int = 1, *, optimizer: str = "sgd", distributed: bool = False):
+def _config(tp: int = 1, pp: int = 1, *, optimizer: str = "sgd", distributed: bool = False,
+            sequence_parallel: bool = False):
     from megatron_rl.config import MegatronRLConfig, ModelConfig, OptimizerConfig, ParallelConfig
 
     return MegatronRLConfig(
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                sequence_parallel=sequence_parallel),
         model=ModelConfig(attention_backend="local"),
         optimizer=OptimizerConfig(optimizer=optimizer, lr=LR, clip_grad=1.0, use_distributed_optimizer=distributed),
         seed=1234,
@@ -253,7 +255,20 @@ def _layout_rank(rank, world_size, tp, pp, tensors, full_sd, extras):
     out.update(_step(_fresh_policy(cfg, groups, full_sd), batch))
     if "dp_checks" in extras:
         out.update(_dp_checks(cfg, groups, batch, tensors, full_sd))
+    if "sequence_parallel" in extras:
+        out.update(_variant_run(_config(tp, pp, sequence_parallel=True), groups, batch, full_sd, "sp"))
+    if "fixed_shapes" in extras:
+        out.update(_variant_run(cfg, groups, batch, full_sd, "fixed_shapes", variable_seq_lengths=False))
     return _to_bytes(out)
+
+
+def _variant_run(cfg, groups, batch, full_sd, name: str, variable_seq_lengths: bool = True) -> dict:
+    """Forward and token-budget gradient of a variant (sequence parallel; PP packs extended to one length)."""
+    policy = _fresh_policy(cfg, groups, full_sd)
+    policy.module.config.variable_seq_lengths = variable_seq_lengths
+    out = {f"{name}_forward": policy.forward(batch)["logprobs"].cpu()}
+    out.update({f"{name}_{k}": v for k, v in _token_budget_run(policy, batch).items()})
+    return out
 
 
 def _dp_checks(cfg, groups, batch, tensors, full_sd) -> dict:
@@ -309,8 +324,8 @@ def reference(tensors):
 
 
 LAYOUTS = {
-    "tp2": (2, 2, 1, ()),
-    "pp2": (2, 1, 2, ()),
+    "tp2": (2, 2, 1, ("sequence_parallel",)),
+    "pp2": (2, 1, 2, ("fixed_shapes",)),
     "dp2": (2, 1, 1, ("dp_checks",)),
     "tp2xpp2": (4, 2, 2, ()),
 }
@@ -388,6 +403,16 @@ def test_one_step_same_weights(layout, layout_results, reference):
         assert err < 1e-6, f"{layout}: weights after one step differ, relative error {err:.2e}"
         assert rank_out["step_info"]["grad_norm"] == pytest.approx(reference["step_info"]["grad_norm"], rel=1e-5)
         assert rank_out["step_info"]["lr"] == pytest.approx(LR)
+
+
+@pytest.mark.parametrize("layout, variant", [("tp2", "sp"), ("pp2", "fixed_shapes")])
+def test_variants(layout, variant, layout_results, reference):
+    """TP2 with sequence parallelism (packs aligned to tp); PP2 with packs extended to one fixed length."""
+    for rank_out in layout_results(layout):
+        assert (rank_out[f"{variant}_forward"] - reference["logprobs"]).abs().max() < 1e-5
+        err = _max_rel_err(rank_out[f"{variant}_grad_budget"], reference["grads"])
+        assert err < 1e-5, f"{layout} {variant}: gradient relative error {err:.2e}"
+        assert rank_out[f"{variant}_metrics_budget"]["loss"].final() == pytest.approx(reference["loss"], rel=1e-5)
 
 
 def test_reference_grad_norm_is_plain_norm(reference):
