@@ -1,0 +1,173 @@
+"""The CPU patches let megatron-core's own schedule, DDP, finalize and optimizer code run, with exact results.
+
+One 2-rank PP2 run (tied embeddings, packed micro-batches of different lengths) drives
+``get_forward_backward_func`` + megatron ``DistributedDataParallel`` + ``finalize_model_grads`` +
+``get_megatron_optimizer(...).step()`` with grad clipping on (its CUDA call sites: P1-P5), spying on
+megatron's functions to show they really ran; losses, the grad norm and the parameters after one SGD step
+are compared with a plain single-process autograd reference built from the same full state dict.
+"""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.data.packing import pack
+from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+from megatron_rl.model.builder import build_gpt_model
+from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
+from megatron_rl.model.weights import full_state_dict, load_full_state_dict
+from multirank import run_ranks
+
+MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                    vocab_size=64, share_embeddings_and_output_weights=True, attention_backend="local")
+NUM_MICROBATCHES = 2
+LR = 0.5
+
+
+def _micro_batches():
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for lengths in ([5, 2, 9], [3, 11]):  # different packed totals per micro-batch
+        ids = torch.randint(1, MODEL.vocab_size, (len(lengths), 11), generator=gen)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            mask[i, 11 - n :] = 1
+        out.append(pack(ids, mask, align=1))
+    return out
+
+
+def _summed_nll(logits, packed):
+    logprobs, _ = vocab_parallel_logprobs_entropy(logits, packed.labels, None, False)
+    return -(logprobs * packed.label_mask).sum()
+
+
+def _spy(owner, name: str, counts: dict) -> None:
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+def _pp2_train_step(rank, world_size, full_sd, micro_batches):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    from megatron_rl import patches
+
+    parallel = ParallelConfig(pipeline_model_parallel_size=2)
+    groups = initialize_distributed(parallel, seed=3)
+    counts: dict[str, int] = {}
+    _spy(torch.cuda, "current_device", counts)  # P2 replacement, called from DDP buffers and p2p buffers
+    _spy(schedules, "forward_backward_pipelining_without_interleaving", counts)
+    _spy(p2p_communication.P2PCommunicator, "_communicate", counts)
+    _spy(DistributedDataParallel, "finish_grad_sync", counts)
+
+    model = build_gpt_model(MODEL, parallel, groups)
+    load_full_state_dict(model, full_sd, groups)
+    ddp_model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model,
+                                        pg_collection=groups.pg_collection)
+
+    def finalize(*args, **kwargs):
+        counts["finalize_model_grads"] = counts.get("finalize_model_grads", 0) + 1
+        return finalize_model_grads(*args, **kwargs)
+
+    model.config.finalize_model_grads_func = finalize
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, weight_decay=0.0, clip_grad=1e6), [ddp_model])
+
+    def forward_step(data_iterator, chunk):
+        packed = next(data_iterator)
+        output = chunk(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.packed_seq_params())
+
+        def loss_func(logits):
+            loss = _summed_nll(logits, packed)
+            return loss, {"loss": loss.detach().clone()}
+
+        return output, loss_func
+
+    losses = schedules.get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[ddp_model],
+        num_microbatches=NUM_MICROBATCHES, seq_length=0, micro_batch_size=1, forward_only=False,
+        pg_collection=groups.pg_collection,  # explicit groups need an explicit p2p communicator too
+        p2p_communicator=p2p_communication.P2PCommunicator(pp_group=groups.pp_group, config=model.config))
+    success, grad_norm, _ = optimizer.step()
+    return {
+        "losses": [float(item["loss"]) for item in losses], "success": success, "grad_norm": float(grad_norm),
+        "counts": counts, "applied": patches.applied_patches(), "optimizer": type(optimizer).__module__,
+        "weights": full_state_dict(ddp_model, groups), "pp_rank": groups.pp_rank,
+        "cuda_factory_device": str(torch.zeros(1, device="cuda").device),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-process model: its full weights, per-micro-batch losses, grad norm and params after SGD."""
+    groups = initialize_distributed(ParallelConfig(), seed=3)
+    try:
+        model = build_gpt_model(MODEL, ParallelConfig(), groups)
+        full_sd = full_state_dict(model, groups)
+        losses = []
+        for packed in _micro_batches():
+            logits = model(packed.input_ids, packed.position_ids, None, packed_seq_params=packed.packed_seq_params())
+            loss = _summed_nll(logits, packed)
+            (loss / NUM_MICROBATCHES).backward()  # the schedule divides each micro-batch loss by their count
+            losses.append(loss.item())
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())).item()
+        after = {name: full_sd[name] - LR * grad for name, grad in grads.items()}
+        return full_sd, losses, grad_norm, after
+    finally:
+        destroy_distributed()
+
+
+def test_registry_records_are_complete_and_apply_is_idempotent(caplog):
+    from megatron_rl import patches
+
+    for patch in patches.registry():
+        assert patch.target == "megatron-core==0.16.1" and patch.reason and patch.removal
+    with caplog.at_level(logging.INFO, logger="megatron_rl.patches"):
+        first = patches.apply_cpu_patches()
+        assert patches.apply_cpu_patches() == first == [p.name for p in patches.registry()]
+    assert torch.zeros(1, device="cuda").device.type == "cpu"
+
+
+def test_version_mismatch_refused(monkeypatch):
+    from megatron_rl import patches
+
+    monkeypatch.setattr(patches.importlib.metadata, "version", lambda name: "0.99.0")
+    monkeypatch.delenv(patches.ALLOW_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="targets megatron-core==0.16.1 but 0.99.0 is installed"):
+        patches.check_megatron_version()
+    monkeypatch.setenv(patches.ALLOW_ENV, "1")
+    with pytest.warns(UserWarning, match="0.99.0"):
+        assert patches.check_megatron_version() == "0.99.0"
+
+
+@pytest.mark.multirank
+def test_megatron_schedule_ddp_optimizer_run_on_cpu_pp2(reference):
+    full_sd, ref_losses, ref_grad_norm, ref_after = reference
+    out = run_ranks(2, _pp2_train_step, full_sd, _micro_batches())
+    first, last = sorted(out, key=lambda o: o["pp_rank"])
+    for o in out:
+        assert o["applied"] == ["P1/P4/P5 CpuForCudaMode", "P2 torch.cuda.current_device",
+                                "P3 torch.cuda.synchronize", "P6 CPU RNG tracker"]
+        assert o["cuda_factory_device"] == "cpu"
+        assert o["optimizer"].startswith("megatron.core.optimizer") and o["success"]
+        counts = o["counts"]
+        assert counts["forward_backward_pipelining_without_interleaving"] == 1
+        assert counts["finalize_model_grads"] == 1 and counts["finish_grad_sync"] >= 1
+        assert counts["_communicate"] >= NUM_MICROBATCHES and counts["current_device"] >= 1
+        assert o["grad_norm"] == pytest.approx(ref_grad_norm, rel=1e-5)
+    assert first["losses"] == []  # losses live on the last stage
+    assert last["losses"] == pytest.approx(ref_losses, rel=1e-6)
+    for o in out:
+        assert o["weights"].keys() == ref_after.keys()
+        for name, expected in ref_after.items():
+            torch.testing.assert_close(o["weights"][name], expected, rtol=0, atol=2e-6, msg=name)
