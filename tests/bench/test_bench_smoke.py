@@ -1,0 +1,120 @@
+"""Smoke test of the benchmarks in bench/: each core function at a tiny size, with its own sanity checks.
+
+The real benchmarks are not tests (BENCHMARKS.md). Here: the token counts are pinned to a loop reference, the
+sanity checks must pass on real runs and must fire on broken numbers, and ``main`` turns a failed check into a
+non-zero exit. One process, one model build per benchmark (seconds in total).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import bench_preprocess  # noqa: E402
+import bench_scaling  # noqa: E402
+import bench_throughput  # noqa: E402
+import bench_tokens  # noqa: E402
+from workloads import (  # noqa: E402
+    IndependentSpec,
+    SanityCheckFailed,
+    StepWiseSpec,
+    independent_workload,
+    stepwise_workload,
+    unique_tokens,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_megatron():
+    """The model benchmarks initialize megatron once per process; tear it down for the other test modules."""
+    torch.set_num_threads(1)
+    yield
+    if bench_throughput._GROUPS:
+        from megatron_rl.distributed.bootstrap import destroy_distributed
+
+        destroy_distributed()
+        bench_throughput._GROUPS.clear()
+
+
+def _reference_layouts(out, alignments):
+    """Token slots of each layout by a plain loop over the rows."""
+    prompts, responses = out["prompt_token_ids"], out["response_ids"]
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    counts = {
+        "real": sum(lengths),
+        "two-segment": len(lengths) * (max(len(p) for p in prompts) + max(len(r) for r in responses)),
+        "unified": len(lengths) * max(lengths),
+    }
+    for align in alignments:
+        counts[f"packed tp={align}"] = sum(-(-n // align) * align for n in lengths)
+    return counts
+
+
+def test_layout_tokens_match_loop_reference():
+    for out in (stepwise_workload(StepWiseSpec(num_trajectories=4, turns=3)),
+                independent_workload(IndependentSpec(num_sequences=12, mean_len=96, jitter=30))):  # fmt: skip
+        assert bench_tokens.layout_tokens(out, (1, 2, 8)) == _reference_layouts(out, (1, 2, 8))
+
+
+def test_stepwise_workload_shapes():
+    spec = StepWiseSpec(num_trajectories=4, turns=3, samples_per_prompt=2)
+    out = stepwise_workload(spec)
+    assert len(out["uids"]) == 12 and out["uids"][:6] == [0] * 6
+    for t in range(1, 3):  # each prompt extends the previous prompt + response (mergeable)
+        prev = out["prompt_token_ids"][t - 1] + out["response_ids"][t - 1]
+        assert out["prompt_token_ids"][t][: len(prev)] == prev
+    assert unique_tokens(out) == sum(len(out["prompt_token_ids"][i]) + len(out["response_ids"][i]) for i in (2, 5, 8, 11))
+
+
+def test_bench_tokens_quick():
+    result = bench_tokens.run(8, 4, 16, quick=True)
+    assert result["merged"]["real"] < result["stepwise"]["real"]
+    assert [r["turns"] for r in result["sweep"]] == [1, 2, 4]
+
+
+def test_sanity_checks_fire():
+    with pytest.raises(SanityCheckFailed, match="below the real count"):
+        bench_tokens.check_layouts({"real": 10, "two-segment": 20, "unified": 12, "packed tp=1": 10,
+                                    "packed tp=2": 9, "packed tp=8": 16})  # fmt: skip
+    with pytest.raises(SanityCheckFailed, match="loss"):
+        bench_throughput.check_same_training({"padded": (1.0, 1.0), "packed": (1.1, 1.0)})
+
+
+def test_main_exits_nonzero_on_failed_check(monkeypatch, capsys):
+    def broken(*args, **kwargs):
+        raise SanityCheckFailed("merged tokens above unmerged")
+
+    monkeypatch.setattr(bench_tokens, "run", broken)
+    monkeypatch.setattr(sys, "argv", ["bench_tokens.py", "--quick"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench_tokens.main()
+    assert exit_info.value.code == 1
+    assert "SANITY CHECK FAILED" in capsys.readouterr().err
+
+
+def test_bench_throughput_quick():
+    result = bench_throughput.run(4, 2, reps=1, warmup=0)
+    assert set(result["times"]) == set(bench_throughput.VARIANTS)
+    slots = result["slots"]
+    assert slots["merged+packed"] < slots["packed"] < slots["padded"]
+
+
+def test_peak_step_memory_in_process():
+    out = bench_throughput.workload(1, 1)
+    model = bench_throughput.build_model(bench_throughput.tiny_model_config())
+    mib, method = bench_throughput.peak_step_memory(model, bench_throughput.variant_inputs(out)["packed"])
+    assert method in ("VmHWM", "ru_maxrss") and mib >= 0
+
+
+def test_bench_preprocess_quick():
+    result = bench_preprocess.run(8, 4, mini_batch_prompts=1, max_tokens=2048, reps=1, sample=1)
+    assert [r["pipeline"] for r in result["rows"]] == ["rows", "merged"]
+    assert all(r["step"] > 0 and r["fraction"] > 0 for r in result["rows"])
+
+
+def test_bench_scaling_quick(tmp_path):
+    bench_scaling.run(256, 1, 1, tmp_path, lengths=(128, 256), turns=(1, 2))
+    assert {p.name for p in tmp_path.iterdir()} == {"scaling.md", "scaling.json", "scaling.png"}
