@@ -85,6 +85,7 @@ class PackedDotProductAttention(MegatronModule):
         bounds = cu_q.tolist()
         total = query.shape[0]
         assert bounds[0] == 0 and bounds[-1] <= total, (bounds, total)
+        _check_max_seqlen(params.max_seqlen_q, bounds)
         outs = [
             self._sdpa(query[s:e, None], key[s:e, None], value[s:e, None], None, causal=True)[:, 0]  # [n, np*hn]
             for s, e in zip(bounds[:-1], bounds[1:])
@@ -138,3 +139,13 @@ def _check_supported(config: TransformerConfig) -> None:
         raise ValueError(f"window_size={config.window_size} is not supported by the local attention; unset it")
     if config.softmax_type != "vanilla":
         raise ValueError(f"softmax_type={config.softmax_type!r} is not supported; use 'vanilla'")
+
+
+def _check_max_seqlen(max_seqlen: int | None, bounds: list[int]) -> None:
+    """max_seqlen equal to the whole pack makes megatron's THD RoPE continue positions across sequences
+    (``rope_utils.py:211`` takes its "offsets" branch): the output is silently wrong, so refuse it."""
+    if max_seqlen is not None and len(bounds) > 2 and max_seqlen == bounds[-1]:
+        raise ValueError(
+            f"PackedSeqParams.max_seqlen_q={max_seqlen} equals the whole packed length with {len(bounds) - 1} "
+            "sequences; set it to the longest single sequence (PackedBatch.max_seqlen does)"
+        )

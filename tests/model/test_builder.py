@@ -106,6 +106,11 @@ def test_packed_equals_padded_equals_stock_megatron(groups, model_cfg):
     ref_entropy = -(ref_log_p.exp() * ref_log_p).sum(-1)
     assert (entropy[pos] - ref_entropy).abs().max() < 1e-5
 
+    whole_pack = dataclasses.replace(packed.packed_seq_params(), max_seqlen_q=packed.total_len,
+                                     max_seqlen_kv=packed.total_len)
+    with pytest.raises(ValueError, match="max_seqlen_q=23 equals the whole packed length"):
+        model(packed.input_ids, packed.position_ids, None, packed_seq_params=whole_pack)
+
 
 def test_build_time_shape_errors():
     with pytest.raises(ValueError, match="num_query_groups=2 is not divisible by tensor_model_parallel_size=4"):
