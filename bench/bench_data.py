@@ -65,9 +65,10 @@ def bench_convert(num_seqs: int, mean_len: int, rng: np.random.Generator, repeat
     num_response = sum(map(len, out["response_ids"]))
     total = num_prompt + num_response
     status = "OK" if elapsed < CONVERT_TARGET_S else f"MISSED target {CONVERT_TARGET_S:.1f} s"
+    two_segment_width = max(map(len, out["prompt_token_ids"])) + resp_mask.shape[1]
     print(
-        f"convert: {num_seqs} seqs, {total / 1e6:.2f} M tokens, [B,S]={tuple(seqs.shape)}, [B,R]={tuple(resp_mask.shape)}"
-        f" (two-segment layout would be S={max(map(len, out['prompt_token_ids'])) + resp_mask.shape[1]}): "
+        f"convert: {num_seqs} seqs, {total / 1e6:.2f} M tokens, [B,S]={tuple(seqs.shape)}, "
+        f"[B,R]={tuple(resp_mask.shape)} (two-segment layout would be S={two_segment_width}): "
         f"best {elapsed:.3f} s ({detail}), {total / elapsed / 1e6:.1f} M tokens/s [{status}]"
     )
     check(int(attn.sum()) == total, "attention_mask counts every token once")
@@ -82,10 +83,14 @@ def bench_convert(num_seqs: int, mean_len: int, rng: np.random.Generator, repeat
 
 def bench_pack(seqs: torch.Tensor, attn: torch.Tensor, width: int, micro_batch: int = 16) -> None:
     start = time.perf_counter()
-    packed = [pack(seqs[s : s + micro_batch], attn[s : s + micro_batch], align=8) for s in range(0, len(seqs), micro_batch)]
+    starts = range(0, len(seqs), micro_batch)
+    packed = [pack(seqs[s : s + micro_batch], attn[s : s + micro_batch], align=8) for s in starts]
     elapsed = time.perf_counter() - start
     total = int(attn.sum())
-    print(f"pack:    {len(packed)} micro-batches of {micro_batch} rows, align 8: {elapsed:.3f} s, {total / elapsed / 1e6:.1f} M tokens/s")
+    print(
+        f"pack:    {len(packed)} micro-batches of {micro_batch} rows, align 8: {elapsed:.3f} s, "
+        f"{total / elapsed / 1e6:.1f} M tokens/s"
+    )
     check(sum(int(p.seq_lens.sum()) for p in packed) == total, "packed token count")
     start = time.perf_counter()
     for p in packed:
@@ -118,8 +123,8 @@ def bench_merge(num_traj: int, turns: int, rng: np.random.Generator, repeats: in
     out, num_tokens, num_response = make_trajectories(num_traj, turns, rng)
     (merged, counts), elapsed, detail = timed(lambda: merge_stepwise_output(out), repeats)
     print(
-        f"merge:   {num_traj} trajectories x {turns} turns, {num_tokens / 1e6:.2f} M input tokens: best {elapsed:.3f} s ({detail}), "
-        f"{num_tokens / elapsed / 1e6:.1f} M tokens/s; {counts}"
+        f"merge:   {num_traj} trajectories x {turns} turns, {num_tokens / 1e6:.2f} M input tokens: "
+        f"best {elapsed:.3f} s ({detail}), {num_tokens / elapsed / 1e6:.1f} M tokens/s; {counts}"
     )
     check(counts == {"num_seq_before_merge": num_traj * turns, "num_seq_after_merge": num_traj}, "merge counts")
     check(sum(map(sum, merged["loss_masks"])) == num_response, "every loss-masked token kept")

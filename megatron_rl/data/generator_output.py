@@ -21,7 +21,7 @@ Every violation raises ``ValueError`` naming the field and the sequence index.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from typing import Any, NotRequired, TypedDict
 
 
@@ -124,7 +124,7 @@ def _check_sequence(out: GeneratorOutput, i: int) -> None:
 
 def _check_token_aligned(out: GeneratorOutput, name: str, i: int, num_response: int) -> None:
     value = out[name][i]
-    if not isinstance(value, Sequence):
+    if not hasattr(value, "__len__") or isinstance(value, str):  # lists; arrays are tolerated
         raise ValueError(
             f"GeneratorOutput[{name!r}][{i}] is a {type(value).__name__}, expected a list with one value per "
             f"response token ({num_response})."
