@@ -133,9 +133,9 @@ class Trainer:
         """Token rewards (minus the KL penalty when it goes into the reward) -> ``advantages``, ``returns``."""
         algo = self.config.algorithm
         rewards, metrics = batch["rewards"], {}
-        if algo.use_kl_in_reward:
+        if algo.use_kl_in_reward:  # over loss tokens only: observation tokens were not sampled by the policy
             rewards, metrics = apply_kl_to_rewards(rewards, batch["old_logprobs"], batch["ref_logprobs"],
-                                                   batch["response_mask"], algo.kl_loss_coef, algo.kl_estimator_type)
+                                                   batch["loss_mask"], algo.kl_loss_coef, algo.kl_estimator_type)
         advantages, returns = compute_advantages_and_returns(
             rewards, batch["response_mask"], batch.uids, algo.advantage_estimator, algo,
             is_last_step=batch.is_last_step if self.step_wise else None,

@@ -249,3 +249,25 @@ def test_metrics_are_finite_and_sum_metrics_average_over_steps() -> None:
         assert key in metrics
     assert metrics["optim/lr"] == pytest.approx(0.1)
     assert isinstance(Metric(1.0).final(), float)
+
+
+def test_kl_in_reward_and_kl_loss_use_the_reference() -> None:
+    played = play(Bigram(seed=1))
+    policy_model, ref_model = Bigram(seed=2), Bigram(seed=3)
+    turns = [(p.episode.prompts[t], p.episode.responses[t]) for p in played for t in range(len(p.episode.responses))]
+    with torch.no_grad():  # k1 KL per token, before any update: log pi_old - log pi_ref
+        k1 = torch.cat([seq_logprobs(policy_model.table, pr, rs) - seq_logprobs(ref_model.table, pr, rs)
+                        for pr, rs in turns])
+    cfg = make_config(merge=True, epochs=1)
+    cfg.algorithm.use_kl_in_reward, cfg.algorithm.kl_estimator_type = True, "k1"
+    trainer = Trainer(cfg, BigramPolicy(copy.deepcopy(policy_model), 0.1), pad_token_id=TOK.pad_token_id,
+                      reference=BigramPolicy(ref_model, 0.0))
+    metrics = trainer.train_step(episodes_to_generator_output(played, step_wise=True))
+    assert metrics["kl_in_reward/kl"] == pytest.approx(float(k1.mean()), abs=1e-5)
+
+    cfg = make_config(merge=True, epochs=1)
+    cfg.algorithm.use_kl_loss = True
+    trainer = Trainer(cfg, BigramPolicy(copy.deepcopy(policy_model), 0.1), pad_token_id=TOK.pad_token_id,
+                      reference=BigramPolicy(ref_model, 0.0))
+    metrics = trainer.train_step(episodes_to_generator_output(played, step_wise=True))
+    assert metrics["policy/kl"] > 0 and torch.isfinite(torch.tensor(metrics["policy/kl"]))
