@@ -80,7 +80,7 @@ def _init_process_group(timeout_minutes: int) -> None:
     """Join the torchrun job described by the env, or start a one-rank group on a free local port."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+    if "WORLD_SIZE" in os.environ:  # torchrun (or run_ranks): env:// also needs MASTER_ADDR/PORT, RANK
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
