@@ -241,7 +241,8 @@ def _positive(section: str, obj: object, names: tuple[str, ...]) -> None:
             raise ValueError(f"{section}.{name}={value!r} must be positive; set it to an integer >= 1")
 
 
-def _validate_parallel(p: ParallelConfig, world_size: int | None) -> None:
+def validate_parallel_config(p: ParallelConfig, world_size: int | None) -> None:
+    """Parallel sizes; with ``world_size`` also checks it divides by tp * pp * cp (bootstrap calls this)."""
     _positive("parallel", p, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
     if p.sequence_parallel and p.tensor_model_parallel_size == 1:
         raise ValueError(
@@ -325,7 +326,7 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 def validate_config(cfg: MegatronRLConfig, world_size: int | None = None) -> None:
     """Check every rule that can be checked without the model; ``world_size`` adds the divisibility check."""
-    _validate_parallel(cfg.parallel, world_size)
+    validate_parallel_config(cfg.parallel, world_size)
     _validate_model(cfg.model)
     _validate_optimizer(cfg.optimizer)
     _validate_algorithm(cfg.algorithm, cfg.stepwise.step_wise_trajectories)
