@@ -222,6 +222,18 @@ class MegatronPolicy:
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
+    def save_checkpoint(self, path: str, trainer_state: dict[str, Any]) -> str:
+        """Distributed checkpoint of model, optimizer and LR schedule plus ``trainer_state`` (checkpoint/)."""
+        from megatron_rl.checkpoint.dist import save_checkpoint
+
+        return str(save_checkpoint(self, path, trainer_state))
+
+    def load_checkpoint(self, path: str, *, load_optimizer: bool = True) -> dict[str, Any]:
+        """Restore from ``path`` (a checkpoint or its save_dir: the latest); returns the trainer state."""
+        from megatron_rl.checkpoint.dist import load_checkpoint
+
+        return load_checkpoint(self, path, load_optimizer=load_optimizer and self.optimizer is not None)
+
     # ------------------------------------------------------------------ preparation
 
     def _prepare(self, batch: TrainingBatch) -> _Run:

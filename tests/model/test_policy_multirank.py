@@ -10,7 +10,6 @@ deferred-finalization, scaling-factor-ablation and bad-input checks. Spawns are 
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -26,18 +25,6 @@ LR = 0.05
 
 
 # ---------------------------------------------------------------------- shared helpers (run in the children)
-
-
-def _to_bytes(obj) -> bytes:
-    """Results travel as bytes: tensors sent through a multiprocessing queue are shared via file descriptors
-    that vanish when the child exits before the parent unpickles them (FileNotFoundError, seen here)."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(blob: bytes):
-    return torch.load(io.BytesIO(blob), weights_only=False)
 
 
 def _config(tp: int = 1, pp: int = 1, *, optimizer: str = "sgd", distributed: bool = False,
@@ -122,10 +109,10 @@ def _micro_batch_size(num_rows: int, dp_size: int, count: int) -> int:
     return -(-shard // count)
 
 
-def _grad_runs(policy, batch, dp_size: int) -> dict:
+def _grad_runs(policy, batch, dp_size: int, counts: tuple[int, ...]) -> dict:
     """Gradient after forward_backward + finalize for each micro-batch count, plus the metrics."""
     out = {}
-    for count in MB_COUNTS:
+    for count in counts:
         policy.config.batch.micro_batch_size = _micro_batch_size(len(batch), dp_size, count)
         out[f"metrics_{count}"] = policy.forward_backward(batch, summed_pg_loss, None)
         policy.finalize_grads()
@@ -197,7 +184,19 @@ def _reference_rank(rank, world_size, tensors):
     out.update(_step(_fresh_policy(cfg, groups, full_sd), batch))
     out["adam_weights"] = _step(_fresh_policy(_config(optimizer="adam"), groups, full_sd), batch)["weights"]
     out.update(_bad_input_checks(policy, tensors))
-    return _to_bytes(out)
+    out["lrs"] = _lr_schedule(groups, batch, full_sd)
+    return out
+
+
+def _lr_schedule(groups, batch, full_sd) -> list[float]:
+    """LR of optimizer steps 1..6 with 2 warmup steps and linear decay to min_lr over 4 steps."""
+    cfg = _config()
+    cfg.optimizer.lr_warmup_steps, cfg.optimizer.lr_decay_style, cfg.optimizer.min_lr = 2, "linear", 0.01
+    from megatron_rl.model.policy import MegatronPolicy
+
+    policy = MegatronPolicy(cfg, groups, total_optim_steps=4)  # decay horizon from the run length
+    one_row = batch.slice(0, 1)
+    return [_step(policy, one_row)["step_info"]["lr"] for _ in range(6)]
 
 
 def _bad_input_checks(policy, tensors) -> dict:
@@ -241,7 +240,7 @@ def _too_long(t):
 # ---------------------------------------------------------------------- the layouts
 
 
-def _layout_rank(rank, world_size, tp, pp, tensors, full_sd, extras):
+def _layout_rank(rank, world_size, tp, pp, counts, tensors, full_sd, extras):
     from megatron_rl.distributed.bootstrap import initialize_distributed
 
     cfg = _config(tp, pp)
@@ -250,7 +249,7 @@ def _layout_rank(rank, world_size, tp, pp, tensors, full_sd, extras):
     policy = _fresh_policy(cfg, groups, full_sd)
     out = {"dp_size": groups.dp_size}
     out["forward"] = {k: v.cpu() for k, v in policy.forward(batch, compute_entropy=True).items()}
-    out.update(_grad_runs(policy, batch, groups.dp_size))
+    out.update(_grad_runs(policy, batch, groups.dp_size, counts))
     out.update(_token_budget_run(policy, batch))
     out.update(_step(_fresh_policy(cfg, groups, full_sd), batch))
     if "dp_checks" in extras:
@@ -259,7 +258,7 @@ def _layout_rank(rank, world_size, tp, pp, tensors, full_sd, extras):
         out.update(_variant_run(_config(tp, pp, sequence_parallel=True), groups, batch, full_sd, "sp"))
     if "fixed_shapes" in extras:
         out.update(_variant_run(cfg, groups, batch, full_sd, "fixed_shapes", variable_seq_lengths=False))
-    return _to_bytes(out)
+    return out
 
 
 def _variant_run(cfg, groups, batch, full_sd, name: str, variable_seq_lengths: bool = True) -> dict:
@@ -320,14 +319,14 @@ def tensors():
 
 @pytest.fixture(scope="module")
 def reference(tensors):
-    return _from_bytes(run_ranks(1, _reference_rank, tensors, timeout=300)[0])
+    return run_ranks(1, _reference_rank, tensors, timeout=300)[0]
 
 
-LAYOUTS = {
-    "tp2": (2, 2, 1, ("sequence_parallel",)),
-    "pp2": (2, 1, 2, ("fixed_shapes",)),
-    "dp2": (2, 1, 1, ("dp_checks",)),
-    "tp2xpp2": (4, 2, 2, ()),
+LAYOUTS = {  # name: (world size, tp, pp, micro-batch counts, extra checks)
+    "tp2": (2, 2, 1, MB_COUNTS, ("sequence_parallel",)),
+    "pp2": (2, 1, 2, MB_COUNTS, ("fixed_shapes",)),
+    "dp2": (2, 1, 1, MB_COUNTS, ("dp_checks",)),
+    "tp2xpp2": (4, 2, 2, (2,), ()),  # 4 ranks on 2 cores are slow: one count (plus the token budget)
 }
 
 
@@ -337,9 +336,10 @@ def layout_results(tensors, reference):
 
     def get(name):
         if name not in cache:
-            world, tp, pp, extras = LAYOUTS[name]
-            results = run_ranks(world, _layout_rank, tp, pp, tensors, reference["full_sd"], extras, timeout=600)
-            cache[name] = [_from_bytes(r) for r in results]
+            world, tp, pp, counts, extras = LAYOUTS[name]
+            cache[name] = run_ranks(
+                world, _layout_rank, tp, pp, counts, tensors, reference["full_sd"], extras, timeout=600
+            )
         return cache[name]
 
     return get
@@ -377,7 +377,7 @@ def test_forward_logprobs_layout_parity(layout, layout_results, reference, tenso
 def test_gradient_invariance(layout, layout_results, reference):
     """Gradient after finalize == single-process gradient of the global summed loss, for 1, 2, 4 micro-batches."""
     for rank_out in layout_results(layout):
-        for key in [f"grad_{c}" for c in MB_COUNTS] + ["grad_budget"]:
+        for key in [f"grad_{c}" for c in LAYOUTS[layout][3]] + ["grad_budget"]:
             err = _max_rel_err(rank_out[key], reference["grads"])
             assert err < 1e-5, f"{layout} {key}: relative error {err:.2e}"
 
@@ -385,7 +385,7 @@ def test_gradient_invariance(layout, layout_results, reference):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_metrics_identical_on_every_rank(layout, layout_results, reference, tensors):
     results = layout_results(layout)
-    for key in [f"metrics_{c}" for c in MB_COUNTS] + ["metrics_budget"]:
+    for key in [f"metrics_{c}" for c in LAYOUTS[layout][3]] + ["metrics_budget"]:
         first = {k: m.final() for k, m in results[0][key].items()}
         for rank_out in results[1:]:
             assert {k: m.final() for k, m in rank_out[key].items()} == first
@@ -413,6 +413,19 @@ def test_variants(layout, variant, layout_results, reference):
         err = _max_rel_err(rank_out[f"{variant}_grad_budget"], reference["grads"])
         assert err < 1e-5, f"{layout} {variant}: gradient relative error {err:.2e}"
         assert rank_out[f"{variant}_metrics_budget"]["loss"].final() == pytest.approx(reference["loss"], rel=1e-5)
+
+
+def test_lr_warmup_and_decay(reference):
+    peak, floor, warmup, decay = LR, 0.01, 2, 4
+    expected = []
+    for k in range(1, 7):  # the k-th step uses the schedule's value at k
+        if k <= warmup:
+            expected.append(peak * k / warmup)
+        elif k <= decay:
+            expected.append(floor + (1 - (k - warmup) / (decay - warmup)) * (peak - floor))
+        else:
+            expected.append(floor)
+    assert reference["lrs"] == pytest.approx(expected)
 
 
 def test_reference_grad_norm_is_plain_norm(reference):
