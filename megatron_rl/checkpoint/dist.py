@@ -1,0 +1,341 @@
+"""Save and resume a training run with megatron-core ``dist_checkpointing``, atomically.
+
+Place in the data flow: after an optimizer step (DESIGN.md section 1, "checkpoint"), and once at start-up to
+resume. ``MegatronPolicy.save_checkpoint / load_checkpoint`` delegate here.
+
+A checkpoint holds (layout: ``checkpoint/layout.py``):
+- the model chunks' sharded state (``GPTModel.sharded_state_dict``: global layer numbers, TP shards), so it
+  loads under any TP/PP/DP layout;
+- the optimizer (``optimizer_state.py``: the distributed optimizer as ``fully_reshardable``, and the 0.16.1
+  fixes), the LR scheduler (without it the LR is wrong after the first resumed step), per-rank RNG states;
+- the trainer state (``step``, consumed prompts, data position: a JSON-serializable dict) and the resolved
+  ``MegatronRLConfig``.
+
+Save (every rank calls it; collective):
+
+    tmp dir (rank 0 creates it, after removing crashed saves)  -> fault point tmp_created
+    dist_checkpointing.save, RNG per rank, trainer state/config -> fault point shards_written
+    CRC32 + fsync of every file (strided over ranks), manifest  -> fault point manifest_written
+    rename to step_<n> (rank 0), fsync parent                  -> fault point renamed
+    replace `latest` (rank 0)                                   -> fault point latest_written
+    prune to checkpoint.keep_last
+
+under a deadline (``checkpoint.save_timeout_s``, SIGALRM in the main thread: a hung writer process raises
+TimeoutError here instead of hanging; a hung collective is left to the process-group timeout).
+
+Load: rank 0 resolves the directory (``latest``, else the newest complete one) and every rank uses its
+answer; the manifest, the model shape and the optimizer kind are checked and the files verified against the
+manifest (sizes and CRC32, strided over ranks) *before* anything is read into the model, so a missing,
+corrupt or mismatched checkpoint raises ValueError on every rank and overwrites nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import signal
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoint import layout
+from megatron_rl.checkpoint.optimizer_state import (
+    load_optimizer_state,
+    optimizer_kind,
+    sharded_optimizer_state,
+)
+from megatron_rl.checkpoint.rng import capture_rng_state, restore_rng_state
+from megatron_rl.config import MegatronRLConfig, dump_config
+
+SHAPE_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "vocab_size", "share_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
+)  # fmt: skip
+"""ModelConfig fields that must match between a checkpoint and the model it is loaded into."""
+
+
+def model_shape_mismatches(source: dict[str, Any], current: dict[str, Any], source_name: str) -> list[str]:
+    """``"field: <source_name> a vs config b"`` for every SHAPE_FIELDS entry that differs (ModelConfig dicts)."""
+    source, current = _effective_shape(source), _effective_shape(current)
+    return [
+        f"{k}: {source_name} {source.get(k)!r} vs config {current.get(k)!r}"
+        for k in SHAPE_FIELDS
+        if source.get(k) != current.get(k)
+    ]
+
+
+def _effective_shape(model: dict[str, Any]) -> dict[str, Any]:
+    """kv_channels=None means hidden_size // num_attention_heads (ModelConfig)."""
+    if model.get("kv_channels") is None and model.get("num_attention_heads"):
+        return {**model, "kv_channels": model["hidden_size"] // model["num_attention_heads"]}
+    return model
+
+
+@dataclasses.dataclass
+class CheckpointParts:
+    """What a checkpoint captures of a trainable (or frozen) model on this rank."""
+
+    model_chunks: list[torch.nn.Module]
+    """Bare GPTModel chunks of this rank (never the DDP wrapper: it prefixes keys with ``module.``)."""
+    optimizer: Any | None
+    """Megatron optimizer (``get_megatron_optimizer``), None for a frozen model."""
+    scheduler: Any | None
+    """``OptimizerParamScheduler``, None for a frozen model."""
+    config: MegatronRLConfig
+    groups: Any
+    """``distributed.bootstrap.ParallelGroups`` of this rank."""
+
+
+def parts_of(policy: Any) -> CheckpointParts:
+    """The checkpointed parts of a ``MegatronPolicy`` (one model chunk per PP stage)."""
+    return CheckpointParts([policy.module], policy.optimizer, policy.scheduler, policy.config, policy.groups)
+
+
+def save_checkpoint(policy: Any, save_dir: str | Path, trainer_state: dict[str, Any]) -> Path:
+    """Save ``policy`` and ``trainer_state`` (needs an int ``step``) under ``save_dir``; returns the
+    checkpoint directory. Keeps ``config.checkpoint.keep_last`` checkpoints, aborts after
+    ``config.checkpoint.save_timeout_s``. Collective: every rank calls it."""
+    ckpt_cfg = policy.config.checkpoint
+    return save_parts(
+        parts_of(policy), save_dir, trainer_state, keep_last=ckpt_cfg.keep_last, timeout_s=ckpt_cfg.save_timeout_s
+    )
+
+
+def load_checkpoint(policy: Any, path: str | Path, *, load_optimizer: bool = True) -> dict[str, Any]:
+    """Restore ``policy`` from ``path`` (a checkpoint directory, or a save_dir: its latest complete
+    checkpoint); returns the trainer state. Collective."""
+    return load_parts(parts_of(policy), path, load_optimizer=load_optimizer)
+
+
+# ---------------------------------------------------------------------------------------------- save
+
+
+def save_parts(
+    parts: CheckpointParts,
+    save_dir: str | Path,
+    trainer_state: dict[str, Any],
+    *,
+    keep_last: int = 2,
+    timeout_s: float | None = None,
+) -> Path:
+    """Atomic save of ``parts`` (module docstring); returns ``save_dir/step_<step>``."""
+    from megatron.core import dist_checkpointing
+
+    save_dir, step = Path(save_dir), _step_of(trainer_state)
+    state_json = _trainer_state_json(trainer_state)
+    if keep_last < 1:
+        raise ValueError(f"checkpoint.keep_last={keep_last} must be >= 1")
+    with _deadline(timeout_s, f"saving checkpoint step {step} to {save_dir}"):
+        tmp = _make_tmp_dir(save_dir, step)
+        layout.fault_point("tmp_created")
+        dist_checkpointing.save(_sharded_state(parts, is_loading=False), str(tmp))
+        _write_side_files(tmp, parts, state_json)
+        layout.fault_point("shards_written")
+        _write_manifest(tmp, parts, step)
+        layout.fault_point("manifest_written")
+        final = save_dir / layout.checkpoint_name(step)
+        _publish(save_dir, tmp, final, keep_last)
+    return final
+
+
+def _make_tmp_dir(save_dir: Path, step: int) -> Path:
+    tmp = layout.tmp_dir_for(save_dir, step)
+    if dist.get_rank() == 0:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        layout.clear_stale_tmp(save_dir)
+        tmp.mkdir()
+        (tmp / layout.RNG_DIR).mkdir()
+    dist.barrier()
+    return tmp
+
+
+def _write_side_files(tmp: Path, parts: CheckpointParts, state_json: str) -> None:
+    torch.save(capture_rng_state(), tmp / layout.RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
+    if dist.get_rank() == 0:
+        (tmp / layout.TRAINER_STATE_FILE).write_text(state_json)
+        dump_config(parts.config, tmp / layout.CONFIG_FILE)
+    dist.barrier()
+
+
+def _write_manifest(tmp: Path, parts: CheckpointParts, step: int) -> None:
+    """CRC32 + fsync of every file, split over ranks; rank 0 writes the manifest."""
+    names = _broadcast_from_rank0(lambda: layout.list_files(tmp))
+    mine = {name: layout.file_record(tmp / name) for name in names[dist.get_rank() :: dist.get_world_size()]}
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        records = {name: rec for part in gathered for name, rec in part.items()}
+        assert sorted(records) == names, "every file checksummed exactly once"
+        layout.write_manifest(tmp, records, _manifest_info(parts, step))
+    dist.barrier()
+
+
+def _manifest_info(parts: CheckpointParts, step: int) -> dict[str, Any]:
+    g = parts.groups
+    return {
+        "step": step,
+        "layout": {"world_size": g.world_size, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "cp": g.cp_size},
+        "model": dataclasses.asdict(parts.config.model),
+        "optimizer_kind": optimizer_kind(parts.optimizer),
+        "optimizer": parts.config.optimizer.optimizer if parts.optimizer is not None else None,
+        "has_scheduler": parts.scheduler is not None,
+        "num_model_chunks": len(parts.model_chunks),
+    }
+
+
+def _publish(save_dir: Path, tmp: Path, final: Path, keep_last: int) -> None:
+    if dist.get_rank() == 0:
+        layout.publish(tmp, final)
+    layout.fault_point("renamed")
+    if dist.get_rank() == 0:
+        layout.write_latest(save_dir, final)
+    layout.fault_point("latest_written")
+    if dist.get_rank() == 0:
+        layout.prune(save_dir, keep_last)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+def load_parts(
+    parts: CheckpointParts, path: str | Path, *, load_optimizer: bool = True, verify_checksums: bool = True
+) -> dict[str, Any]:
+    """Restore ``parts`` from ``path``; returns the trainer state (module docstring for the checks)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = Path(_broadcast_from_rank0(lambda: str(layout.resolve_checkpoint(path))))
+    manifest = _broadcast_from_rank0(lambda: layout.read_manifest(ckpt))
+    _check_compatible(manifest, parts, load_optimizer, ckpt)
+    _verify_files(ckpt, manifest, verify_checksums)
+    template_parts = parts if load_optimizer else dataclasses.replace(parts, optimizer=None, scheduler=None)
+    loaded = dist_checkpointing.load(_sharded_state(template_parts, is_loading=True), str(ckpt))
+    for key, chunk in _chunk_keys(parts.model_chunks):
+        chunk.load_state_dict(loaded[key], strict=True)
+    if load_optimizer and parts.optimizer is not None:
+        load_optimizer_state(parts.optimizer, loaded["optimizer"])
+    if load_optimizer and parts.scheduler is not None:
+        parts.scheduler.load_state_dict(loaded["scheduler"])
+    _restore_rng(ckpt, manifest, parts)
+    return json.loads((ckpt / layout.TRAINER_STATE_FILE).read_text())
+
+
+def _check_compatible(manifest: dict, parts: CheckpointParts, load_optimizer: bool, ckpt: Path) -> None:
+    """ValueError (same on every rank: the manifest came from rank 0) for a checkpoint of another model or
+    optimizer; warning for a different non-shape model setting."""
+    saved, current = manifest["model"], dataclasses.asdict(parts.config.model)
+    diffs = model_shape_mismatches(saved, current, "checkpoint")
+    if diffs:
+        raise ValueError(f"checkpoint {ckpt} holds a different model ({'; '.join(diffs)}); fix model.* or the path")
+    soft = [k for k in ("rotary_base", "layernorm_epsilon", "params_dtype") if saved.get(k) != current[k]]
+    if soft:
+        warnings.warn(f"checkpoint {ckpt}: model settings differ from the config: {soft} (loading anyway)")
+    if manifest.get("num_model_chunks") != len(parts.model_chunks):
+        raise ValueError(f"checkpoint {ckpt} has {manifest.get('num_model_chunks')} model chunks per rank, "
+                         f"this model {len(parts.model_chunks)}; virtual pipeline sizes must match")
+    if not load_optimizer or parts.optimizer is None:
+        return
+    kind, saved_kind = optimizer_kind(parts.optimizer), manifest.get("optimizer_kind")
+    if saved_kind is None:
+        raise ValueError(f"checkpoint {ckpt} has no optimizer state; load it with load_optimizer=False")
+    if (kind, parts.config.optimizer.optimizer) != (saved_kind, manifest.get("optimizer")):
+        raise ValueError(
+            f"checkpoint {ckpt} holds a {saved_kind} {manifest.get('optimizer')} optimizer, this run uses a {kind} "
+            f"{parts.config.optimizer.optimizer} one; match optimizer.use_distributed_optimizer / "
+            "optimizer.optimizer to the checkpoint, or load with load_optimizer=False"
+        )
+
+
+def _verify_files(ckpt: Path, manifest: dict, checksums: bool) -> None:
+    names = sorted(manifest["files"])
+    mine = layout.verify_files(ckpt, manifest, names[dist.get_rank() :: dist.get_world_size()], checksums)
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    problems = [p for part in gathered for p in part]
+    if problems:
+        raise ValueError(f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}; use an older checkpoint")
+
+
+def _restore_rng(ckpt: Path, manifest: dict, parts: CheckpointParts) -> None:
+    g = parts.groups
+    same = manifest["layout"] == {"world_size": g.world_size, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "cp": g.cp_size}
+    if not same:
+        if dist.get_rank() == 0:
+            warnings.warn(f"checkpoint {ckpt} was saved under layout {manifest['layout']}: RNG states not restored")
+        return
+    path = ckpt / layout.RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
+    restore_rng_state(torch.load(path, weights_only=False))  # our own file, verified against the manifest
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _chunk_keys(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Module]]:
+    """Megatron-LM's key convention: 'model' for one chunk, 'model0', 'model1', ... for virtual stages."""
+    if len(chunks) == 1:
+        return [("model", chunks[0])]
+    return [(f"model{i}", chunk) for i, chunk in enumerate(chunks)]
+
+
+def _sharded_state(parts: CheckpointParts, is_loading: bool) -> dict[str, Any]:
+    state: dict[str, Any] = {key: chunk.sharded_state_dict() for key, chunk in _chunk_keys(parts.model_chunks)}
+    if parts.optimizer is not None:
+        model_state = dict(state)
+        state["optimizer"] = sharded_optimizer_state(parts.optimizer, model_state, is_loading)
+    if parts.scheduler is not None:
+        state["scheduler"] = parts.scheduler.state_dict()
+    return state
+
+
+def _step_of(trainer_state: dict[str, Any]) -> int:
+    step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"trainer_state['step']={step!r} must be an int >= 0 (the train step being saved)")
+    return step
+
+
+def _trainer_state_json(trainer_state: dict[str, Any]) -> str:
+    try:
+        return json.dumps(trainer_state, indent=1, sort_keys=True)
+    except TypeError as err:
+        raise ValueError(f"trainer_state must be JSON-serializable (ints, floats, strings, lists, dicts): {err}") from err
+
+
+def _broadcast_from_rank0(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on rank 0 and give every rank its result; a ValueError there is raised on every rank."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except ValueError as err:
+            box[0] = ("error", str(err))
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise ValueError(value)
+    return value
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None, what: str) -> Iterator[None]:
+    """Raise TimeoutError in the main thread after ``seconds`` (no-op off the main thread or when None)."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _expired(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"{what} took longer than {seconds} s (checkpoint.save_timeout_s); "
+                           "the previous checkpoint is untouched")
+
+    previous = signal.signal(signal.SIGALRM, _expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -1,0 +1,110 @@
+"""Megatron optimizer state in and out of ``dist_checkpointing``, with the fixes megatron-core 0.16.1 needs.
+
+Place in the data flow: called by ``checkpoint/dist.py`` while it builds the sharded state dict (save and
+load templates) and after ``dist_checkpointing.load``.
+
+The distributed optimizer is saved in the ``fully_reshardable`` format (loads under any TP/PP/DP layout; the
+default format fails in 0.16.1). Without Apex/TransformerEngine (native torch Adam) 0.16.1 has three defects
+on this path (DIST_CKPT_NOTES.md), fixed here without touching megatron-core:
+
+1. ``DistributedOptimizer.state_dict()`` asserts a single Adam ``step`` over the inner state, which is empty
+   before the first step: ``populate_adam_state`` creates the state Adam would create (step 0, zero moments;
+   the same update follows), before building a template or saving.
+2. ``load_parameter_state_from_fully_reshardable`` copies every state key including ``step`` (KeyError: the
+   format has no per-parameter step) in place into views of leaves requiring grad (RuntimeError):
+   ``load_optimizer_state`` takes ``step`` out around that call and runs under ``torch.no_grad``.
+3. ``load_state_dict`` puts one shared ``step`` tensor into every parameter's state, so foreach AdamW bumps it
+   once per parameter per step: every parameter gets its own copy, with the saved value (kept from the
+   checkpoint's param groups, the place 0.16.1 stores the distributed optimizer's step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+"""``metadata`` passed to ``optimizer.sharded_state_dict`` (ignored by the non-distributed optimizers)."""
+
+
+def sub_optimizers(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers behind a ``ChainedOptimizer`` (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def optimizer_kind(optimizer: Any | None) -> str | None:
+    """'distributed' (DistributedOptimizer), 'local' (FP32 / mixed-precision) or None, for the manifest."""
+    if optimizer is None:
+        return None
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    kinds = {isinstance(sub, DistributedOptimizer) for sub in sub_optimizers(optimizer)}
+    assert len(kinds) == 1, "mixed distributed and local sub-optimizers"
+    return "distributed" if kinds.pop() else "local"
+
+
+def populate_adam_state(optimizer: Any) -> None:
+    """Create the per-parameter state a torch Adam/AdamW would create at its first step (defect 1).
+
+    Numerically a no-op: Adam with step 0 and zero moments performs exactly the first update.
+    """
+    for sub in sub_optimizers(optimizer):
+        inner = sub.optimizer
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0)
+                for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ()):
+                    if key not in state:
+                        state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def sharded_optimizer_state(optimizer: Any, model_sharded: dict, is_loading: bool) -> dict:
+    """``optimizer.sharded_state_dict`` for ``model_sharded`` (the model chunks' sharded state dicts)."""
+    populate_adam_state(optimizer)
+    with torch.no_grad():
+        return optimizer.sharded_state_dict(model_sharded, is_loading=is_loading, metadata=SHARDING_METADATA)
+
+
+def load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """Load what ``dist_checkpointing.load`` returned for the template of ``sharded_optimizer_state``."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    subs = sub_optimizers(optimizer)
+    states = [state] if len(subs) == 1 else [state[i] for i in range(len(subs))]
+    with torch.no_grad():
+        for sub, sub_state in zip(subs, states):
+            if isinstance(sub, DistributedOptimizer):
+                _load_distributed(sub, sub_state)
+            else:
+                sub.load_state_dict(sub_state)
+            _own_step_tensors(sub.optimizer)
+
+
+def _load_distributed(sub: Any, state: dict) -> None:
+    state = dict(state)
+    param_state = state.pop("param_state")
+    sharding = state.pop("param_state_sharding_type")
+    assert sharding == "fully_reshardable", sharding
+    sub.load_state_dict(state)  # param groups (with the saved step), grad scaler; allocates the inner state
+    steps = {param: s.pop("step") for param, s in sub.optimizer.state.items() if "step" in s}
+    sub.load_parameter_state_from_fully_reshardable(param_state)
+    for param, step in steps.items():
+        sub.optimizer.state[param]["step"] = step
+
+
+def _own_step_tensors(inner: torch.optim.Optimizer) -> None:
+    """One ``step`` tensor per parameter (defect 3); a state without one (saved before any step) gets 0."""
+    if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in inner.param_groups:
+        for param in group["params"]:
+            state = inner.state[param]
+            if not state:
+                continue
+            step = state.get("step")
+            state["step"] = torch.tensor(0.0) if step is None else torch.as_tensor(step, dtype=torch.float32).clone()
