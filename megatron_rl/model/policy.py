@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megatron_rl.config import MegatronRLConfig
 from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.data.packing import PackedBatch, pack, packing_alignment, unpack_response
+from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.distributed.metrics import reduce_metrics
 from megatron_rl.metrics import Metric, merge_metrics
 from megatron_rl.model import scaling
@@ -97,7 +98,7 @@ class MegatronPolicy:
     def __init__(
         self,
         config: MegatronRLConfig,
-        groups: Any,
+        groups: ParallelGroups,
         *,
         role: Literal["policy", "reference"] = "policy",
         pad_token_id: int = 0,
@@ -279,6 +280,8 @@ class MegatronPolicy:
         if len(batch) == 0:
             raise ValueError("batch has 0 rows; pass at least one sequence")
         sequences, attention_mask = batch["sequences"], batch["attention_mask"]
+        if sequences.dtype.is_floating_point:
+            raise ValueError(f"batch['sequences'] has dtype {sequences.dtype}; token ids must be an integer tensor")
         if sequences.dim() != 2 or attention_mask.shape != sequences.shape:
             raise ValueError(
                 f"batch['attention_mask'] has shape {tuple(attention_mask.shape)} but batch['sequences'] has "

@@ -185,6 +185,23 @@ def _reference_rank(rank, world_size, tensors):
     out["adam_weights"] = _step(_fresh_policy(_config(optimizer="adam"), groups, full_sd), batch)["weights"]
     out.update(_bad_input_checks(policy, tensors))
     out["lrs"] = _lr_schedule(groups, batch, full_sd)
+    out.update(_frozen_reference(cfg, groups, batch, full_sd))
+    return out
+
+
+def _frozen_reference(cfg, groups, batch, full_sd) -> dict:
+    """role='reference': same forward path, no gradients, no optimizer."""
+    from megatron_rl.model.policy import MegatronPolicy
+
+    frozen = MegatronPolicy(cfg, groups, role="reference")
+    frozen.load_full_state_dict(full_sd)
+    out = {"frozen_logprobs": frozen.forward(batch)["logprobs"]}
+    out["frozen_trainable"] = sum(p.requires_grad for p in frozen.module.parameters())
+    try:
+        frozen.forward_backward(batch, summed_pg_loss, None)
+        out["frozen_fb"] = "no error"
+    except ValueError as err:
+        out["frozen_fb"] = str(err)
     return out
 
 
@@ -413,6 +430,12 @@ def test_variants(layout, variant, layout_results, reference):
         err = _max_rel_err(rank_out[f"{variant}_grad_budget"], reference["grads"])
         assert err < 1e-5, f"{layout} {variant}: gradient relative error {err:.2e}"
         assert rank_out[f"{variant}_metrics_budget"]["loss"].final() == pytest.approx(reference["loss"], rel=1e-5)
+
+
+def test_frozen_reference_role(reference):
+    assert (reference["frozen_logprobs"] - reference["logprobs"]).abs().max() < 1e-5
+    assert reference["frozen_trainable"] == 0
+    assert "role='policy'" in reference["frozen_fb"]
 
 
 def test_lr_warmup_and_decay(reference):
