@@ -133,11 +133,11 @@ def run(job: Job) -> int:
                 reporter.log_step(step, metrics)
             if checkpoint_due(config, step):
                 save(job, step)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # saves are atomic: an interrupted save leaves the previous checkpoint as latest
         if reporter is not None:
             reporter.close()
-        print(f"\ninterrupted during step {step}; the last complete checkpoint in {job.save_dir} is kept. "
-              "Run the same command again to resume from it.", file=sys.stderr)
+            print(f"\ninterrupted during step {step}; the last complete checkpoint in {job.save_dir} is kept. "
+                  "Run the same command again to resume from it.", file=sys.stderr)
         return 130
     if reporter is not None:
         summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
