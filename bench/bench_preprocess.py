@@ -15,7 +15,9 @@ of ``--mini-batch-prompts`` prompts, packed with alignment 1 (``data.pack``). Ea
 The *training step* the overhead is compared to is one forward + backward (bench_throughput.train_step) over
 every packed micro-batch of the batch, **estimated**: the tiny benchmark model's measured time per packed
 token on ``--sample`` micro-batches of that same pipeline (spread over the batch), times the pipeline's packed
-tokens. This is for the ~0.5 M-parameter CPU model; a real model's step costs orders of magnitude more per
+tokens. Both sides are measured in wall time and in CPU time of this process (``time.process_time``, one
+torch thread): on the shared machine the wall times of both swing with the load, the CPU-time ratio much less.
+This is for the ~0.5 M-parameter CPU model; a real model's step costs orders of magnitude more per
 token while preprocessing does not change, so for real models the fraction is far smaller. No optimizer step.
 Exits non-zero when a sanity check fails (every row packed once, merged tokens fewer, trained tokens kept).
 """
@@ -28,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,22 +48,36 @@ from bench_throughput import PackedInput, batch_tensors, build_model, tiny_model
 from workloads import SanityCheckFailed, check, markdown_table, real_tokens, trained_tokens, unique_tokens
 
 
+class Clock(NamedTuple):
+    """Elapsed wall and CPU seconds."""
+
+    wall: float
+    cpu: float
+
+    @staticmethod
+    def now() -> Clock:
+        return Clock(time.perf_counter(), time.process_time())
+
+    def since(self, start: Clock) -> Clock:
+        return Clock(self.wall - start.wall, self.cpu - start.cpu)
+
+
 @dataclass
 class Prepared:
     """What preprocessing hands to the model: packed micro-batches with their loss masks."""
 
     micro_batches: list[PackedInput]
-    stage_seconds: dict[str, float]
+    stage_seconds: dict[str, Clock]
 
     @property
     def packed_tokens(self) -> int:
         return sum(mb.packed.total_len for mb in self.micro_batches)
 
 
-def _timed(stage_seconds: dict[str, float], name: str, fn: Callable, *args):
-    start = time.perf_counter()
+def _timed(stage_seconds: dict[str, Clock], name: str, fn: Callable, *args):
+    start = Clock.now()
     result = fn(*args)
-    stage_seconds[name] = time.perf_counter() - start
+    stage_seconds[name] = Clock.now().since(start)
     return result
 
 
@@ -80,7 +97,7 @@ def pack_minibatches(sequences: torch.Tensor, attention_mask: torch.Tensor, loss
 
 def preprocess(out: GeneratorOutput, merge: bool, mini_batch_prompts: int, max_tokens: int) -> Prepared:
     """One pipeline of the module docstring, each stage timed."""
-    seconds: dict[str, float] = {}
+    seconds: dict[str, Clock] = {}
     if merge:
         out, _ = _timed(seconds, "merge (incl. validation)", merge_stepwise_output, out)
     else:
@@ -92,18 +109,23 @@ def preprocess(out: GeneratorOutput, merge: bool, mini_batch_prompts: int, max_t
     return Prepared(micro_batches=packs, stage_seconds=seconds)
 
 
-def median_stages(runs: list[Prepared]) -> dict[str, float]:
-    return {name: statistics.median(r.stage_seconds[name] for r in runs) for name in runs[0].stage_seconds}
+def median_stages(runs: list[Prepared]) -> dict[str, Clock]:
+    """Per stage, the median wall and the median CPU seconds over the runs."""
+    return {
+        name: Clock(*(statistics.median(getattr(r.stage_seconds[name], f) for r in runs) for f in Clock._fields))
+        for name in runs[0].stage_seconds
+    }
 
 
-def seconds_per_packed_token(model: torch.nn.Module, micro_batches: list[PackedInput], sample: int) -> float:
-    """Measured fwd+bwd seconds per packed token on ``sample`` micro-batches spread over the list (1 warm-up)."""
+def seconds_per_packed_token(model: torch.nn.Module, micro_batches: list[PackedInput], sample: int) -> Clock:
+    """Measured fwd+bwd (wall, CPU) seconds per packed token on ``sample`` micro-batches spread over the list (1 warm-up)."""
     picks = [micro_batches[round(i * (len(micro_batches) - 1) / max(1, sample - 1))] for i in range(sample)]
     train_step(model, picks[0])
-    start = time.perf_counter()
+    start = Clock.now()
     for mb in picks:
         train_step(model, mb)
-    return (time.perf_counter() - start) / sum(mb.packed.total_len for mb in picks)
+    elapsed, tokens = Clock.now().since(start), sum(mb.packed.total_len for mb in picks)
+    return Clock(elapsed.wall / tokens, elapsed.cpu / tokens)
 
 
 def check_prepared(out: GeneratorOutput, rows: Prepared, merged: Prepared) -> None:
@@ -127,13 +149,15 @@ def run(trajectories: int, turns: int, mini_batch_prompts: int, max_tokens: int,
     model = build_model(tiny_model_config())
     table_rows = []
     for name, (prepared, stages) in results.items():
-        step = seconds_per_packed_token(model, prepared.micro_batches, sample) * prepared.packed_tokens
+        per_token = seconds_per_packed_token(model, prepared.micro_batches, sample)
+        step = Clock(per_token.wall * prepared.packed_tokens, per_token.cpu * prepared.packed_tokens)
         table_rows.append(_row(name, prepared, stages, step))
     header = (f"{len(out['uids'])} sequences ({trajectories} trajectories x {turns} turns), {real_tokens(out)} "
               f"real tokens, {unique_tokens(out)} after merging; micro-batches of <= {max_tokens} tokens")  # fmt: skip
     stage_names = sorted({s for _, stages in results.values() for s in stages}, key=_stage_order)
     table = markdown_table(["pipeline", "micro-batches", "packed tokens"] + [f"{s} s" for s in stage_names]
-                           + ["preprocess total s", "est. fwd+bwd step s (tiny model)", "preprocess / step"],
+                           + ["preprocess total s", "est. fwd+bwd step s (tiny model)", "preprocess / step",
+                              "preprocess CPU s", "est. step CPU s", "preprocess / step (CPU)"],
                            [_fill(r, stage_names) for r in table_rows])  # fmt: skip
     return {"results": results, "rows": table_rows, "report": header + "\n\n" + table}
 
@@ -143,16 +167,19 @@ def _stage_order(name: str) -> int:
     return order.index(name)
 
 
-def _row(name: str, prepared: Prepared, stages: dict[str, float], step: float) -> dict[str, object]:
-    total = sum(stages.values())
+def _row(name: str, prepared: Prepared, stages: dict[str, Clock], step: Clock) -> dict[str, object]:
+    total = Clock(sum(c.wall for c in stages.values()), sum(c.cpu for c in stages.values()))
     return {"pipeline": name, "micro_batches": len(prepared.micro_batches), "packed": prepared.packed_tokens,
-            "stages": stages, "total": total, "step": step, "fraction": total / step}  # fmt: skip
+            "stages": stages, "total": total, "step": step, "fraction": total.wall / step.wall,
+            "cpu_fraction": total.cpu / step.cpu}  # fmt: skip
 
 
 def _fill(row: dict[str, object], stage_names: list[str]) -> list[object]:
-    stages = [f"{row['stages'][s]:.3f}" if s in row["stages"] else "-" for s in stage_names]
-    return [row["pipeline"], row["micro_batches"], row["packed"], *stages, f"{row['total']:.3f}",
-            f"{row['step']:.1f}", f"{100 * row['fraction']:.2f}%"]  # fmt: skip
+    stages = [f"{row['stages'][s].wall:.3f}" if s in row["stages"] else "-" for s in stage_names]
+    total, step = row["total"], row["step"]
+    return [row["pipeline"], row["micro_batches"], row["packed"], *stages, f"{total.wall:.3f}", f"{step.wall:.1f}",
+            f"{100 * row['fraction']:.2f}%", f"{total.cpu:.3f}", f"{step.cpu:.1f}",
+            f"{100 * row['cpu_fraction']:.2f}%"]  # fmt: skip
 
 
 def main() -> None:

@@ -112,7 +112,7 @@ def test_peak_step_memory_in_process():
 def test_bench_preprocess_quick():
     result = bench_preprocess.run(8, 4, mini_batch_prompts=1, max_tokens=2048, reps=1, sample=1)
     assert [r["pipeline"] for r in result["rows"]] == ["rows", "merged"]
-    assert all(r["step"] > 0 and r["fraction"] > 0 for r in result["rows"])
+    assert all(r["step"].wall > 0 and r["fraction"] > 0 and r["cpu_fraction"] > 0 for r in result["rows"])
 
 
 def test_bench_scaling_quick(tmp_path):
