@@ -5,7 +5,8 @@ load templates) and after ``dist_checkpointing.load``.
 
 The distributed optimizer is saved in the ``fully_reshardable`` format (loads under any TP/PP/DP layout; the
 default format fails in 0.16.1). Without Apex/TransformerEngine (native torch Adam) 0.16.1 has three defects
-on this path (DIST_CKPT_NOTES.md), fixed here without touching megatron-core:
+on this path (DIST_CKPT_NOTES.md), plus a fourth on the local optimizers, fixed here without touching
+megatron-core:
 
 1. ``DistributedOptimizer.state_dict()`` asserts a single Adam ``step`` over the inner state, which is empty
    before the first step: ``populate_adam_state`` creates the state Adam would create (step 0, zero moments;
@@ -16,6 +17,8 @@ on this path (DIST_CKPT_NOTES.md), fixed here without touching megatron-core:
 3. ``load_state_dict`` puts one shared ``step`` tensor into every parameter's state, so foreach AdamW bumps it
    once per parameter per step: every parameter gets its own copy, with the saved value (kept from the
    checkpoint's param groups, the place 0.16.1 stores the distributed optimizer's step).
+4. The local (FP32 / mixed-precision) optimizers drop a step of 0 from the checkpoint (``if step:``), and torch
+   Adam cannot load moments without a step: ``_restore_zero_step``.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
             if isinstance(sub, DistributedOptimizer):
                 _load_distributed(sub, sub_state)
             else:
+                _restore_zero_step(sub_state.get("optimizer", sub_state))
                 sub.load_state_dict(sub_state)
             _own_step_tensors(sub.optimizer)
 
@@ -95,6 +99,20 @@ def _load_distributed(sub: Any, state: dict) -> None:
     sub.load_parameter_state_from_fully_reshardable(param_state)
     for param, step in steps.items():
         sub.optimizer.state[param]["step"] = step
+
+
+def _restore_zero_step(torch_state: dict) -> None:
+    """Give a local optimizer's loaded state its ``step`` back when it was 0 (defect 4).
+
+    ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params.sharded_state_dict`` save the step as
+    ``common_step`` only ``if step:``, so a checkpoint taken before the first optimizer step has moments but no
+    step, and torch Adam's ``load_state_dict`` raises KeyError 'step'.
+    """
+    if "common_step" in torch_state["state"]:
+        return
+    for state in torch_state["state"].values():
+        if isinstance(state, dict) and state and "step" not in state:
+            state["step"] = torch.tensor(0.0)
 
 
 def _own_step_tensors(inner: torch.optim.Optimizer) -> None:
