@@ -35,7 +35,8 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
     from megatron_rl.trainer import Trainer
 
     overrides = ["parallel.tensor_model_parallel_size=2", "batch.train_batch_size=4", "batch.policy_mini_batch_size=2",
-                 "batch.n_samples_per_prompt=3", "optimizer.optimizer=sgd", "optimizer.lr=0.5",
+                 "batch.n_samples_per_prompt=3", "batch.update_epochs_per_batch=1",
+                 "optimizer.optimizer=sgd", "optimizer.lr=0.5",
                  "optimizer.lr_warmup_steps=0"]
     config = load_config("configs/demo_cpu.yaml", overrides, world_size=world_size)
     groups = initialize_distributed(config.parallel, config.seed)
