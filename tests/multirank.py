@@ -66,13 +66,21 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
+        # Multi-rank tests are CPU/gloo tests: on a 1-GPU machine, NCCL ranks would all land on cuda:0.
+        "CUDA_VISIBLE_DEVICES": "",
     }
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
     """Body of one spawned rank: run fn, report ("ok", result) or ("error", traceback), clean up."""
     os.environ.update(_rank_env(rank, world_size, port))
+    import multiprocessing
+
     import torch
+
+    # Children are started daemonic (killed with the parent), but dist_checkpointing's saver starts helper
+    # processes, which a daemonic process may not: clear the flag inside the child.
+    multiprocessing.current_process().daemon = False
 
     torch.set_num_threads(1)
     try:

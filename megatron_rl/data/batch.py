@@ -261,7 +261,7 @@ class TrainingBatch:
         if num_pad == 0:
             return self.slice(0, len(self)), 0  # a new container: callers may add keys without touching self
         dummy = TrainingBatch(
-            {key: _dummy_rows(key, t, num_pad, pad_token_id) for key, t in self.tensors.items()},
+            {key: dummy_rows(key, t, num_pad, pad_token_id) for key, t in self.tensors.items()},
             [None] * num_pad,
             [None] * num_pad,
             [True] * num_pad,
@@ -320,7 +320,7 @@ def _left_pad_cat(tensors: list[torch.Tensor], fill: int) -> torch.Tensor:
     return torch.cat(padded)
 
 
-def _dummy_rows(key: str, like: torch.Tensor, num_rows: int, pad_token_id: int) -> torch.Tensor:
+def dummy_rows(key: str, like: torch.Tensor, num_rows: int, pad_token_id: int) -> torch.Tensor:
     """``num_rows`` padding rows for tensor ``key`` (see ``TrainingBatch.pad_to_multiple``)."""
     rows = torch.zeros((num_rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
     if key == SEQUENCE_KEY:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import MegatronRLConfig
-from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.data.batch import TrainingBatch, dummy_rows
 from megatron_rl.data.packing import PackedBatch, pack, packing_alignment, unpack_response
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.distributed.metrics import reduce_metrics
@@ -268,7 +268,7 @@ class MegatronPolicy:
             index = torch.tensor(rows, dtype=torch.long)
             tensors = {k: v[index].to(self.device) for k, v in padded.tensors.items()}
         else:
-            tensors = {k: _dummy_row(k, v, self.pad_token_id).to(self.device) for k, v in padded.tensors.items()}
+            tensors = {k: dummy_rows(k, v, 1, self.pad_token_id).to(self.device) for k, v in padded.tensors.items()}
         packed = pack(tensors["sequences"], tensors["attention_mask"], self.align, target_len=target_len)
         return _MicroBatch(rows=rows, tensors=tensors, packed=packed)
 
@@ -398,16 +398,6 @@ class MegatronPolicy:
 
 
 # ---------------------------------------------------------------------- construction helpers
-
-
-def _dummy_row(key: str, like: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """One all-masked row shaped like ``like[:1]``: a single ``pad_token_id`` token, zeros elsewhere."""
-    row = torch.zeros_like(like[:1])
-    if key == "sequences":
-        row.fill_(pad_token_id)
-    elif key == "attention_mask":
-        row[:, -1] = 1
-    return row
 
 
 def _wrap_ddp(module: torch.nn.Module, config: MegatronRLConfig) -> torch.nn.Module:

@@ -208,11 +208,8 @@ def _frozen_reference(cfg, groups, batch, full_sd) -> dict:
 
 def _checkpoint_roundtrip(policy, batch) -> dict:
     """save_checkpoint, one step, load_checkpoint: the saved weights and trainer state come back."""
-    import multiprocessing
     import tempfile
 
-    # dist_checkpointing starts helper processes; run_ranks children are daemonic, which forbids children.
-    multiprocessing.current_process().daemon = False
     # Adam state first: a checkpoint saved before the first step does not load yet (KeyError 'step' in
     # checkpoint/optimizer_state.py, reported to its owner).
     _step(policy, batch)
