@@ -25,15 +25,21 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_rl.config import MegatronRLConfig, dump_config, load_config
 from megatron_rl.demo.environment import NextDigitGame
 from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
 from megatron_rl.demo.reporting import RunReporter
 from megatron_rl.demo.rollout import episodes_to_generator_output, mean_reward, play_episodes
-from megatron_rl.demo.sampler import SamplingParams, sampling_generator, uniform_next_token_logprobs
+from megatron_rl.demo.sampler import NextTokenLogprobs, SamplingParams, sampling_generator, uniform_next_token_logprobs
 from megatron_rl.demo.tokenizer import DigitTokenizer
 from megatron_rl.metrics import Metric
+
+if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are imported where the job starts
+    from megatron_rl.distributed.bootstrap import ParallelGroups
+    from megatron_rl.model.policy import MegatronPolicy
+    from megatron_rl.trainer import Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,12 +54,12 @@ class Job:
     """Everything the loop needs, built once."""
 
     config: MegatronRLConfig
-    groups: object
+    groups: ParallelGroups
     tokenizer: DigitTokenizer
     game: NextDigitGame
     sampling: SamplingParams
-    policy: object
-    trainer: object
+    policy: MegatronPolicy
+    trainer: Trainer
     save_dir: Path
     is_rank0: bool
 
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         destroy_distributed()
 
 
-def build_job(config: MegatronRLConfig, groups) -> Job:
+def build_job(config: MegatronRLConfig, groups: ParallelGroups) -> Job:
     """Tokenizer, game, policy (+ reference for KL), trainer; config checks first."""
     from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
@@ -146,7 +152,7 @@ def run(job: Job) -> int:
     return 0
 
 
-def rl_step(job: Job, next_token_logprobs, step: int) -> dict[str, float]:
+def rl_step(job: Job, next_token_logprobs: NextTokenLogprobs, step: int) -> dict[str, float]:
     """Rollouts with the current policy, then one train step. Same on every rank (seeded by (seed, step))."""
     config = job.config
     started = time.perf_counter()
@@ -166,7 +172,7 @@ def rl_step(job: Job, next_token_logprobs, step: int) -> dict[str, float]:
     return metrics
 
 
-def check_ranks_agree(groups, played) -> None:
+def check_ranks_agree(groups: ParallelGroups, played: list) -> None:
     """Every rank must have sampled the same tokens, else each would train on different data (silently)."""
     from megatron_rl.distributed.metrics import reduce_metrics
 
