@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ from megatron_rl.data import (
 from megatron_rl.model.microbatch import plan_microbatches
 
 from bench_throughput import PackedInput, batch_tensors, build_model, tiny_model_config, train_step, workload
-from workloads import SanityCheckFailed, check, markdown_table, real_tokens, trained_tokens, unique_tokens
+from workloads import print_report_or_exit, check, markdown_table, real_tokens, trained_tokens, unique_tokens
 
 
 class Clock(NamedTuple):
@@ -197,12 +196,9 @@ def main() -> None:
     if args.quick:
         args.trajectories, args.turns, args.mini_batch_prompts, args.max_tokens = 8, 4, 1, 2048
         args.reps, args.sample = 1, 1
-    try:
-        result = run(args.trajectories, args.turns, args.mini_batch_prompts, args.max_tokens, args.reps, args.sample)
-    except SanityCheckFailed as err:
-        print(f"SANITY CHECK FAILED: {err}", file=sys.stderr)
-        sys.exit(1)
-    print(result["report"])
+    print_report_or_exit(
+        lambda: run(args.trajectories, args.turns, args.mini_batch_prompts, args.max_tokens, args.reps, args.sample)
+    )
 
 
 if __name__ == "__main__":

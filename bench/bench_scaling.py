@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from bench_throughput import (
     variant_inputs,
     workload,
 )
-from workloads import IndependentSpec, SanityCheckFailed, check, independent_workload, markdown_table
+from workloads import print_report_or_exit, IndependentSpec, check, independent_workload, markdown_table
 
 LENGTHS = (128, 256, 512, 1024, 2048, 4096)
 TURNS = (1, 2, 4, 8, 16)
@@ -156,12 +155,7 @@ def main() -> None:
     lengths, turns = (LENGTHS[:2], TURNS[:2]) if args.quick else (LENGTHS, TURNS)
     if args.quick:
         args.tokens, args.trajectories, args.reps = 512, 1, 1
-    try:
-        result = run(args.tokens, args.trajectories, args.reps, args.out_dir, lengths, turns)
-    except SanityCheckFailed as err:
-        print(f"SANITY CHECK FAILED: {err}", file=sys.stderr)
-        sys.exit(1)
-    print(result["report"])
+    print_report_or_exit(lambda: run(args.tokens, args.trajectories, args.reps, args.out_dir, lengths, turns))
     print(f"\nwritten: {args.out_dir / 'scaling.md'}, scaling.json, scaling.png")
 
 

@@ -53,7 +53,7 @@ from megatron_rl.data import (
 )
 
 from workloads import (
-    SanityCheckFailed,
+    print_report_or_exit,
     StepWiseSpec,
     check,
     markdown_table,
@@ -329,13 +329,11 @@ def main() -> None:
         return memory_probe(args)
     if args.quick:
         args.trajectories, args.turns, args.reps, args.memory = 4, 2, 1, "none"
-    try:
+    def run_all() -> dict:
         memory = memory_in_subprocesses(args) if args.memory == "subprocess" else None
-        result = run(args.trajectories, args.turns, args.reps, memory=memory)
-    except SanityCheckFailed as err:
-        print(f"SANITY CHECK FAILED: {err}", file=sys.stderr)
-        sys.exit(1)
-    print(result["report"])
+        return run(args.trajectories, args.turns, args.reps, memory=memory)
+
+    print_report_or_exit(run_all)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Exits non-zero when a sanity check fails (e.g. packed below real, merged above u
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 
 import torch
@@ -28,8 +27,8 @@ import torch
 from megatron_rl.data import GeneratorOutput, convert_prompts_responses_to_batch_tensors, merge_stepwise_output, pack
 
 from workloads import (
+    print_report_or_exit,
     IndependentSpec,
-    SanityCheckFailed,
     StepWiseSpec,
     check,
     independent_workload,
@@ -165,12 +164,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.quick:
         args.trajectories, args.turns, args.sequences = 8, 4, 16
-    try:
-        result = run(args.trajectories, args.turns, args.sequences, quick=args.quick)
-    except SanityCheckFailed as err:
-        print(f"SANITY CHECK FAILED: {err}", file=sys.stderr)
-        sys.exit(1)
-    print(result["report"])
+    print_report_or_exit(lambda: run(args.trajectories, args.turns, args.sequences, quick=args.quick))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ which its ``main`` turns into a non-zero exit) and ``markdown_table``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,6 +175,17 @@ def check(condition: bool, what: str) -> None:
     """Raise ``SanityCheckFailed(what)`` unless ``condition``."""
     if not condition:
         raise SanityCheckFailed(what)
+
+
+def print_report_or_exit(run: Callable[[], dict]) -> dict:
+    """Run a benchmark, print its ``report``; exit 1 (stderr message) if one of its sanity checks failed."""
+    try:
+        result = run()
+    except SanityCheckFailed as err:
+        print(f"SANITY CHECK FAILED: {err}", file=sys.stderr)
+        sys.exit(1)
+    print(result["report"])
+    return result
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

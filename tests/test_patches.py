@@ -7,7 +7,6 @@ megatron's functions to show they really ran; losses, the grad norm and the para
 are compared with a plain single-process autograd reference built from the same full state dict.
 """
 
-import dataclasses
 import logging
 
 import pytest
