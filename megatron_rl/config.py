@@ -233,7 +233,6 @@ class MegatronRLConfig:
 # --------------------------------------------------------------------------------------------------------------
 
 
-
 def _positive(section: str, obj: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
