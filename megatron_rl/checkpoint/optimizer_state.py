@@ -5,12 +5,12 @@ load templates) and after ``dist_checkpointing.load``.
 
 The distributed optimizer is saved in the ``fully_reshardable`` format (loads under any TP/PP/DP layout; the
 default format fails in 0.16.1). Without Apex/TransformerEngine (native torch Adam) 0.16.1 has three defects
-on this path (DIST_CKPT_NOTES.md), plus a fourth on the local optimizers, fixed here without touching
+on this path (DIST_CKPT_NOTES.md), plus two on the local optimizers, fixed here without touching
 megatron-core:
 
 1. ``DistributedOptimizer.state_dict()`` asserts a single Adam ``step`` over the inner state, which is empty
-   before the first step: ``populate_adam_state`` creates the state Adam would create (step 0, zero moments;
-   the same update follows), before building a template or saving.
+   before the first step: ``populate_optimizer_state`` creates the state Adam would create (step 0, zero
+   moments; the same update follows), before building a template or saving.
 2. ``load_parameter_state_from_fully_reshardable`` copies every state key including ``step`` (KeyError: the
    format has no per-parameter step) in place into views of leaves requiring grad (RuntimeError):
    ``load_optimizer_state`` takes ``step`` out around that call and runs under ``torch.no_grad``.
@@ -19,6 +19,9 @@ megatron-core:
    checkpoint's param groups, the place 0.16.1 stores the distributed optimizer's step).
 4. The local (FP32 / mixed-precision) optimizers drop a step of 0 from the checkpoint (``if step:``), and torch
    Adam cannot load moments without a step: ``_restore_zero_step``.
+5. SGD: megatron passes ``init_state_fn=None``, which ``sharded_state_dict(is_loading=True)`` calls
+   (TypeError), and torch creates momentum buffers lazily, so a template built before the first step has none
+   and the checkpoint's buffers would be skipped silently: a no-op init function and zero buffers.
 """
 
 from __future__ import annotations
@@ -47,28 +50,50 @@ def optimizer_kind(optimizer: Any | None) -> str | None:
     return "distributed" if kinds.pop() else "local"
 
 
-def populate_adam_state(optimizer: Any) -> None:
-    """Create the per-parameter state a torch Adam/AdamW would create at its first step (defect 1).
+def populate_optimizer_state(optimizer: Any) -> None:
+    """Create the per-parameter state torch would create at the first step (defects 1 and 5).
 
-    Numerically a no-op: Adam with step 0 and zero moments performs exactly the first update.
+    Numerically a no-op: Adam with step 0 and zero moments performs exactly the first update; SGD with a zero
+    momentum buffer too (when dampening is 0, torch's and megatron's default).
     """
     for sub in sub_optimizers(optimizer):
+        if getattr(sub, "init_state_fn", _no_init) is None:
+            sub.init_state_fn = _no_init
         inner = sub.optimizer
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0)
-                for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ()):
-                    if key not in state:
-                        state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            _populate_adam(inner)
+        elif isinstance(inner, torch.optim.SGD):
+            _populate_sgd(inner)
+
+
+def _no_init(optimizer: torch.optim.Optimizer, config: Any = None) -> None:
+    """Stand-in for the ``init_state_fn=None`` megatron gives SGD (its loading template would call None)."""
+
+
+def _populate_adam(inner: torch.optim.Optimizer) -> None:
+    for group in inner.param_groups:
+        moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+        for param in group["params"]:
+            state = inner.state[param]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0)
+            for key in moments:
+                if key not in state:
+                    state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _populate_sgd(inner: torch.optim.SGD) -> None:
+    for group in inner.param_groups:
+        if group["momentum"] == 0 or group["dampening"] != 0:
+            continue  # no state, or a first step (buffer = grad) that a zero buffer would not reproduce
+        for param in group["params"]:
+            if inner.state[param].get("momentum_buffer") is None:
+                inner.state[param]["momentum_buffer"] = torch.zeros_like(param)
 
 
 def sharded_optimizer_state(optimizer: Any, model_sharded: dict, is_loading: bool) -> dict:
     """``optimizer.sharded_state_dict`` for ``model_sharded`` (the model chunks' sharded state dicts)."""
-    populate_adam_state(optimizer)
+    populate_optimizer_state(optimizer)
     with torch.no_grad():
         return optimizer.sharded_state_dict(model_sharded, is_loading=is_loading, metadata=SHARDING_METADATA)
 

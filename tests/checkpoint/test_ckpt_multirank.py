@@ -5,13 +5,15 @@ The spawn visits four layouts in turn (re-initializing megatron's parallel state
   A  TP2, distributed optimizer: 4 uninterrupted steps with a checkpoint after step 2, then a fresh policy
      resumed from it runs steps 3-4 again. Reference: the uninterrupted run (bitwise).
   B  DP2, local (FP32) optimizer: the same.
+  E  DP2, local SGD with momentum: the same.
   C  DP2 (TP1), distributed optimizer: loads A's TP2 checkpoint. Reference: A's step-2 weights (bitwise) and
      A's steps 3-4 (same math in another layout: float tolerance). A local optimizer is refused (ValueError),
      weights-only loading works.
   D  PP2, distributed optimizer: loads A's TP2 checkpoint, as C.
 
 LR warmup + linear decay make the scheduler state matter; Adam moments make the optimizer state matter (a
-resume without them moves the weights by O(lr) = 1e-2, far outside the tolerances).
+resume without them moves the weights by O(lr) = 1e-2, far outside the tolerances). The same holds for SGD's
+momentum buffers.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_helpers import allow_child_processes, full_weights, make_batch, make_config, train_step
+from ckpt_helpers import checkpointing_rank, full_weights, make_batch, make_config, train_step
 from multirank import run_ranks
 
 STEPS, SAVE_AT = 4, 2
@@ -90,14 +92,15 @@ def _reshard_run(config, source: Path) -> dict:
 
 
 def _layouts_child(rank: int, world_size: int, root: str) -> dict:
-    allow_child_processes()
     root = Path(root)
-    out = {
-        "A": _resume_run(make_config(tp=2, distributed=True), root / "A"),
-        "B": _resume_run(make_config(distributed=False), root / "B"),
-        "C": _reshard_run(make_config(distributed=True), root / "A"),
-        "D": _reshard_run(make_config(pp=2, distributed=True), root / "A"),
-    }
+    with checkpointing_rank():
+        out = {
+            "A": _resume_run(make_config(tp=2, distributed=True), root / "A"),
+            "B": _resume_run(make_config(distributed=False), root / "B"),
+            "C": _reshard_run(make_config(distributed=True), root / "A"),
+            "D": _reshard_run(make_config(pp=2, distributed=True), root / "A"),
+            "E": _resume_run(make_config(optimizer="sgd"), root / "E"),
+        }
     return out if rank == 0 else {}
 
 
@@ -113,7 +116,7 @@ def _assert_equal_weights(a: dict, b: dict, what: str) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["A", "B"])
+@pytest.mark.parametrize("case", ["A", "B", "E"])
 def test_resume_is_bitwise(layouts, case):
     run = layouts[case]
     assert run["trainer_state"] == {"step": SAVE_AT, "consumed_prompts": 4 * SAVE_AT}
