@@ -1,6 +1,6 @@
 """Tiny random Hugging Face checkpoints saved locally (no downloads), one per supported variant.
 
-Each model: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256, fp32, plus a WordLevel tokenizer with a pad
+Each model: 2 layers, hidden 64, 4 heads, 2 KV heads, vocab 256 (255 for one, which TP2 pads), fp32, plus a WordLevel tokenizer with a pad
 token. Norm weights and biases are perturbed away from their 1/0 init so that a wrong mapping (e.g. the
 input norm loaded into the MLP norm, a bias dropped) changes the logits and cannot hide.
 """
@@ -19,6 +19,7 @@ VARIANTS = {
     "qwen2": ("qwen2", {"rope_theta": 1000000.0}),  # q/k/v biases
     "qwen3": ("qwen3", {"rope_theta": 1000000.0, "head_dim": 32}),  # q/k norms, head_dim != hidden/heads
     "qwen2_tied": ("qwen2", {"rope_theta": 10000.0, "tie_word_embeddings": True}),
+    "llama_v255": ("llama", {"rope_theta": 10000.0, "vocab_size": 255}),  # padded to 256 under TP2
 }
 
 
@@ -27,6 +28,7 @@ def _hf_config(model_type: str, extra: dict):
 
     extra = dict(extra)
     theta = extra.pop("rope_theta")
+    vocab = extra.pop("vocab_size", VOCAB)
     return AutoConfig.for_model(
         model_type,
         hidden_size=64,
@@ -34,7 +36,7 @@ def _hf_config(model_type: str, extra: dict):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": theta},

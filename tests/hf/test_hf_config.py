@@ -12,14 +12,14 @@ from megatron_rl.hf.config import model_config_from_hf
 from megatron_rl.hf.tokenizer import load_tokenizer, pad_token_id
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "qwen2_tied"])
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "qwen2_tied", "llama_v255"])
 def test_model_config_matches_hf_config(hf_models, variant):
     path = hf_models[variant]
     hf = AutoConfig.from_pretrained(path)
     cfg = model_config_from_hf(path, base=ModelConfig(init_method_std=0.5))
     assert cfg.hf_path == str(path) and cfg.init_method_std == 0.5
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 64, 128)
-    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size) == (4, 2, 256)
+    assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.vocab_size) == (4, 2, hf.vocab_size)
     assert cfg.kv_channels == (32 if variant == "qwen3" else 16)
     assert cfg.rotary_base == hf.rope_parameters["rope_theta"]
     assert cfg.layernorm_epsilon == hf.rms_norm_eps

@@ -2,7 +2,7 @@
 
 One 2-rank spawn visits the three layouts (re-initializing megatron's parallel state in between) and, for each
 tiny model variant of ``conftest.py`` (Llama; Qwen2 with q/k/v biases; Qwen3 with q/k norms and
-head_dim != hidden/heads; Qwen2 with tied embeddings):
+head_dim != hidden/heads; Qwen2 with tied embeddings; Llama with vocab 255, padded to 256 under TP2):
 - imports the HF safetensors, runs ``MegatronPolicy.forward`` (packed THD input) on a left-padded batch;
 - on PP1 layouts also runs the bare GPTModel on the padded batch with an explicit causal+padding mask
   (the unpacked path), gathering the vocab-parallel logits;
@@ -28,7 +28,7 @@ LAYOUTS = {"tp1dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 TOL = 1e-4  # fp32, same weights: only summation-order differences (measured <= 1e-6)
 
 
-def _batch_tensors(vocab: int = 256, seed: int = 0) -> dict[str, torch.Tensor]:
+def _batch_tensors(vocab: int = 255, seed: int = 0) -> dict[str, torch.Tensor]:
     """Left-padded sequences [B, S] / right-aligned response mask [B, R] (DESIGN.md section 2)."""
     g = torch.Generator().manual_seed(seed)
     rows, width, resp = len(PROMPT_LENS), max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)), max(RESPONSE_LENS)
@@ -71,8 +71,9 @@ def hf_response_logprobs(hf_dir: Path, tensors: dict[str, torch.Tensor], dtype=t
 # ---------------------------------------------------------------------- runs in the children
 
 
-def _padded_forward_logprobs(module, tensors: dict[str, torch.Tensor], groups) -> torch.Tensor:
-    """The unpacked path: bare GPTModel on [B, S] with a causal + left-padding mask (True = masked)."""
+def _padded_forward_logprobs(module, tensors: dict[str, torch.Tensor], groups, vocab: int) -> torch.Tensor:
+    """The unpacked path: bare GPTModel on [B, S] with a causal + left-padding mask (True = masked); the
+    columns of TP vocabulary padding (beyond ``vocab``) are dropped."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     seq, am = tensors["sequences"], tensors["attention_mask"].bool()
@@ -81,7 +82,7 @@ def _padded_forward_logprobs(module, tensors: dict[str, torch.Tensor], groups) -
     positions = torch.arange(s)[None].expand_as(seq)
     with torch.no_grad():
         logits = module(seq, positions, ~allowed[:, None])  # [B, S, V/tp]
-        logits = gather_from_tensor_model_parallel_region(logits, group=groups.tp_group)
+        logits = gather_from_tensor_model_parallel_region(logits, group=groups.tp_group)[..., :vocab]
     return response_logprobs_from_logits(logits, seq, tensors["response_mask"].shape[1])
 
 
@@ -107,7 +108,7 @@ def _layout_run(layout: str, model_dirs: dict[str, str], tensors, export_root: s
         load_hf_into_policy(policy)
         out[(variant, "packed")] = policy.forward(batch)["logprobs"]
         if pp == 1:
-            out[(variant, "padded")] = _padded_forward_logprobs(policy.module, tensors, groups)
+            out[(variant, "padded")] = _padded_forward_logprobs(policy.module, tensors, groups, model.vocab_size)
         export_policy_to_hf(policy, Path(export_root) / f"{layout}_{variant}")
     parallel_state.destroy_model_parallel()
     return out
