@@ -106,10 +106,13 @@ def save_checkpoint(policy: Any, save_dir: str | Path, trainer_state: dict[str, 
     )
 
 
-def load_checkpoint(policy: Any, path: str | Path, *, load_optimizer: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    policy: Any, path: str | Path, *, load_optimizer: bool = True, verify_checksums: bool = True
+) -> dict[str, Any]:
     """Restore ``policy`` from ``path`` (a checkpoint directory, or a save_dir: its latest complete
-    checkpoint); returns the trainer state. Collective."""
-    return load_parts(parts_of(policy), path, load_optimizer=load_optimizer)
+    checkpoint); returns the trainer state. ``verify_checksums=False`` checks file sizes only (reading a very
+    large checkpoint twice costs time). Collective."""
+    return load_parts(parts_of(policy), path, load_optimizer=load_optimizer, verify_checksums=verify_checksums)
 
 
 # ---------------------------------------------------------------------------------------------- save

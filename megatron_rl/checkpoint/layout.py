@@ -220,7 +220,11 @@ def clear_stale_tmp(save_dir: Path) -> None:
 
 
 def publish(tmp_dir: Path, final_dir: Path) -> None:
-    """Rename a finished temporary directory to its final name (replacing an older save of the same step)."""
+    """Rename a finished temporary directory to its final name (replacing an older save of the same step).
+
+    Replacing takes two renames (old -> trash, tmp -> final); a crash between them leaves no ``step_<n>``
+    directory for a moment, and ``resolve_checkpoint`` then falls back to the newest complete one.
+    """
     save_dir = final_dir.parent
     fsync_dir(tmp_dir)
     trash = None
