@@ -91,6 +91,8 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
         results.put((rank, "error", traceback.format_exc()))
     finally:
         _destroy_if_initialized()
+        for helper in multiprocessing.active_children():  # e.g. dist_checkpointing's saver helpers
+            helper.terminate()
 
 
 def _destroy_if_initialized() -> None:
@@ -108,9 +110,23 @@ def _destroy_if_initialized() -> None:
 
 
 def _kill(procs: list) -> None:
+    """Kill the ranks and their descendants (e.g. dist_checkpointing's saver helpers, which would otherwise be
+    orphaned and keep pytest's output pipe open)."""
+    import psutil
+
     for proc in procs:
-        if proc.is_alive():
-            proc.kill()
+        if not proc.is_alive():
+            continue
+        try:
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        proc.kill()
+        for child in descendants:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
     for proc in procs:
         proc.join(timeout=5)
 

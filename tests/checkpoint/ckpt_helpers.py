@@ -6,30 +6,9 @@ scheduler state shows), a fixed left-padded batch and a summed policy-gradient l
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-from typing import Iterator
-
 import torch
 
 LR = 0.01
-
-
-@contextlib.contextmanager
-def checkpointing_rank() -> Iterator[None]:
-    """Run a rank body of tests/multirank.py that saves checkpoints.
-
-    dist_checkpointing starts helper processes (a multiprocessing Manager, forked writers), but the harness's
-    ranks are daemonic and daemonic processes may not have children: lift the flag. On the way out terminate
-    the helpers, which would otherwise outlive a rank the harness kills (after an error) and keep the test
-    run's output pipe open.
-    """
-    multiprocessing.current_process().daemon = False
-    try:
-        yield
-    finally:
-        for child in multiprocessing.active_children():
-            child.terminate()
 
 
 def make_config(tp: int = 1, pp: int = 1, *, distributed: bool = False, optimizer: str = "adam", hidden: int = 64,

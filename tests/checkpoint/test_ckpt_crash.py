@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import checkpointing_rank, local_weights, make_config, set_weights_to_step
+from ckpt_helpers import local_weights, make_config, set_weights_to_step
 from multirank import run_ranks
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
@@ -218,13 +218,12 @@ def _crash_child(rank: int, world_size: int, killed: dict[str, str], root: str) 
     groups = initialize_distributed(config.parallel, seed=config.seed)
     policy = MegatronPolicy(config, groups)
     base = local_weights(policy)  # the workers' initial weights too: same config and seed
-    with checkpointing_rank():
-        return {
-            "killed": _killed_checks(policy, base, killed),
-            "staged": _staged_failures(policy, base, root / "staged"),
-            "deadline": _deadline_check(policy, base, root / "deadline"),
-            "bad": _bad_input_checks(policy, groups, base, root / "bad"),
-        }
+    return {
+        "killed": _killed_checks(policy, base, killed),
+        "staged": _staged_failures(policy, base, root / "staged"),
+        "deadline": _deadline_check(policy, base, root / "deadline"),
+        "bad": _bad_input_checks(policy, groups, base, root / "bad"),
+    }
 
 
 @pytest.fixture(scope="module")

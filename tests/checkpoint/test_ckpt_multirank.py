@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_helpers import checkpointing_rank, full_weights, make_batch, make_config, train_step
+from ckpt_helpers import full_weights, make_batch, make_config, train_step
 from multirank import run_ranks
 
 STEPS, SAVE_AT = 4, 2
@@ -93,14 +93,13 @@ def _reshard_run(config, source: Path) -> dict:
 
 def _layouts_child(rank: int, world_size: int, root: str) -> dict:
     root = Path(root)
-    with checkpointing_rank():
-        out = {
-            "A": _resume_run(make_config(tp=2, distributed=True), root / "A"),
-            "B": _resume_run(make_config(distributed=False), root / "B"),
-            "C": _reshard_run(make_config(distributed=True), root / "A"),
-            "D": _reshard_run(make_config(pp=2, distributed=True), root / "A"),
-            "E": _resume_run(make_config(optimizer="sgd"), root / "E"),
-        }
+    out = {
+        "A": _resume_run(make_config(tp=2, distributed=True), root / "A"),
+        "B": _resume_run(make_config(distributed=False), root / "B"),
+        "C": _reshard_run(make_config(distributed=True), root / "A"),
+        "D": _reshard_run(make_config(pp=2, distributed=True), root / "A"),
+        "E": _resume_run(make_config(optimizer="sgd"), root / "E"),
+    }
     return out if rank == 0 else {}
 
 
