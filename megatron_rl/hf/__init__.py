@@ -3,18 +3,23 @@
 
 Typical use (every rank):
 
-    model_cfg = model_config_from_hf(hf_dir)                  # shapes from config.json
-    policy = MegatronPolicy(cfg_with(model_cfg), groups, pad_token_id=pad_token_id(load_tokenizer(hf_dir)))
-    load_hf_into_policy(policy)                               # weights (and the optimizer's main copies)
+    policy = policy_from_hf(cfg, groups, hf_dir=hf_dir)       # shapes from config.json, pad id from the
+                                                              # tokenizer, weights (+ optimizer main copies)
     ...
     export_policy_to_hf(policy, out_dir)                      # rank 0 writes; transformers loads out_dir
 """
 
 from megatron_rl.hf.config import SUPPORTED_MODEL_TYPES, model_config_from_hf
 from megatron_rl.hf.tokenizer import load_tokenizer, pad_token_id
-from megatron_rl.hf.weights import export_hf, export_policy_to_hf, load_hf_into_policy, load_hf_weights
+from megatron_rl.hf.weights import (
+    export_hf,
+    export_policy_to_hf,
+    load_hf_into_policy,
+    load_hf_weights,
+    policy_from_hf,
+)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "export_hf", "export_policy_to_hf", "load_hf_into_policy", "load_hf_weights",
-    "load_tokenizer", "model_config_from_hf", "pad_token_id",
+    "load_tokenizer", "model_config_from_hf", "pad_token_id", "policy_from_hf",
 ]  # fmt: skip

@@ -136,6 +136,24 @@ def load_hf_into_policy(policy: Any, hf_dir: str | os.PathLike | None = None) ->
         policy.optimizer.reload_model_params()
 
 
+def policy_from_hf(config: Any, groups: Any, *, role: str = "policy", hf_dir: str | os.PathLike | None = None,
+                   **policy_kwargs: Any) -> Any:
+    """A ``MegatronPolicy`` whose shapes (config.json), pad id (tokenizer) and weights come from the local HF
+    checkpoint ``hf_dir`` (default ``config.model.hf_path``); the other model fields (dtype, attention backend)
+    are kept from ``config.model``. Collective: call on every rank."""
+    from megatron_rl.hf.tokenizer import load_tokenizer, pad_token_id
+    from megatron_rl.model.policy import MegatronPolicy
+
+    hf_dir = hf_dir or config.model.hf_path
+    if hf_dir is None:
+        raise ValueError("model.hf_path is not set; set it to the local HF checkpoint directory")
+    config = dataclasses.replace(config, model=model_config_from_hf(hf_dir, base=config.model))
+    pad_id = pad_token_id(load_tokenizer(hf_dir), hf_dir)
+    policy = MegatronPolicy(config, groups, role=role, pad_token_id=pad_id, **policy_kwargs)
+    load_hf_into_policy(policy)
+    return policy
+
+
 def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank."""

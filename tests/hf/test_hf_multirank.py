@@ -92,9 +92,7 @@ def _layout_run(layout: str, model_dirs: dict[str, str], tensors, export_root: s
     from megatron_rl.config import MegatronRLConfig, ModelConfig, ParallelConfig
     from megatron_rl.data.batch import TrainingBatch
     from megatron_rl.distributed.bootstrap import initialize_distributed
-    from megatron_rl.hf.config import model_config_from_hf
-    from megatron_rl.hf.weights import export_policy_to_hf, load_hf_into_policy
-    from megatron_rl.model.policy import MegatronPolicy
+    from megatron_rl.hf.weights import export_policy_to_hf, policy_from_hf
 
     tp, pp = LAYOUTS[layout]
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -103,12 +101,12 @@ def _layout_run(layout: str, model_dirs: dict[str, str], tensors, export_root: s
     batch = TrainingBatch(dict(tensors), list(range(n)), list(range(n)), [True] * n)
     out = {}
     for variant, path in model_dirs.items():
-        model = model_config_from_hf(path, base=ModelConfig(attention_backend="local"))
-        policy = MegatronPolicy(MegatronRLConfig(parallel=parallel, model=model), groups, role="reference")
-        load_hf_into_policy(policy)
+        config = MegatronRLConfig(parallel=parallel, model=ModelConfig(attention_backend="local"))
+        policy = policy_from_hf(config, groups, role="reference", hf_dir=path)
         out[(variant, "packed")] = policy.forward(batch)["logprobs"]
         if pp == 1:
-            out[(variant, "padded")] = _padded_forward_logprobs(policy.module, tensors, groups, model.vocab_size)
+            vocab = policy.config.model.vocab_size
+            out[(variant, "padded")] = _padded_forward_logprobs(policy.module, tensors, groups, vocab)
         export_policy_to_hf(policy, Path(export_root) / f"{layout}_{variant}")
     parallel_state.destroy_model_parallel()
     return out
@@ -168,14 +166,11 @@ def _gpu_child(rank: int, world_size: int, hf_dir: str, tensors) -> torch.Tensor
     from megatron_rl.config import MegatronRLConfig, ModelConfig, ParallelConfig
     from megatron_rl.data.batch import TrainingBatch
     from megatron_rl.distributed.bootstrap import initialize_distributed
-    from megatron_rl.hf.config import model_config_from_hf
-    from megatron_rl.hf.weights import load_hf_into_policy
-    from megatron_rl.model.policy import MegatronPolicy
+    from megatron_rl.hf.weights import policy_from_hf
 
     groups = initialize_distributed(ParallelConfig(), seed=7)
-    model = model_config_from_hf(hf_dir, base=ModelConfig(params_dtype="bfloat16", attention_backend="auto"))
-    policy = MegatronPolicy(MegatronRLConfig(model=model), groups, role="reference")
-    load_hf_into_policy(policy)
+    config = MegatronRLConfig(model=ModelConfig(params_dtype="bfloat16", attention_backend="auto"))
+    policy = policy_from_hf(config, groups, role="reference", hf_dir=hf_dir)
     n = tensors["sequences"].shape[0]
     batch = TrainingBatch({k: v.to(groups.device) for k, v in tensors.items()}, list(range(n)), list(range(n)), [True] * n)
     return policy.forward(batch)["logprobs"].float().cpu()
