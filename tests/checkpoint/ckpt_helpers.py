@@ -29,24 +29,12 @@ def make_config(tp: int = 1, pp: int = 1, *, distributed: bool = False, optimize
 
 def make_batch(vocab: int = 128, seed: int = 0):
     """4 left-padded rows [B, S] with right-aligned responses [B, R] (DESIGN.md section 2)."""
+    from batches import left_padded_tensors  # tests/ (on the path in pytest and its spawned ranks)
+
     from megatron_rl.data.batch import TrainingBatch
 
-    g = torch.Generator().manual_seed(seed)
-    prompts, responses = [3, 6, 2, 5], [4, 2, 5, 3]
-    rows, width, resp = len(prompts), max(p + r for p, r in zip(prompts, responses)), max(responses)
-    t = {
-        "sequences": torch.zeros(rows, width, dtype=torch.long),
-        "attention_mask": torch.zeros(rows, width, dtype=torch.long),
-        "response_mask": torch.zeros(rows, resp, dtype=torch.long),
-        "loss_mask": torch.zeros(rows, resp),
-        "advantages": torch.randn(rows, resp, generator=g),
-    }
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        t["sequences"][i, width - p - r :] = torch.randint(1, vocab, (p + r,), generator=g)
-        t["attention_mask"][i, width - p - r :] = 1
-        t["response_mask"][i, resp - r :] = 1
-        t["loss_mask"][i, resp - r :] = 1.0
-    t["advantages"] *= t["response_mask"]
+    t = left_padded_tensors([3, 6, 2, 5], [4, 2, 5, 3], vocab, torch.Generator().manual_seed(seed), advantages=True)
+    rows = len(t["sequences"])
     return TrainingBatch(t, list(range(rows)), list(range(rows)), [True] * rows)
 
 

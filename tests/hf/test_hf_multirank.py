@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batches import left_padded_tensors
 from multirank import run_ranks
 
 PROMPT_LENS = [5, 2, 9, 3]
@@ -30,20 +31,7 @@ TOL = 1e-4  # fp32, same weights: only summation-order differences (measured <= 
 
 def _batch_tensors(vocab: int = 255, seed: int = 0) -> dict[str, torch.Tensor]:
     """Left-padded sequences [B, S] / right-aligned response mask [B, R] (DESIGN.md section 2)."""
-    g = torch.Generator().manual_seed(seed)
-    rows, width, resp = len(PROMPT_LENS), max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS)), max(RESPONSE_LENS)
-    t = {
-        "sequences": torch.zeros(rows, width, dtype=torch.long),
-        "attention_mask": torch.zeros(rows, width, dtype=torch.long),
-        "response_mask": torch.zeros(rows, resp, dtype=torch.long),
-        "loss_mask": torch.zeros(rows, resp),
-    }
-    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
-        t["sequences"][i, width - p - r :] = torch.randint(3, vocab, (p + r,), generator=g)
-        t["attention_mask"][i, width - p - r :] = 1
-        t["response_mask"][i, resp - r :] = 1
-        t["loss_mask"][i, resp - r :] = 1.0
-    return t
+    return left_padded_tensors(PROMPT_LENS, RESPONSE_LENS, vocab, torch.Generator().manual_seed(seed), low=3)
 
 
 def response_logprobs_from_logits(logits: torch.Tensor, sequences: torch.Tensor, width: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from batches import left_padded_tensors
 from megatron_rl.metrics import Metric
 from multirank import run_ranks
 
@@ -43,23 +44,8 @@ def _config(tp: int = 1, pp: int = 1, *, optimizer: str = "sgd", distributed: bo
 def _batch_tensors(seed: int = 0, vocab: int = 128) -> dict[str, torch.Tensor]:
     """Left-padded [B, S] / right-aligned [B, R] tensors (DESIGN.md section 2), built by hand."""
     g = torch.Generator().manual_seed(seed)
-    num_rows = len(PROMPT_LENS)
-    width = max(p + r for p, r in zip(PROMPT_LENS, RESPONSE_LENS))
-    resp_width = max(RESPONSE_LENS)
-    t = {
-        "sequences": torch.zeros(num_rows, width, dtype=torch.long),
-        "attention_mask": torch.zeros(num_rows, width, dtype=torch.long),
-        "response_mask": torch.zeros(num_rows, resp_width, dtype=torch.long),
-        "loss_mask": torch.zeros(num_rows, resp_width),
-        "advantages": torch.randn(num_rows, resp_width, generator=g),
-    }
-    for i, (p, r) in enumerate(zip(PROMPT_LENS, RESPONSE_LENS)):
-        t["sequences"][i, width - p - r :] = torch.randint(1, vocab, (p + r,), generator=g)
-        t["attention_mask"][i, width - p - r :] = 1
-        t["response_mask"][i, resp_width - r :] = 1
-        t["loss_mask"][i, resp_width - r :] = (torch.rand(r, generator=g) > 0.2).float()
+    t = left_padded_tensors(PROMPT_LENS, RESPONSE_LENS, vocab, g, loss_drop=0.2, advantages=True)
     t["loss_mask"][1] = 0.0  # a row with no loss token
-    t["advantages"] *= t["response_mask"]
     return t
 
 

@@ -1,0 +1,43 @@
+"""Hand-built left-padded batches for tests (the layout of DESIGN.md section 2, without the data layer).
+
+Built row by row on purpose: tests of the model and checkpoint code should not depend on the conversion code
+they are not testing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def left_padded_tensors(
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    vocab: int,
+    generator: torch.Generator,
+    *,
+    low: int = 1,
+    loss_drop: float = 0.0,
+    advantages: bool = False,
+) -> dict[str, torch.Tensor]:
+    """``sequences`` / ``attention_mask`` [B, S] left-padded, ``response_mask`` / ``loss_mask`` [B, R]
+    right-aligned; token ids in ``[low, vocab)``; each response token's loss mask is dropped with probability
+    ``loss_drop``; ``advantages`` [B, R] (standard normal on response tokens) when asked."""
+    rows = len(prompt_lens)
+    width = max(p + r for p, r in zip(prompt_lens, response_lens))
+    resp = max(response_lens)
+    t = {
+        "sequences": torch.zeros(rows, width, dtype=torch.long),
+        "attention_mask": torch.zeros(rows, width, dtype=torch.long),
+        "response_mask": torch.zeros(rows, resp, dtype=torch.long),
+        "loss_mask": torch.zeros(rows, resp),
+    }
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        t["sequences"][i, width - p - r :] = torch.randint(low, vocab, (p + r,), generator=generator)
+        t["attention_mask"][i, width - p - r :] = 1
+        t["response_mask"][i, resp - r :] = 1
+        t["loss_mask"][i, resp - r :] = (torch.rand(r, generator=generator) >= loss_drop).float()
+    if advantages:
+        t["advantages"] = torch.randn(rows, resp, generator=generator) * t["response_mask"]
+    return t
