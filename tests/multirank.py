@@ -66,8 +66,6 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "OMP_NUM_THREADS": "1",
-        # Multi-rank tests are CPU/gloo tests: on a 1-GPU machine, NCCL ranks would all land on cuda:0.
-        "CUDA_VISIBLE_DEVICES": "",
     }
 
 
@@ -131,19 +129,23 @@ def _kill(procs: list) -> None:
         proc.join(timeout=5)
 
 
-def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0) -> list:
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
+              cpu_only: bool = True) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; results in rank order.
 
     ``fn`` must be a module-level (importable) function and its result picklable. Raises ``RuntimeError``
     with the child's traceback if a rank fails or dies, ``TimeoutError`` after ``timeout`` seconds; in both
-    cases every child is killed first.
+    cases every child is killed first. ``cpu_only`` (the default) hides GPUs from the ranks, so multi-rank
+    tests are CPU/gloo tests everywhere (on a 1-GPU machine NCCL ranks would all land on cuda:0); GPU tests
+    pass ``cpu_only=False``.
     """
     assert world_size >= 1, world_size
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = []
-    with _environ({"OMP_NUM_THREADS": "1"}):
+    spawn_env = {"OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu_only else {})}
+    with _environ(spawn_env):
         for rank in range(world_size):
             proc = ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results), daemon=True)
             proc.start()

@@ -176,6 +176,6 @@ def test_logprobs_match_hf_bf16_gpu(hf_models):
     tensors = _batch_tensors()
     mask = tensors["response_mask"].bool()
     for variant, path in hf_models.items():
-        ours = run_ranks(1, _gpu_child, str(path), tensors, timeout=300)[0]
+        ours = run_ranks(1, _gpu_child, str(path), tensors, timeout=300, cpu_only=False)[0]
         diff = (ours - _hf_reference(str(path)))[mask].abs()
         assert diff.max().item() < 0.05 and diff.mean().item() < 0.01, (variant, diff.max().item())
