@@ -22,6 +22,7 @@ import os
 import random
 import sys
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,23 @@ class Job:
     is_rank0: bool
 
 
+# megatron-core announces at import, once per module and rank, that it falls back from TransformerEngine/Apex
+# (expected on CPU; the README says TE/Apex are optional) and that a cuda-graph default is deprecated (we use no
+# cuda graphs). Silenced so the job's own output stays readable; every other warning is kept.
+_EXPECTED_MEGATRON_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+)
+
+
+def silence_expected_megatron_warnings() -> None:
+    for prefix in _EXPECTED_MEGATRON_WARNINGS:
+        warnings.filterwarnings("ignore", message=prefix, category=UserWarning)
+
+
 def main(argv: list[str] | None = None) -> int:
+    silence_expected_megatron_warnings()
     args = parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config = load_config(args.config, args.overrides, world_size=world_size)

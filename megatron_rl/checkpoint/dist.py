@@ -151,13 +151,15 @@ def _make_tmp_dir(save_dir: Path, step: int) -> Path:
     if dist.get_rank() == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         layout.clear_stale_tmp(save_dir)
-        tmp.mkdir()
-        (tmp / layout.RNG_DIR).mkdir()
+        tmp.mkdir()  # empty: megatron warns "Overwriting old incomplete" when saving into a non-empty one
     dist.barrier()
     return tmp
 
 
 def _write_side_files(tmp: Path, parts: CheckpointParts, state_json: str) -> None:
+    if dist.get_rank() == 0:
+        (tmp / layout.RNG_DIR).mkdir()
+    dist.barrier()
     torch.save(capture_rng_state(), tmp / layout.RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
     if dist.get_rank() == 0:
         (tmp / layout.TRAINER_STATE_FILE).write_text(state_json)
