@@ -118,7 +118,8 @@ class AlgorithmConfig:
     loss_reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = "token_mean"
     """How the summed loss is normalized (through the advantages, per mini-batch; DESIGN.md section 5)."""
     max_seq_len: int | None = None
-    """Normalizer of seq_mean_token_sum_norm, and the length past which batch conversion warns."""
+    """Longest prompt + response the run allows: batch conversion warns past it (never truncates), and it is
+    the constant normalizer of seq_mean_token_sum_norm."""
     eps_clip_low: float = 0.2
     """PPO lower clip: ratio >= 1 - eps_clip_low."""
     eps_clip_high: float = 0.2
@@ -226,6 +227,10 @@ class MegatronRLConfig:
     demo: DemoConfig = field(default_factory=DemoConfig)
     seed: int = 1234
     """Global seed (weights, sampling, data order)."""
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Every load-time rule (``validate_config``); for configs built in code rather than loaded."""
+        validate_config(self, world_size)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ Cross-rank reduction (a collective) lives in ``megatron_rl.distributed``; this m
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,15 +38,15 @@ class Metric:
 
     def combine(self, other: "Metric") -> "Metric":
         assert self.reduce == other.reduce, (self.reduce, other.reduce)
-        if self.reduce == "max":
-            return Metric(max(self.value, other.value), 1.0, "max")
-        if self.reduce == "min":
-            return Metric(min(self.value, other.value), 1.0, "min")
+        if self.reduce in ("max", "min"):  # NaN wins whatever the order (a skipped step must not hide)
+            values = (self.value, other.value)
+            pick = max if self.reduce == "max" else min
+            return Metric(math.nan if any(map(math.isnan, values)) else pick(values), 1.0, self.reduce)
         return Metric(self.value + other.value, self.count + other.count, self.reduce)
 
     def final(self) -> float:
-        if self.reduce == "mean":
-            return self.value / max(self.count, 1.0)
+        if self.reduce == "mean":  # an empty mean (no items) is 0, not NaN
+            return self.value / self.count if self.count > 0 else 0.0
         return self.value
 
 

@@ -24,6 +24,7 @@ mini-batch, i.e. the mini-batch objective) become means over the optimizer steps
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -64,6 +65,7 @@ class Trainer:
 
     def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, pad_token_id: int, dp_size: int = 1,
                  reference: PolicyLike | None = None) -> None:
+        config.validate()  # configs built in code skip load_config's checks otherwise
         algo = config.algorithm
         if (algo.use_kl_loss or algo.use_kl_in_reward) and reference is None:
             raise ValueError(
@@ -141,7 +143,7 @@ class Trainer:
             is_last_step=batch.is_last_step if self.step_wise else None,
         )
         if algo.advantage_whitening:
-            advantages = whiten_advantages(advantages, batch["response_mask"])
+            advantages = whiten_advantages(advantages, batch["loss_mask"])  # trained tokens, not observations
         batch["advantages"], batch["returns"] = advantages, returns
         metrics["advantages/mean"] = mean_metric(advantages, batch["loss_mask"])
         metrics["advantages/abs_max"] = Metric(float(advantages.abs().max()), 1.0, "max")
@@ -149,10 +151,19 @@ class Trainer:
 
     def update_policy(self, batch: TrainingBatch) -> Metrics:
         """``update_epochs_per_batch`` passes over the prompt-based mini-batches, one optimizer step each."""
-        boundaries = compute_prompt_mini_batch_boundaries(batch.uids, self.config.batch.policy_mini_batch_size)
+        batch_cfg = self.config.batch
+        boundaries = compute_prompt_mini_batch_boundaries(batch.uids, batch_cfg.policy_mini_batch_size)
+        expected = batch_cfg.train_batch_size // batch_cfg.policy_mini_batch_size
+        if len(boundaries) != expected:
+            warnings.warn(
+                f"the batch holds {len(boundaries) * batch_cfg.policy_mini_batch_size} prompts but "
+                f"batch.train_batch_size={batch_cfg.train_batch_size}: this step takes {len(boundaries)} optimizer "
+                f"steps per epoch instead of {expected} (the LR schedule counts on {expected})",
+                stacklevel=2,
+            )
         per_step = [
             self.train_mini_batch(batch.slice(start, end))
-            for _ in range(self.config.batch.update_epochs_per_batch)
+            for _ in range(batch_cfg.update_epochs_per_batch)
             for start, end in boundaries
         ]
         return merge_metrics(*per_step)

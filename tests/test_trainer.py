@@ -257,11 +257,13 @@ def test_kl_in_reward_and_kl_loss_use_the_reference() -> None:
     with torch.no_grad():  # k1 KL per token, before any update: log pi_old - log pi_ref
         k1 = torch.cat([seq_logprobs(policy_model.table, pr, rs) - seq_logprobs(ref_model.table, pr, rs)
                         for pr, rs in turns])
-    cfg = make_config(merge=True, epochs=1)
+    # KL in the reward is rejected with step-wise training (earlier steps' KL would be dropped): one sequence
+    # per episode instead, whose loss tokens are the same responses in the same contexts.
+    cfg = make_config(merge=False, step_wise=False, epochs=1)
     cfg.algorithm.use_kl_in_reward, cfg.algorithm.kl_estimator_type = True, "k1"
     trainer = Trainer(cfg, BigramPolicy(copy.deepcopy(policy_model), 0.1), pad_token_id=TOK.pad_token_id,
                       reference=BigramPolicy(ref_model, 0.0))
-    metrics = trainer.train_step(episodes_to_generator_output(played, step_wise=True))
+    metrics = trainer.train_step(episodes_to_generator_output(played, step_wise=False))
     assert metrics["kl_in_reward/kl"] == pytest.approx(float(k1.mean()), abs=1e-5)
 
     cfg = make_config(merge=True, epochs=1)
@@ -270,3 +272,10 @@ def test_kl_in_reward_and_kl_loss_use_the_reference() -> None:
                       reference=BigramPolicy(ref_model, 0.0))
     metrics = trainer.train_step(episodes_to_generator_output(played, step_wise=True))
     assert metrics["policy/kl"] > 0 and torch.isfinite(torch.tensor(metrics["policy/kl"]))
+
+
+def test_configs_built_in_code_are_validated() -> None:
+    cfg = make_config(merge=False, step_wise=False)
+    cfg.stepwise.merge_stepwise_output = True  # without step-wise: load_config would reject it
+    with pytest.raises(ValueError, match="stepwise.merge_stepwise_output"):
+        Trainer(cfg, BigramPolicy(Bigram(seed=2), 0.1), pad_token_id=TOK.pad_token_id)

@@ -84,7 +84,9 @@ def normalize_minibatch_advantages(advantages: torch.Tensor, loss_mask: torch.Te
     ``A * w`` too (the losses mask them). Raises ValueError for an unknown ``loss_reduction`` or a missing
     ``max_seq_len`` with ``seq_mean_token_sum_norm``.
     """
-    assert advantages.shape == loss_mask.shape, (advantages.shape, loss_mask.shape)
+    if advantages.shape != loss_mask.shape:
+        raise ValueError(f"advantages {tuple(advantages.shape)} and loss_mask {tuple(loss_mask.shape)} must have "
+                         "the same [B, R] shape (one mini-batch, right-aligned)")
     weights = reduction_weights(
         loss_mask, loss_reduction, minibatch_tokens=float(loss_mask.detach().float().sum()),
         num_sequences=advantages.shape[0], max_seq_len=max_seq_len,

@@ -53,7 +53,8 @@ def _check_numbers(cfg: AlgorithmConfig) -> None:
 def _check_combinations(cfg: AlgorithmConfig, step_wise: bool) -> None:
     if cfg.loss_reduction == "seq_mean_token_sum_norm" and (cfg.max_seq_len is None or cfg.max_seq_len <= 0):
         raise ValueError(f"algorithm.max_seq_len={cfg.max_seq_len!r}: loss_reduction='seq_mean_token_sum_norm' "
-                         "needs a positive max_seq_len (its normalizer); set it to the generation budget")
+                         "needs a positive max_seq_len (its normalizer); set it to the longest prompt + response "
+                         "the run allows (the same budget batch conversion warns about)")
     if step_wise and cfg.advantage_estimator in TEMPORAL_ESTIMATORS:
         raise ValueError(f"algorithm.advantage_estimator={cfg.advantage_estimator!r} is temporal and cannot be "
                          "used with step-wise trajectories; use an outcome estimator such as 'grpo' or 'rloo'")

@@ -224,6 +224,8 @@ def load_parts(
         chunk.load_state_dict(loaded[key], strict=True)
     if load_optimizer and parts.optimizer is not None:
         load_optimizer_state(parts.optimizer, loaded["optimizer"])
+    elif parts.optimizer is not None:  # weights only: the optimizer's fp32 main copies (bf16) must follow them,
+        parts.optimizer.reload_model_params()  # or the next step writes the old weights back
     if load_optimizer and parts.scheduler is not None:
         parts.scheduler.load_state_dict(loaded["scheduler"])
     _restore_rng(ckpt, manifest, parts)

@@ -16,7 +16,9 @@ pure filesystem code (no torch.distributed, no Megatron); ``checkpoint/dist.py``
 Crash safety (DIST_CKPT_NOTES.md "Atomicity"): a save writes into a fresh temporary directory, fsyncs every
 file and the directory, renames it to ``step_<n>``, fsyncs the parent, and only then replaces ``latest``.
 A crash at any point leaves either the previous ``latest`` or the new one pointing at a complete directory.
-``resolve_checkpoint`` never returns a directory whose manifest is missing or whose files do not match it.
+``resolve_checkpoint`` never returns a directory without a manifest (written last, after every file is
+fsynced); loading then checks each file's size and CRC32 against it and raises ValueError on a mismatch
+(bit rot, a file changed after the save) instead of loading it.
 
 ``fault_point(stage)`` is a test hook: ``MEGATRON_RL_CKPT_FAULT="<stage>:<action>"`` makes a save crash
 (``kill``: SIGKILL itself; ``exit``: ``os._exit(17)``; ``raise``: RuntimeError), or ``sleep`` (first touching

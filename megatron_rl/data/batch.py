@@ -58,7 +58,24 @@ def convert_prompts_responses_to_batch_tensors(
     loss_mask_t = _token_aligned_block(loss_masks, response_lens, resp_width, "loss_masks")
     rewards_t = _rewards_block(rewards, response_lens, resp_width)
     logprobs_t = None if logprobs is None else _token_aligned_block(logprobs, response_lens, resp_width, "logprobs")
+    _check_values(loss_mask_t, rewards_t, logprobs_t)
     return sequences, attention_mask, response_mask, rewards_t, loss_mask_t, logprobs_t
+
+
+def _check_values(loss_mask: torch.Tensor, rewards: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+    """Vectorized value checks on the ``[B, R]`` blocks: binary loss masks, finite rewards and log-probs."""
+    not_binary = ((loss_mask != 0) & (loss_mask != 1)).any(dim=1)
+    if not_binary.any():
+        i = int(not_binary.nonzero()[0])
+        raise ValueError(f"loss_masks[{i}] holds values other than 0 and 1: a loss mask selects tokens, it does "
+                         "not weight them (the reduction lives in the advantages); use 0/1.")
+    for name, block in (("rewards", rewards), ("logprobs", logprobs)):
+        if block is None:
+            continue
+        bad = ~torch.isfinite(block).all(dim=1)
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"{name}[{i}] holds a NaN or infinite value: fix the generator/reward function.")
 
 
 def right_aligned_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -126,10 +143,21 @@ def _right_aligned_block(
     pieces: list[np.ndarray] = []
     for row_pieces, length in zip(rows, lengths.tolist()):
         pieces.append(pad[: width - length])
-        pieces.extend(np.asarray(piece, dtype=dtype) for piece in row_pieces)
+        pieces.extend(_as_array(piece, dtype) for piece in row_pieces)
     out = np.empty((len(lengths), width), dtype=dtype)
     np.concatenate(pieces, out=out.reshape(-1))
     return torch.from_numpy(out)
+
+
+def _as_array(piece: Sequence[float], dtype: type) -> np.ndarray:
+    """``piece`` as ``dtype``; token ids (an integer ``dtype``) must be integers, never silently truncated."""
+    if not np.issubdtype(dtype, np.integer):
+        return np.asarray(piece, dtype=dtype)
+    array = np.asarray(piece)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got {array.dtype} values such as {array.flat[0]!r} "
+                         "(prompt_token_ids / response_ids); convert them with int() in the generator.")
+    return array.astype(dtype, copy=False)
 
 
 def _token_aligned_block(
@@ -277,8 +305,8 @@ class TrainingBatch:
     def from_generator_output(
         out: GeneratorOutput, pad_token_id: int, max_seq_len: int | None = None, step_wise: bool = False
     ) -> TrainingBatch:
-        """Validate ``out`` and convert it. Without trajectory ids each sequence is its own trajectory
-        (id = its index, ``is_last_step=True``)."""
+        """Validate ``out`` and convert it. Without ``step_wise`` each sequence is its own trajectory (id = its
+        index, ``is_last_step=True``), whatever trajectory ids / is_last_step the generator filled in."""
         validate_generator_output(out, step_wise)
         sequences, attention_mask, response_mask, rewards, loss_mask, logprobs = (
             convert_prompts_responses_to_batch_tensors(
@@ -301,9 +329,10 @@ class TrainingBatch:
         if logprobs is not None:
             tensors["rollout_logprobs"] = logprobs
         num_seqs = len(out["uids"])
-        trajectory_ids = out.get("trajectory_ids") or list(range(num_seqs))
-        is_last_step = out.get("is_last_step") or [True] * num_seqs
-        return TrainingBatch(tensors, out["uids"], trajectory_ids, is_last_step)
+        if step_wise:
+            return TrainingBatch(tensors, out["uids"], out["trajectory_ids"], out["is_last_step"])
+        # Without step-wise training every sequence is its own trajectory, whatever the generator filled in.
+        return TrainingBatch(tensors, out["uids"], list(range(num_seqs)), [True] * num_seqs)
 
 
 def _left_pad_cat(tensors: list[torch.Tensor], fill: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ Every violation raises ``ValueError`` naming the field and the sequence index.
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Hashable
 from typing import Any, NotRequired, TypedDict
 
@@ -81,6 +82,7 @@ def validate_generator_output(out: GeneratorOutput, step_wise: bool) -> None:
         _check_sequence(out, i)
     if step_wise:
         _check_step_wise(out["trajectory_ids"], out["is_last_step"], out["uids"])
+        _check_rewards_on_last_steps(out["rewards"], out["is_last_step"])
 
 
 def _check_fields_present(out: GeneratorOutput, step_wise: bool) -> None:
@@ -162,6 +164,22 @@ def _check_step_wise(trajectory_ids: list[Hashable], is_last_step: list[bool], u
             )
         if ends_here:
             finished.add(tid)
+
+
+def _check_rewards_on_last_steps(rewards: list, is_last_step: list[bool]) -> None:
+    """Outcome estimators read each trajectory's last step only (DESIGN.md section 6): warn (once per call)
+    when a reward sits anywhere else, since it does not reach the advantages."""
+    for i, (reward, last) in enumerate(zip(rewards, is_last_step)):
+        if last:
+            continue
+        if (reward != 0) if is_scalar_reward(reward) else any(r != 0 for r in reward):
+            warnings.warn(
+                f"GeneratorOutput['rewards'][{i}] is non-zero on a step that is not its trajectory's last "
+                f"(is_last_step[{i}] is False): step-wise advantages use the last step's reward only, so it is "
+                "ignored; put the trajectory's reward on its last step.",
+                stacklevel=3,
+            )
+            return
 
 
 def _check_hashable(tid: Any, i: int) -> None:

@@ -108,6 +108,7 @@ class MegatronPolicy:
 
         if role not in ("policy", "reference"):
             raise ValueError(f"MegatronPolicy role={role!r} is not valid; use 'policy' or 'reference'")
+        config.validate()  # configs built in code skip load_config's checks otherwise
         if not 0 <= pad_token_id < config.model.vocab_size:
             raise ValueError(
                 f"pad_token_id={pad_token_id} is outside the vocabulary [0, {config.model.vocab_size}); "
@@ -170,6 +171,7 @@ class MegatronPolicy:
                 "or zero_grad() first"
             )
         run = self._prepare(batch)
+        self._dry_run_loss(run, loss_fn, loss_config, compute_entropy)
         self.model.train()
         head = partial(
             self._loss_head, loss_fn=loss_fn, loss_config=loss_config, compute_entropy=compute_entropy,
@@ -366,6 +368,18 @@ class MegatronPolicy:
         if entropy is not None:
             out["entropy"] = entropy[:rows]
         return logits.new_zeros(()), out
+
+    @staticmethod
+    @torch.no_grad()
+    def _dry_run_loss(run: _Run, loss_fn: LossFn, loss_config: Any, compute_entropy: bool) -> None:
+        """Run ``loss_fn`` once on zero log-probs of the first micro-batch, on every rank, before the schedule.
+
+        Inside the schedule the loss runs on the last pipeline stage only: an error there (a missing batch key,
+        a bad config) would leave the other stages waiting forever for its gradient. Here every rank raises.
+        """
+        tensors = run.microbatches[0].tensors
+        zeros = torch.zeros_like(tensors["response_mask"], dtype=torch.float32)  # [b, R]
+        loss_fn(zeros, zeros if compute_entropy else None, tensors, loss_config)
 
     def _loss_head(
         self, item: _MicroBatch, logits: torch.Tensor, *, loss_fn: LossFn, loss_config: Any,

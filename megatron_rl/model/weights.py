@@ -13,7 +13,8 @@ two functions. ``full_state_dict`` has the keys and shapes of a TP1/PP1 model of
     pipeline stages          local ``decoder.layers.{i}`` is global layer ``layer_number - 1``
     tied output layer        the last stage's ``output_layer.weight`` copy is not in the full dict (a TP1/PP1
                              tied model has none); it is loaded from ``embedding.word_embeddings.weight``
-    padded vocabulary        full dicts keep the padded rows; loading a dict with fewer vocab rows pads zeros
+    padded vocabulary        full dicts keep the padded rows; loading a dict with fewer vocab rows pads zeros,
+                             with more (saved under a larger TP) drops the extra padding rows
 
 Both functions accept a wrapped model (DDP, Float16Module: anything with ``.module``) and are collective over
 the TP group (all_gather) and the PP group (all_gather_object) when those are larger than 1.
@@ -71,7 +72,8 @@ def _unshard_tp(shards: list[torch.Tensor], dim: int, gated: bool) -> torch.Tens
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
 
 
-def _shard_tp(full: torch.Tensor, local_shape: torch.Size, dim: int, gated: bool, tp: int, rank: int):
+def _shard_tp(full: torch.Tensor, local_shape: torch.Size, dim: int, gated: bool, tp: int, rank: int,
+              vocab: bool = False):
     if gated:
         gate, up = full.chunk(2, dim=dim)
         return torch.cat([gate.chunk(tp, dim=dim)[rank], up.chunk(tp, dim=dim)[rank]], dim=dim)
@@ -80,6 +82,8 @@ def _shard_tp(full: torch.Tensor, local_shape: torch.Size, dim: int, gated: bool
         pad_shape = list(full.shape)
         pad_shape[dim] = missing
         full = torch.cat([full, full.new_zeros(pad_shape)], dim=dim)
+    elif missing < 0 and vocab:  # padding rows of a larger TP's vocabulary (never used by the logprobs)
+        full = full.narrow(dim, 0, local_shape[dim] * tp)
     return full.chunk(tp, dim=dim)[rank]
 
 
@@ -124,7 +128,7 @@ def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor
         full = full_sd[_source_name(model, name)].to(tensor.device, tensor.dtype)
         if getattr(tensor, "tensor_model_parallel", False):
             full = _shard_tp(full, tensor.shape, tensor.partition_dim, _is_gated_fc1(model, name),
-                             groups.tp_size, groups.tp_rank)
+                             groups.tp_size, groups.tp_rank, vocab=name in (_EMBEDDING, _TIED_COPY))
         if full.shape != tensor.shape:
             raise ValueError(
                 f"load_full_state_dict: {name} needs shape {tuple(tensor.shape)} on this rank, the full state "

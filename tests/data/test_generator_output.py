@@ -86,3 +86,45 @@ def test_step_wise_rules(change, match):
         validate_generator_output(out, step_wise=True)
     if "missing" not in match:
         validate_generator_output(out, step_wise=False)  # step-wise rules only apply step-wise
+
+
+# ---------------------------------------------------------------------- values (checked on the converted blocks)
+
+
+@pytest.mark.parametrize(
+    "field, index, value, needle",
+    [
+        ("loss_masks", 1, [1, 2], r"loss_masks\[1\] holds values other than 0 and 1"),
+        ("loss_masks", 0, [0.5], r"loss_masks\[0\] holds values other than 0 and 1"),
+        ("rewards", 2, float("nan"), r"rewards\[2\] holds a NaN"),
+        ("rewards", 0, [float("inf")], r"rewards\[0\] holds a NaN or infinite"),
+        ("rollout_logprobs", 1, [-0.2, float("nan")], r"logprobs\[1\] holds a NaN"),
+        ("response_ids", 0, [3.7], "token ids must be integers"),
+        ("prompt_token_ids", 2, [1.0, 2.0], "token ids must be integers"),
+    ],
+)
+def test_bad_values_rejected_at_conversion(field, index, value, needle):
+    from megatron_rl.data import TrainingBatch
+
+    out = step_wise_output()
+    out[field][index] = value
+    if field == "rewards" or field == "rollout_logprobs":
+        out["is_last_step"], out["trajectory_ids"] = [True] * 3, [0, 1, 2]  # values, not step-wise rules
+    with pytest.raises(ValueError, match=needle):
+        TrainingBatch.from_generator_output(out, pad_token_id=0)
+
+
+def test_reward_on_a_non_last_step_warns():
+    out = step_wise_output()
+    out["rewards"][0] = 0.5
+    with pytest.warns(UserWarning, match=r"rewards'\]\[0\] is non-zero on a step that is not"):
+        validate_generator_output(out, step_wise=True)
+
+
+def test_without_step_wise_every_sequence_is_its_own_trajectory():
+    from megatron_rl.data import TrainingBatch
+
+    out = step_wise_output()
+    out["is_last_step"] = [False, False, False]
+    batch = TrainingBatch.from_generator_output(out, pad_token_id=0, step_wise=False)
+    assert batch.is_last_step == [True, True, True] and batch.trajectory_ids == [0, 1, 2]

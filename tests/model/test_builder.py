@@ -159,3 +159,18 @@ def test_tp2_and_sequence_parallel_match_single_process(groups):
             assert result["same_keys"] and result["roundtrip"] == 0.0
             assert (result["lp"] - ref_lp).abs().max() < 1e-5, name
             assert (result["ent"] - ref_ent).abs().max() < 1e-5, name
+
+
+def test_full_state_dict_with_padded_vocab_loads_into_tp1(groups):
+    """A full dict gathered under TP2 for vocab 127 holds 128 vocab rows (the padding row): a TP1 model drops
+    that row; any other size mismatch still raises."""
+    model_cfg = dataclasses.replace(MODEL, vocab_size=127)
+    model = build_gpt_model(model_cfg, ParallelConfig(), groups)
+    reference = full_state_dict(model, groups)
+    padded = {k: torch.cat([v, torch.zeros_like(v[:1])]) if v.shape[0] == 127 else v for k, v in reference.items()}
+    target = build_gpt_model(dataclasses.replace(model_cfg), ParallelConfig(), groups)
+    load_full_state_dict(target, padded, groups)
+    assert all(torch.equal(full_state_dict(target, groups)[k], v) for k, v in reference.items())
+    bad = dict(reference, **{"decoder.final_layernorm.weight": torch.zeros(65)})
+    with pytest.raises(ValueError, match="final_layernorm"):
+        load_full_state_dict(target, bad, groups)

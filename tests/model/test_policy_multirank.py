@@ -277,7 +277,24 @@ def _layout_rank(rank, world_size, tp, pp, counts, tensors, full_sd, extras):
         out.update(_variant_run(_config(tp, pp, sequence_parallel=True), groups, batch, full_sd, "sp"))
     if "fixed_shapes" in extras:
         out.update(_variant_run(cfg, groups, batch, full_sd, "fixed_shapes", variable_seq_lengths=False))
+    if pp > 1:
+        out["broken_loss"] = _broken_loss_check(policy, batch)
     return out
+
+
+def _broken_loss_check(policy, batch) -> str:
+    """A loss_fn that raises (here: a missing batch key) must raise on every pipeline stage, not only on the
+    last one where the schedule runs it (the others would wait forever for its gradient)."""
+
+    def broken_loss(logprobs, entropy, mb, ctx):
+        return summed_pg_loss(logprobs, entropy, {**mb, "advantages": mb["no_such_key"]}, ctx)
+
+    try:
+        policy.forward_backward(batch, broken_loss, None)
+        return "no error"
+    except KeyError as err:
+        policy.forward(batch)  # the stages still run collectives together afterwards
+        return f"KeyError {err}"
 
 
 def _variant_run(cfg, groups, batch, full_sd, name: str, variable_seq_lengths: bool = True) -> dict:
@@ -481,6 +498,11 @@ def test_distributed_optimizer_matches_single_process_adam(layout_results, refer
     for rank_out in layout_results("dp2"):
         err = _max_rel_err(rank_out["adam_weights"], reference["adam_weights"])
         assert err < 1e-6, f"distributed Adam vs single-process Adam: relative error {err:.2e}"
+
+
+def test_broken_loss_raises_on_every_pipeline_stage(layout_results):
+    for rank_out in layout_results("pp2"):
+        assert rank_out["broken_loss"] == "KeyError 'no_such_key'", rank_out["broken_loss"]
 
 
 def test_bad_inputs_raise_value_error_naming_the_field(reference, layout_results):

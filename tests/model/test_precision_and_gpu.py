@@ -128,3 +128,30 @@ def _te_child(rank: int, world_size: int) -> dict:
 def test_te_attention_packed_equals_one_sequence_per_pack():
     """TE's THD attention must not leak across packed sequences: same weights (same seed), bf16."""
     _compare(run_ranks(1, _te_child, timeout=300, cpu_only=False)[0], BF16_TOL)
+
+
+def _weights_only_load_child(rank: int, world_size: int, ckpt_dir: str) -> float:
+    """Save policy A, load its weights only into a differently initialized bf16 policy B, take one step at a
+    negligible LR: B must stay at A's weights (its optimizer's fp32 main copies must follow the load)."""
+    from megatron_rl.config import MegatronRLConfig, ModelConfig, OptimizerConfig
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+
+    from megatron_rl.model.policy import MegatronPolicy
+
+    config = MegatronRLConfig(model=ModelConfig(params_dtype="bfloat16"), optimizer=OptimizerConfig(lr=1e-12))
+    groups = initialize_distributed(config.parallel, seed=3)
+    saved = MegatronPolicy(config, groups)
+    saved.save_checkpoint(ckpt_dir, {"step": 1})
+    torch.manual_seed(123)
+    policy = MegatronPolicy(config, groups)  # other init
+    for p in policy.module.parameters():
+        p.data.add_(0.1)
+    policy.load_checkpoint(ckpt_dir, load_optimizer=False)
+    policy.forward_backward(_batch(), _summed_loss, None)
+    policy.optim_step()
+    after, reference = policy.full_state_dict(), saved.full_state_dict()
+    return max((after[k].float() - reference[k].float()).abs().max().item() for k in reference)
+
+
+def test_bf16_weights_only_checkpoint_load_survives_a_step(tmp_path):
+    assert run_ranks(1, _weights_only_load_child, str(tmp_path), timeout=300)[0] < 1e-2

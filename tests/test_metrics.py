@@ -1,0 +1,36 @@
+"""Metric partials: combining in any order equals computing on the whole; NaN is never hidden."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from megatron_rl.metrics import Metric, finalize_metrics, mean_metric, merge_metrics
+
+
+def test_split_means_equal_the_whole_mean():
+    values, mask = torch.randn(7, 5), (torch.rand(7, 5) > 0.4).float()
+    whole = mean_metric(values, mask).final()
+    parts = [mean_metric(values[a:b], mask[a:b]) for a, b in ((0, 1), (1, 4), (4, 7))]
+    merged = merge_metrics(*({"m": p} for p in parts))["m"].final()
+    assert merged == pytest.approx(whole, rel=1e-6)
+    assert whole == pytest.approx(float((values * mask).sum() / mask.sum()), rel=1e-6)
+
+
+def test_empty_mean_is_zero_and_fractional_weights_divide():
+    assert mean_metric(torch.ones(3), torch.zeros(3)).final() == 0.0
+    assert mean_metric(torch.tensor([4.0]), torch.tensor([0.5])).final() == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_nan_wins_in_max_and_min_whatever_the_order(reduce):
+    parts = [Metric(1.0, 1.0, reduce), Metric(math.nan, 1.0, reduce), Metric(2.0, 1.0, reduce)]
+    for _ in range(4):
+        random.shuffle(parts)
+        assert math.isnan(merge_metrics(*({"x": p} for p in parts))["x"].final())
+
+
+def test_sum_and_finalize():
+    out = finalize_metrics(merge_metrics({"s": Metric(2.0, 1.0, "sum")}, {"s": Metric(3.0, 1.0, "sum")}))
+    assert out == {"s": 5.0}
