@@ -148,36 +148,41 @@ def save_parts(
 
 def _make_tmp_dir(save_dir: Path, step: int) -> Path:
     tmp = layout.tmp_dir_for(save_dir, step)
-    if dist.get_rank() == 0:
+
+    def make() -> None:
         save_dir.mkdir(parents=True, exist_ok=True)
         layout.clear_stale_tmp(save_dir)
         tmp.mkdir()  # empty: megatron warns "Overwriting old incomplete" when saving into a non-empty one
-    dist.barrier()
+
+    _together(make, rank0_only=True)
     return tmp
 
 
 def _write_side_files(tmp: Path, parts: CheckpointParts, state_json: str) -> None:
-    if dist.get_rank() == 0:
-        (tmp / layout.RNG_DIR).mkdir()
-    dist.barrier()
-    torch.save(capture_rng_state(), tmp / layout.RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
-    if dist.get_rank() == 0:
-        (tmp / layout.TRAINER_STATE_FILE).write_text(state_json)
-        dump_config(parts.config, tmp / layout.CONFIG_FILE)
-    dist.barrier()
+    _together(lambda: (tmp / layout.RNG_DIR).mkdir(), rank0_only=True)
+
+    def write() -> None:
+        torch.save(capture_rng_state(), tmp / layout.RNG_DIR / f"rank_{dist.get_rank():05d}.pt")
+        if dist.get_rank() == 0:
+            (tmp / layout.TRAINER_STATE_FILE).write_text(state_json)
+            dump_config(parts.config, tmp / layout.CONFIG_FILE)
+
+    _together(write)
 
 
 def _write_manifest(tmp: Path, parts: CheckpointParts, step: int) -> None:
     """CRC32 + fsync of every file, split over ranks; rank 0 writes the manifest."""
     names = _broadcast_from_rank0(lambda: layout.list_files(tmp))
-    mine = {name: layout.file_record(tmp / name) for name in names[dist.get_rank() :: dist.get_world_size()]}
+    mine = _together(lambda: {n: layout.file_record(tmp / n) for n in names[dist.get_rank() :: dist.get_world_size()]})
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
-    if dist.get_rank() == 0:
+
+    def write() -> None:
         records = {name: rec for part in gathered for name, rec in part.items()}
         assert sorted(records) == names, "every file checksummed exactly once"
         layout.write_manifest(tmp, records, _manifest_info(parts, step))
-    dist.barrier()
+
+    _together(write, rank0_only=True)
 
 
 def _manifest_info(parts: CheckpointParts, step: int) -> dict[str, Any]:
@@ -194,15 +199,11 @@ def _manifest_info(parts: CheckpointParts, step: int) -> dict[str, Any]:
 
 
 def _publish(save_dir: Path, tmp: Path, final: Path, keep_last: int) -> None:
-    if dist.get_rank() == 0:
-        layout.publish(tmp, final)
+    _together(lambda: layout.publish(tmp, final), rank0_only=True)
     layout.fault_point("renamed")
-    if dist.get_rank() == 0:
-        layout.write_latest(save_dir, final)
+    _together(lambda: layout.write_latest(save_dir, final), rank0_only=True)
     layout.fault_point("latest_written")
-    if dist.get_rank() == 0:
-        layout.prune(save_dir, keep_last)
-    dist.barrier()
+    _together(lambda: layout.prune(save_dir, keep_last), rank0_only=True)
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -313,19 +314,52 @@ def _trainer_state_json(trainer_state: dict[str, Any]) -> str:
         raise ValueError(f"trainer_state must be JSON-serializable (ints, floats, strings, lists, dicts): {err}") from err
 
 
+def _together(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
+    """Run ``fn`` (on every rank, or on rank 0 only) and raise on every rank if it raised on any.
+
+    The filesystem steps of a save run on some ranks only; a failure only they see (a full disk, a permission
+    error) must not leave the others waiting in the next collective until the process-group timeout. The
+    failing rank re-raises its own error, the others a RuntimeError naming it. Also a barrier.
+    """
+    result, error = None, None
+    if not rank0_only or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - every error must reach the other ranks
+            error = err
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise RuntimeError(f"checkpoint step failed on rank {rank}: {msg}")
+    return result
+
+
 def _broadcast_from_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 and give every rank its result; a ValueError there is raised on every rank."""
+    """Run ``fn`` on rank 0 and give every rank its result. An error there is raised on every rank: a
+    ValueError (bad input) as a ValueError with the same message, anything else as itself on rank 0 and as a
+    RuntimeError elsewhere (so no rank waits in a later collective)."""
     box: list[Any] = [None]
+    error: Exception | None = None
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", fn())
-        except ValueError as err:
-            box[0] = ("error", str(err))
+        except Exception as err:  # noqa: BLE001 - every error must reach the other ranks
+            error = err
+            box[0] = ("error", (isinstance(err, ValueError), f"{type(err).__name__}: {err}"))
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
-    if status == "error":
-        raise ValueError(value)
-    return value
+    if status == "ok":
+        return value
+    if error is not None:
+        raise error
+    is_value_error, message = value
+    if is_value_error:
+        raise ValueError(message.removeprefix("ValueError: "))
+    raise RuntimeError(f"checkpoint step failed on rank 0: {message}")
 
 
 @contextlib.contextmanager

@@ -91,6 +91,24 @@ def _reshard_run(config, source: Path) -> dict:
     return out
 
 
+def _rank0_filesystem_failure(config, save_dir: Path) -> str:
+    """Rank 0 alone cannot create the checkpoint directory (a regular file is in the way): every rank must
+    raise, and the ranks must still meet in the next collective (no rank left waiting)."""
+    import torch.distributed as dist
+
+    policy, _ = _policy(config)
+    if dist.get_rank() == 0:
+        save_dir.write_text("a file where the checkpoint directory should be")
+    dist.barrier()
+    try:
+        policy.save_checkpoint(str(save_dir), {"step": 1})
+        outcome = "no error"
+    except (OSError, RuntimeError) as err:
+        outcome = type(err).__name__
+    dist.barrier()
+    return outcome
+
+
 def _layouts_child(rank: int, world_size: int, root: str) -> dict:
     root = Path(root)
     out = {
@@ -99,13 +117,23 @@ def _layouts_child(rank: int, world_size: int, root: str) -> dict:
         "C": _reshard_run(make_config(distributed=True), root / "A"),
         "D": _reshard_run(make_config(pp=2, distributed=True), root / "A"),
         "E": _resume_run(make_config(optimizer="sgd"), root / "E"),
+        "rank0_failure": _rank0_filesystem_failure(make_config(), root / "not_a_dir"),
     }
-    return out if rank == 0 else {}
+    return out if rank == 0 else {"rank0_failure": out["rank0_failure"]}
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
-    return run_ranks(2, _layouts_child, str(tmp_path_factory.mktemp("ckpt_layouts")), timeout=600)[0]
+def ranks(tmp_path_factory):
+    return run_ranks(2, _layouts_child, str(tmp_path_factory.mktemp("ckpt_layouts")), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def layouts(ranks):
+    return ranks[0]
+
+
+def test_a_rank0_filesystem_error_raises_on_every_rank(ranks):
+    assert [r["rank0_failure"] for r in ranks] == ["FileExistsError", "RuntimeError"]
 
 
 def _assert_equal_weights(a: dict, b: dict, what: str) -> None:
