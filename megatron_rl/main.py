@@ -146,8 +146,7 @@ def run(job: Job) -> int:
     start_step = resume(job)
     reporter = open_reporter(job, start_step)
     baseline = random_baseline(job) if job.is_rank0 else 0.0
-    next_token_logprobs = policy_next_token_logprobs(job.policy, job.tokenizer.vocab_size,
-                                                     job.tokenizer.pad_token_id)
+    next_token_logprobs = policy_next_token_logprobs(job.policy, job.tokenizer.pad_token_id)
     started, step = time.time(), start_step
     try:
         for step in range(start_step + 1, config.demo.num_steps + 1):

@@ -13,6 +13,9 @@ All in fp32; the full vocab is never gathered; the input logits are never writte
 
     d logp / d x_j = 1[j == label] - p_j          d H / d x_j = -p_j (x_j - sum_k p_k x_k)
 
+``vocab_parallel_log_softmax`` returns the whole row ``(x - m) - log Z`` (all-gathered over TP), for the few
+positions where a sampler needs the full distribution.
+
 Labels outside ``[0, V)`` (e.g. a masked position's filler) give a meaningless value and no error: mask them
 afterwards. ``valid_vocab_size`` excludes vocabulary padding columns (see ``model.builder.padded_vocab_size``).
 """
@@ -45,16 +48,24 @@ def _masked_fp32(logits: torch.Tensor, vocab_start: int, valid_vocab_size: int |
     return x.masked_fill(columns >= valid_vocab_size, torch.finfo(torch.float32).min)
 
 
+def _shifted_and_log_z(
+    logits: torch.Tensor, tp_group: ProcessGroup | None, valid_vocab_size: int | None
+) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tp_rank, x - m [..., V_l], exp(x - m) [..., V_l], log Z [...])`` of the local shard, fp32."""
+    tp_rank = 0 if _group_size(tp_group) == 1 else dist.get_rank(tp_group)
+    x = _masked_fp32(logits, tp_rank * logits.shape[-1], valid_vocab_size)  # [..., V_l] fp32
+    m = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, tp_group)  # [...]
+    shifted = x - m.unsqueeze(-1)  # new tensor: the input is never modified
+    exp = shifted.exp()
+    log_z = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, tp_group).log()  # [...]
+    return tp_rank, shifted, exp, log_z
+
+
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, tp_group, compute_entropy, valid_vocab_size):
         vocab_local = logits.shape[-1]
-        tp_rank = 0 if _group_size(tp_group) == 1 else dist.get_rank(tp_group)
-        x = _masked_fp32(logits, tp_rank * vocab_local, valid_vocab_size)  # [..., V_l] fp32
-        m = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, tp_group)  # [...]
-        shifted = x - m.unsqueeze(-1)  # new tensor: the input is never modified
-        exp = shifted.exp()
-        log_z = _all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, tp_group).log()  # [...]
+        tp_rank, shifted, exp, log_z = _shifted_and_log_z(logits, tp_group, valid_vocab_size)
 
         local_label = labels - tp_rank * vocab_local
         in_shard = (local_label >= 0) & (local_label < vocab_local)
@@ -113,3 +124,30 @@ def vocab_parallel_logprobs_entropy(
         logits, labels.long(), tp_group, compute_entropy, valid_vocab_size
     )
     return logprobs, (entropy if compute_entropy else None)
+
+
+@torch.no_grad()
+def vocab_parallel_log_softmax(
+    logits: torch.Tensor, tp_group: ProcessGroup | None, *, valid_vocab_size: int | None = None
+) -> torch.Tensor:
+    """The full-vocab log-softmax ``(x - m) - log Z``, all-gathered over TP: identical on every TP rank.
+
+    For a few positions only (e.g. the next token of each sampling context): unlike
+    ``vocab_parallel_logprobs_entropy`` it materializes ``[..., V]`` on every rank. No gradient.
+
+    Args:
+        logits: ``[..., V/tp]`` this rank's vocab shard (any float dtype; not modified).
+        tp_group: the tensor-parallel group the vocab is sharded over (None or size 1: no communication).
+        valid_vocab_size: global columns ``>= valid_vocab_size`` are vocabulary padding and are dropped.
+
+    Returns:
+        ``[..., valid_vocab_size or V]`` fp32; each entry equals ``vocab_parallel_logprobs_entropy``'s log-prob
+        of that token id, bit for bit.
+    """
+    _, shifted, _, log_z = _shifted_and_log_z(logits, tp_group, valid_vocab_size)
+    local = shifted - log_z.unsqueeze(-1)  # [..., V_l]
+    if _group_size(tp_group) > 1:
+        parts = [torch.empty_like(local) for _ in range(_group_size(tp_group))]
+        dist.all_gather(parts, local.contiguous(), group=tp_group)
+        local = torch.cat(parts, dim=-1)  # [..., V]
+    return local[..., :valid_vocab_size] if valid_vocab_size is not None else local

@@ -11,6 +11,7 @@ rank), and runs it through megatron-core under TP/PP/DP:
     megatron-core get_forward_backward_func            PP schedule (1F1B) or no-pipelining
       | last stage: vocab-parallel logprobs/entropy    [1, T] -> unpack_response -> [b, R] right-aligned
       | forward:  rows back in order, broadcast from the last PP stage, all-gathered over DP, padding stripped
+      | next_token_logprobs: same path; the head keeps each row's last position, full-vocab log-softmax [b, V]
       | training: loss_fn(...) -> summed loss x num_microbatches x dp_size (model/scaling.py)
       v
     optim_step: finalize_model_grads (DP average, SP/embedding all-reduces), clip, Adam/SGD, LR schedule
@@ -152,8 +153,30 @@ class MegatronPolicy:
         if self.groups.is_last_stage:
             per_mb = [torch.stack([s[n] for n in names], dim=-1) for s in stores]  # [b, R, k]
             stacked = restore_order(per_mb, run.plan, run.first_row)  # [B/dp, R, k]
-        gathered = self._gather_rows(run, stacked, len(names))  # [B, R, k]
+        gathered = self._gather_rows(run, stacked, (run.response_width, len(names)))  # [B, R, k]
         return {name: gathered[..., i] for i, name in enumerate(names)}
+
+    def next_token_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Log-softmax over the vocabulary of the token after each row's last valid token: ``[n, V]`` fp32.
+
+        ``sequences`` ``[n, S]`` int64 left-padded contexts, ``attention_mask`` ``[n, S]`` (DESIGN.md section 2);
+        V = ``config.model.vocab_size`` (vocabulary padding excluded). The path of ``forward``: the rows are
+        sharded over DP (every rank passes the same global contexts), run through the pipeline schedule
+        (forward only), and the last stage's rows are broadcast over PP and all-gathered over DP, so every
+        rank gets the same table. One position per row is kept, so the full vocabulary is cheap here.
+        """
+        n = len(sequences)
+        no_responses = torch.zeros((n, 0), dtype=attention_mask.dtype)  # R = 0: _validate and DP padding need it
+        tensors = {"sequences": sequences, "attention_mask": attention_mask, "response_mask": no_responses}
+        batch = TrainingBatch(tensors, [None] * n, [None] * n, [True] * n)
+        run = self._prepare(batch)
+        self.model.eval()
+        with torch.no_grad():
+            stores = self._run_schedule(run, self._next_token_head, True)
+        stacked = None
+        if self.groups.is_last_stage:
+            stacked = restore_order([s["next_token_logprobs"] for s in stores], run.plan, run.first_row)  # [n/dp, V]
+        return self._gather_rows(run, stacked, (self.config.model.vocab_size,))  # [n, V]
 
     def forward_backward(
         self, batch: TrainingBatch, loss_fn: LossFn, loss_config: Any, *, compute_entropy: bool = False
@@ -369,6 +392,17 @@ class MegatronPolicy:
             out["entropy"] = entropy[:rows]
         return logits.new_zeros(()), out
 
+    def _next_token_head(self, item: _MicroBatch, logits: torch.Tensor):
+        """Last stage: logits ``[1, T, V/tp]`` -> full-vocab log-probs after each row's last token ``[b, V]``."""
+        from megatron_rl.model.logprobs import vocab_parallel_log_softmax
+
+        packed = item.packed
+        last = (packed.cu_seqlens[: packed.num_rows] + packed.seq_lens - 1).long()  # [b] last valid token
+        logprobs = vocab_parallel_log_softmax(
+            logits[0, last], self.groups.tp_group, valid_vocab_size=self.config.model.vocab_size
+        )  # [b, V]
+        return logits.new_zeros(()), {"next_token_logprobs": logprobs[: len(item.rows)]}  # dummy: 0 rows
+
     @staticmethod
     @torch.no_grad()
     def _dry_run_loss(run: _Run, loss_fn: LossFn, loss_config: Any, compute_entropy: bool) -> None:
@@ -394,9 +428,10 @@ class MegatronPolicy:
             summed, reported, num_microbatches=num_microbatches, dp_size=self.groups.dp_size
         )
 
-    def _gather_rows(self, run: _Run, local: torch.Tensor | None, channels: int) -> torch.Tensor:
-        """Shard ``[B/dp, R, k]`` on the last PP stage -> ``[B, R, k]`` on every rank, padding rows stripped."""
-        shape = (run.shard_rows, run.response_width, channels)
+    def _gather_rows(self, run: _Run, local: torch.Tensor | None, row_shape: tuple[int, ...]) -> torch.Tensor:
+        """Shard ``[B/dp, *row_shape]`` on the last PP stage -> ``[B, *row_shape]`` on every rank, padding rows
+        stripped (``row_shape`` e.g. ``(R, k)``)."""
+        shape = (run.shard_rows, *row_shape)
         if local is None:
             local = torch.empty(shape, dtype=torch.float32, device=self.device)
         local = local.contiguous()

@@ -1,7 +1,8 @@
-"""The demo's Megatron integration on TP2 (one 2-rank gloo spawn, shared by the tests of this module).
+"""The demo's Megatron integration on TP2, then PP2 (one 2-rank gloo spawn, shared by the tests of this module).
 
-- the fast sampling path (one forward, vocab-parallel log-softmax of the last position) equals the candidate
-  path through the policy's public ``forward`` (the reference), and both ranks get the same table;
+- ``MegatronPolicy.next_token_logprobs`` (the sampler's table) equals a reference through the policy's public
+  ``forward`` on candidate rows ``context + [v]`` for every token v, on TP2 and on PP2 (same weights), and both
+  ranks get the same table;
 - both ranks sample the same multi-turn rollouts;
 - one RL step on those step-wise rollouts with prefix merging off and on (two policies, same initial weights,
   SGD): the same number of optimizer steps, finite and equal losses, and the same updated weights (a causal
@@ -23,10 +24,39 @@ pytestmark = pytest.mark.multirank
 CONTEXTS = [[1, 7, 3], [1, 7, 3], [1, 9, 3, 10, 2, 4, 12, 3], [1, 15, 3, 6], [2]]
 
 
+def candidate_batch(contexts, vocab_size: int, pad_token_id: int):
+    """Rows ``contexts[i] + [v]`` for every i and v (row ``i * vocab_size + v``), response = ``[v]``."""
+    from megatron_rl.data.batch import TrainingBatch, convert_prompts_responses_to_batch_tensors
+
+    prompts = [list(c) for c in contexts for _ in range(vocab_size)]
+    responses = [[v] for _ in contexts for v in range(vocab_size)]
+    sequences, attention_mask, response_mask, rewards, loss_mask, _ = convert_prompts_responses_to_batch_tensors(
+        pad_token_id, prompts, responses, [0.0] * len(prompts), [[1] for _ in responses]
+    )
+    tensors = {"sequences": sequences, "attention_mask": attention_mask, "response_mask": response_mask,
+               "loss_mask": loss_mask, "rewards": rewards}
+    rows = list(range(len(prompts)))
+    return TrainingBatch(tensors, rows, rows, [True] * len(rows))
+
+
+def _tables(policy, tok) -> dict:
+    """The sampler's table for CONTEXTS and its reference through ``policy.forward`` ([n, V] each)."""
+    from megatron_rl.demo.policy_sampling import left_padded, policy_next_token_logprobs
+
+    reference = policy.forward(candidate_batch(CONTEXTS, tok.vocab_size, tok.pad_token_id))["logprobs"]  # [n*V, 1]
+    return {
+        "table": policy_next_token_logprobs(policy, tok.pad_token_id)(CONTEXTS),
+        "direct": policy.next_token_logprobs(*left_padded(CONTEXTS, tok.pad_token_id)),  # no dedupe
+        "reference": reference[:, -1].view(len(CONTEXTS), tok.vocab_size),
+    }
+
+
 def _tp2_checks(rank: int, world_size: int) -> dict:
     from megatron_rl.config import load_config
     from megatron_rl.demo.environment import NextDigitGame
-    from megatron_rl.demo.policy_sampling import candidate_next_token_logprobs, last_token_next_token_logprobs
+    from megatron.core import parallel_state
+
+    from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
     from megatron_rl.demo.rollout import episodes_to_generator_output, play_episodes
     from megatron_rl.demo.sampler import SamplingParams, sampling_generator
     from megatron_rl.demo.tokenizer import DigitTokenizer
@@ -43,14 +73,12 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
     tok = DigitTokenizer()
     policies = {merge: MegatronPolicy(config, groups, pad_token_id=tok.pad_token_id) for merge in (False, True)}
     policies[True].load_full_state_dict(policies[False].full_state_dict())
-    fast = last_token_next_token_logprobs(policies[False], tok.vocab_size)
-    result = {
-        "fast": fast(CONTEXTS),
-        "candidate": candidate_next_token_logprobs(policies[False], tok.vocab_size, tok.pad_token_id)(CONTEXTS),
-    }
+    initial_weights = policies[False].full_state_dict()
+    result = {"tp2": _tables(policies[False], tok)}
+    sample = policy_next_token_logprobs(policies[False], tok.pad_token_id)
     game = NextDigitGame(tok, num_turns=3)
     params = SamplingParams(max_new_tokens=3, stop_token_id=tok.eos_token_id)
-    played = play_episodes(game, fast, params, num_prompts=4, n_samples_per_prompt=3, rng=random.Random(0),
+    played = play_episodes(game, sample, params, num_prompts=4, n_samples_per_prompt=3, rng=random.Random(0),
                            generator=sampling_generator(config.seed, 1))
     rollouts = episodes_to_generator_output(played, step_wise=True)
     result["responses"] = [p.episode.responses for p in played]
@@ -60,6 +88,13 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
         result[f"metrics_{merge}"] = trainer.train_step(rollouts)
         result[f"steps_{merge}"] = trainer.optimizer_steps
         result[f"weights_{merge}"] = {k: v.detach().clone() for k, v in policy.full_state_dict().items()}
+
+    parallel_state.destroy_model_parallel()  # the same weights on PP2 (one layer per stage)
+    pp2 = load_config("configs/demo_cpu.yaml", ["parallel.pipeline_model_parallel_size=2"], world_size=world_size)
+    policy = MegatronPolicy(pp2, initialize_distributed(pp2.parallel, pp2.seed), role="reference",
+                            pad_token_id=tok.pad_token_id)
+    policy.load_full_state_dict(initial_weights)
+    result["pp2"] = _tables(policy, tok)
     return result
 
 
@@ -68,12 +103,16 @@ def tp2() -> list[dict]:
     return run_ranks(2, _tp2_checks, timeout=240)
 
 
-def test_fast_sampling_path_matches_candidate_path(tp2) -> None:
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_next_token_logprobs_match_forward_on_candidate_rows(tp2, layout) -> None:
     for rank_result in tp2:
-        assert torch.allclose(rank_result["fast"], rank_result["candidate"], atol=2e-5), \
-            (rank_result["fast"] - rank_result["candidate"]).abs().max()
-        assert torch.allclose(rank_result["fast"].exp().sum(-1), torch.ones(len(CONTEXTS)), atol=1e-5)
-    assert torch.equal(tp2[0]["fast"], tp2[1]["fast"])
+        got = rank_result[layout]
+        assert got["table"].shape == (len(CONTEXTS), 16) and got["table"].dtype == torch.float32
+        assert torch.equal(got["table"], got["direct"])  # deduping changes nothing
+        assert torch.allclose(got["table"], got["reference"], atol=2e-5), (got["table"] - got["reference"]).abs().max()
+        assert torch.allclose(got["table"].exp().sum(-1), torch.ones(len(CONTEXTS)), atol=1e-5)
+    assert torch.equal(tp2[0][layout]["table"], tp2[1][layout]["table"])
+    assert torch.allclose(tp2[0]["tp2"]["table"], tp2[0]["pp2"]["table"], atol=2e-5)  # same weights
 
 
 def test_ranks_sample_the_same_rollouts(tp2) -> None:

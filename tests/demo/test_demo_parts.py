@@ -172,27 +172,26 @@ def test_summary_windows() -> None:
 
 
 class TablePolicy:
-    """``forward(batch)`` of a bigram table in the left-padded layout (DESIGN.md section 2), like MegatronPolicy."""
+    """``next_token_logprobs(sequences, attention_mask)`` of a bigram table, left-padded like MegatronPolicy."""
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table
         self.rows_seen: list[int] = []
 
-    def forward(self, batch, *, compute_entropy: bool = False):
-        seq, width = batch["sequences"], batch["response_mask"].shape[1]
-        self.rows_seen.append(len(batch))
-        logp = torch.log_softmax(self.table[seq[:, :-1]], -1).gather(-1, seq[:, 1:, None])[..., 0]
-        return {"logprobs": logp[:, -width:]}
+    def next_token_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        assert bool(attention_mask[:, -1].all())  # left-padded: every context ends in the last column
+        self.rows_seen.append(len(sequences))
+        return torch.log_softmax(self.table[sequences[:, -1]], -1)  # [n, V]
 
 
 def test_policy_next_token_logprobs_is_the_full_distribution() -> None:
-    from megatron_rl.demo.policy_sampling import candidate_next_token_logprobs
+    from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
 
     table = torch.randn(TOK.vocab_size, TOK.vocab_size, generator=torch.Generator().manual_seed(2))
     policy = TablePolicy(table)
-    fn = candidate_next_token_logprobs(policy, TOK.vocab_size, TOK.pad_token_id)
+    fn = policy_next_token_logprobs(policy, TOK.pad_token_id)
     contexts = [[1, 7, 3], [1, 7, 3], [1, 9, 3, 10, 2, 4, 12, 3], [5]]  # different lengths, one duplicate
     got = fn(contexts)
     expected = torch.log_softmax(table[torch.tensor([c[-1] for c in contexts])], -1)
     assert torch.allclose(got, expected, atol=1e-6)
-    assert policy.rows_seen == [3 * TOK.vocab_size]  # duplicates computed once
+    assert policy.rows_seen == [3]  # duplicates computed once
