@@ -109,7 +109,7 @@ def build_job(config: MegatronRLConfig, groups: ParallelGroups) -> Job:
     if config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward:
         reference = MegatronPolicy(config, groups, role="reference", pad_token_id=tokenizer.pad_token_id)
         reference.load_full_state_dict(policy.full_state_dict())  # the reference is the initial policy
-    trainer = Trainer(config, policy, pad_token_id=tokenizer.pad_token_id, dp_size=groups.dp_size,
+    trainer = Trainer(config, policy,
                       reference=reference)
     output_dir = Path(config.logging.output_dir)
     return Job(

@@ -50,7 +50,7 @@ from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.distributed.metrics import reduce_metrics
 from megatron_rl.metrics import Metric, merge_metrics
 from megatron_rl.model import scaling
-from megatron_rl.model.microbatch import MicroBatchPlan, dp_shard_range, packed_lengths, plan_microbatches, restore_order
+from megatron_rl.data.microbatch import MicroBatchPlan, dp_shard_range, packed_lengths, plan_microbatches, restore_order
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, dict]]
 """``loss_fn(logprobs [b,R], entropy [b,R] | None, mb_tensors, loss_config) -> (summed_loss, dict[str, Metric])``."""
