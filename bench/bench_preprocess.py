@@ -41,7 +41,7 @@ from megatron_rl.data import (
     pack,
     validate_generator_output,
 )
-from megatron_rl.model.microbatch import plan_microbatches
+from megatron_rl.data.microbatch import plan_microbatches
 
 from bench_throughput import PackedInput, batch_tensors, build_model, tiny_model_config, train_step, workload
 from workloads import print_report_or_exit, check, markdown_table, real_tokens, trained_tokens, unique_tokens

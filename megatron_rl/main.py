@@ -109,7 +109,7 @@ def build_job(config: MegatronRLConfig, groups: ParallelGroups) -> Job:
     if config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward:
         reference = MegatronPolicy(config, groups, role="reference", pad_token_id=tokenizer.pad_token_id)
         reference.load_full_state_dict(policy.full_state_dict())  # the reference is the initial policy
-    trainer = Trainer(config, policy, pad_token_id=tokenizer.pad_token_id, dp_size=groups.dp_size,
+    trainer = Trainer(config, policy,
                       reference=reference)
     output_dir = Path(config.logging.output_dir)
     return Job(
@@ -236,16 +236,19 @@ def checkpoint_due(config: MegatronRLConfig, step: int) -> bool:
 
 def save(job: Job, step: int) -> None:
     """Atomic distributed checkpoint of the policy (model, optimizer, LR schedule, RNG) and the loop state."""
-    job.policy.save_checkpoint(job.save_dir, {"step": step, "optimizer_steps": job.trainer.optimizer_steps})
+    from megatron_rl.checkpoint import save_checkpoint
+
+    save_checkpoint(job.policy, job.save_dir, {"step": step, "optimizer_steps": job.trainer.optimizer_steps})
 
 
 def resume(job: Job) -> int:
     """Load the latest complete checkpoint of ``save_dir`` if ``checkpoint.resume``; returns its step (or 0)."""
+    from megatron_rl.checkpoint import load_checkpoint
     from megatron_rl.checkpoint.layout import complete_checkpoints
 
     if not job.config.checkpoint.resume or not complete_checkpoints(job.save_dir):
         return 0
-    state = job.policy.load_checkpoint(job.save_dir)
+    state = load_checkpoint(job.policy, job.save_dir)
     job.trainer.optimizer_steps = int(state.get("optimizer_steps", 0))
     return int(state["step"])
 

@@ -3,18 +3,19 @@
 Place in the data flow (DESIGN.md section 1): everything between a ``GeneratorOutput`` and the optimizer::
 
     GeneratorOutput
-      -> validate -> merge (step-wise, optional) -> TrainingBatch [B, S] / [B, R]
+      -> validate (the one validation of the rollouts) -> merge (step-wise, optional) -> TrainingBatch [B, S] / [B, R]
       -> old log-probs (policy) and reference log-probs (reference model), no grad      [B, R]
       -> token rewards (- KL, optional) -> advantages (step-wise aware) -> whitening (optional)
       -> for each epoch, for each prompt-based mini-batch:
-             normalize advantages over the mini-batch's rows (loss_reduction) -> DP padding
-             -> policy.forward_backward(policy_loss_fn) -> policy.optim_step()
+             normalize advantages over the mini-batch's rows (loss_reduction)
+             -> policy.forward_backward(policy_loss_fn) -> policy.optim_step()     (the policy pads for DP)
       -> metrics
 
 The trainer itself is pure orchestration: it touches no Megatron internal and no ``torch.distributed``. The
 policy (``megatron_rl.model.policy.MegatronPolicy``, or anything with the same ``forward`` /
 ``forward_backward`` / ``optim_step``) takes the *global* batch on every rank and returns global results, so
-every rank runs ``train_step`` on the same rollouts and gets the same metrics.
+every rank runs ``train_step`` on the same rollouts and gets the same metrics. The policy owns what depends on
+its layout: DP padding and ``pad_token_id`` (the trainer reads ``policy.pad_token_id``).
 
 Metrics are ``Metric`` partials merged exactly (``megatron_rl.metrics``). Across the optimizer steps of one
 train step, token/sequence means stay exact means over the whole batch; losses (``reduce="sum"`` within a
@@ -46,7 +47,12 @@ Metrics = dict[str, Metric]
 
 
 class PolicyLike(Protocol):
-    """What the trainer needs of a policy (docs/INTERFACES.md, ``model/policy.py``)."""
+    """What the trainer needs of a policy (docs/INTERFACES.md, ``model/policy.py``).
+
+    ``forward`` / ``forward_backward`` take any number of rows (the policy pads for data parallelism itself).
+    """
+
+    pad_token_id: int
 
     def forward(self, batch: TrainingBatch, *, compute_entropy: bool = False) -> dict[str, torch.Tensor]: ...
 
@@ -59,12 +65,11 @@ class PolicyLike(Protocol):
 class Trainer:
     """Runs RL steps on a policy (and an optional frozen reference model for KL).
 
-    ``dp_size`` is the data-parallel size of the policy (mini-batches are padded to a multiple of it);
-    ``pad_token_id`` pads sequences. ``train_step`` must be called with the same rollouts on every rank.
+    Sequences are padded with ``policy.pad_token_id``. ``train_step`` must be called with the same rollouts
+    on every rank.
     """
 
-    def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, pad_token_id: int, dp_size: int = 1,
-                 reference: PolicyLike | None = None) -> None:
+    def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, reference: PolicyLike | None = None) -> None:
         config.validate()  # configs built in code skip load_config's checks otherwise
         algo = config.algorithm
         if (algo.use_kl_loss or algo.use_kl_in_reward) and reference is None:
@@ -78,8 +83,6 @@ class Trainer:
         self.config = config
         self.policy = policy
         self.reference = reference
-        self.pad_token_id = pad_token_id
-        self.dp_size = dp_size
         self.optimizer_steps = 0
         """Optimizer steps taken by this trainer (all train steps)."""
 
@@ -110,18 +113,20 @@ class Trainer:
         return self.config.stepwise.step_wise_trajectories
 
     def validate_and_merge(self, out: GeneratorOutput, metrics: Metrics) -> GeneratorOutput:
-        """Check the rollouts; merge consecutive turns whose prompts extend each other (step-wise, optional)."""
+        """Check the rollouts (once, here: later stages get ``validated=True``); merge consecutive turns whose
+        prompts extend each other (step-wise, optional)."""
         validate_generator_output(out, step_wise=self.step_wise)
         if not (self.step_wise and self.config.stepwise.merge_stepwise_output):
             return out
-        merged, counts = merge_stepwise_output(out)
+        merged, counts = merge_stepwise_output(out, validated=True)
         metrics.update({f"stepwise/{name}": Metric(value, 1.0, "sum") for name, value in counts.items()})
         return merged
 
     def to_training_batch(self, out: GeneratorOutput) -> TrainingBatch:
-        """The left-padded tensor block of DESIGN.md section 2."""
+        """The left-padded tensor block of DESIGN.md section 2 (``out`` validated by ``validate_and_merge``)."""
         return TrainingBatch.from_generator_output(
-            out, self.pad_token_id, max_seq_len=self.config.algorithm.max_seq_len, step_wise=self.step_wise
+            out, self.policy.pad_token_id, max_seq_len=self.config.algorithm.max_seq_len, step_wise=self.step_wise,
+            validated=True,
         )
 
     @torch.no_grad()
@@ -169,15 +174,14 @@ class Trainer:
         return merge_metrics(*per_step)
 
     def train_mini_batch(self, mini_batch: TrainingBatch) -> Metrics:
-        """Normalize the advantages over this mini-batch's rows, pad for DP, accumulate gradients, step."""
+        """Normalize the advantages over this mini-batch's rows, accumulate gradients, step."""
         algo = self.config.algorithm
         mini_batch["advantages"] = normalize_minibatch_advantages(
             mini_batch["advantages"], mini_batch["loss_mask"], algo.loss_reduction, algo.max_seq_len
         )
-        loss_context = LossContext.for_minibatch(algo, mini_batch["loss_mask"])  # before DP padding
-        padded, _ = mini_batch.pad_to_multiple(self.dp_size, self.pad_token_id)
+        loss_context = LossContext.for_minibatch(algo, mini_batch["loss_mask"])  # the real rows (no DP padding)
         loss_metrics = self.policy.forward_backward(
-            padded, policy_loss_fn, loss_context, compute_entropy=algo.entropy_loss_coef != 0.0
+            mini_batch, policy_loss_fn, loss_context, compute_entropy=algo.entropy_loss_coef != 0.0
         )
         step_metrics = self.policy.optim_step()
         self.optimizer_steps += 1

@@ -52,6 +52,7 @@ class BigramPolicy:
 
     def __init__(self, model: Bigram, lr: float, dp_size: int = 1) -> None:
         self.model, self.lr, self.dp_size = model, lr, dp_size
+        self.pad_token_id = TOK.pad_token_id
         self.calls: list[Call] = []
 
     def _logprobs(self, batch: TrainingBatch) -> torch.Tensor:
@@ -66,6 +67,7 @@ class BigramPolicy:
             return {"logprobs": self._logprobs(batch).float()}
 
     def forward_backward(self, batch, loss_fn, loss_config, *, compute_entropy=False):
+        batch, _ = batch.pad_to_multiple(self.dp_size, self.pad_token_id)  # as MegatronPolicy: it owns DP padding
         assert len(batch) % self.dp_size == 0, (len(batch), self.dp_size)
         self.calls.append(Call(len(batch), float(batch["loss_mask"].sum())))
         logprobs = self._logprobs(batch)
@@ -160,7 +162,7 @@ def test_train_step_matches_loop_reference(merge: bool, dp_size: int) -> None:
     model = copy.deepcopy(ref_model)
     cfg = make_config(merge=merge)
     policy = BigramPolicy(model, lr, dp_size)
-    trainer = Trainer(cfg, policy, pad_token_id=TOK.pad_token_id, dp_size=dp_size)
+    trainer = Trainer(cfg, policy)
     metrics = trainer.train_step(episodes_to_generator_output(played, step_wise=True))
     reference_train_step(ref_model, played, cfg, lr)
 
@@ -182,8 +184,7 @@ def test_trajectory_layout_trains_like_step_wise() -> None:
     updated = []
     for step_wise in (True, False):
         model = Bigram(seed=2)
-        trainer = Trainer(make_config(merge=False, step_wise=step_wise), BigramPolicy(model, 0.5),
-                          pad_token_id=TOK.pad_token_id)
+        trainer = Trainer(make_config(merge=False, step_wise=step_wise), BigramPolicy(model, 0.5))
         trainer.train_step(episodes_to_generator_output(played, step_wise=step_wise))
         updated.append(model.table.detach().clone())
     assert torch.allclose(updated[0], updated[1], atol=1e-6)
@@ -192,8 +193,7 @@ def test_trajectory_layout_trains_like_step_wise() -> None:
 def test_rollout_logprob_mismatch_metrics() -> None:
     model = Bigram(seed=1)
     played = play(model)
-    trainer = Trainer(make_config(merge=True, epochs=1), BigramPolicy(copy.deepcopy(model), lr=0.0),
-                      pad_token_id=TOK.pad_token_id)
+    trainer = Trainer(make_config(merge=True, epochs=1), BigramPolicy(copy.deepcopy(model), lr=0.0))
     out = episodes_to_generator_output(played, step_wise=True)
     metrics = trainer.train_step(out)
     assert metrics["rollout/logprob_abs_diff_max"] < 1e-5  # sampler and trainer agree on the same weights
@@ -208,8 +208,7 @@ def test_optimizer_steps_independent_of_turns_and_merging() -> None:
     steps = set()
     for turns in (1, 3):
         for merge in (False, True):
-            trainer = Trainer(make_config(merge=merge, epochs=3), BigramPolicy(Bigram(), lr=0.1),
-                              pad_token_id=TOK.pad_token_id)
+            trainer = Trainer(make_config(merge=merge, epochs=3), BigramPolicy(Bigram(), lr=0.1))
             metrics = trainer.train_step(episodes_to_generator_output(play(Bigram(1), turns=turns), step_wise=True))
             steps.add((trainer.optimizer_steps, metrics["optim/steps"]))
     assert steps == {(6, 6.0)}
@@ -227,7 +226,7 @@ def test_loss_context_counts_rows_before_dp_padding() -> None:
     cfg = make_config(merge=False, epochs=1)
     cfg.batch.train_batch_size, cfg.batch.policy_mini_batch_size = 2, 1
     policy = Spy(Bigram(), lr=0.1, dp_size=4)
-    Trainer(cfg, policy, pad_token_id=TOK.pad_token_id, dp_size=4).train_step(
+    Trainer(cfg, policy).train_step(
         episodes_to_generator_output(played, step_wise=True))
     assert [c.rows for c in policy.calls] == [4, 4]  # padding larger than the mini-batch
     assert [ctx.minibatch_num_sequences for ctx in seen] == [1, 1]
@@ -238,11 +237,11 @@ def test_kl_needs_reference() -> None:
     cfg = make_config(merge=False)
     cfg.algorithm.use_kl_loss = True
     with pytest.raises(ValueError, match="reference"):
-        Trainer(cfg, BigramPolicy(Bigram(), 0.1), pad_token_id=0)
+        Trainer(cfg, BigramPolicy(Bigram(), 0.1))
 
 
 def test_metrics_are_finite_and_sum_metrics_average_over_steps() -> None:
-    trainer = Trainer(make_config(merge=True), BigramPolicy(Bigram(), lr=0.1), pad_token_id=TOK.pad_token_id)
+    trainer = Trainer(make_config(merge=True), BigramPolicy(Bigram(), lr=0.1))
     metrics = trainer.train_step(episodes_to_generator_output(play(Bigram(1)), step_wise=True))
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
     for key in ("policy/loss", "policy/pg_loss", "policy/clipfrac", "optim/grad_norm", "optim/lr"):
@@ -261,14 +260,14 @@ def test_kl_in_reward_and_kl_loss_use_the_reference() -> None:
     # per episode instead, whose loss tokens are the same responses in the same contexts.
     cfg = make_config(merge=False, step_wise=False, epochs=1)
     cfg.algorithm.use_kl_in_reward, cfg.algorithm.kl_estimator_type = True, "k1"
-    trainer = Trainer(cfg, BigramPolicy(copy.deepcopy(policy_model), 0.1), pad_token_id=TOK.pad_token_id,
+    trainer = Trainer(cfg, BigramPolicy(copy.deepcopy(policy_model), 0.1),
                       reference=BigramPolicy(ref_model, 0.0))
     metrics = trainer.train_step(episodes_to_generator_output(played, step_wise=False))
     assert metrics["kl_in_reward/kl"] == pytest.approx(float(k1.mean()), abs=1e-5)
 
     cfg = make_config(merge=True, epochs=1)
     cfg.algorithm.use_kl_loss = True
-    trainer = Trainer(cfg, BigramPolicy(copy.deepcopy(policy_model), 0.1), pad_token_id=TOK.pad_token_id,
+    trainer = Trainer(cfg, BigramPolicy(copy.deepcopy(policy_model), 0.1),
                       reference=BigramPolicy(ref_model, 0.0))
     metrics = trainer.train_step(episodes_to_generator_output(played, step_wise=True))
     assert metrics["policy/kl"] > 0 and torch.isfinite(torch.tensor(metrics["policy/kl"]))
@@ -278,4 +277,4 @@ def test_configs_built_in_code_are_validated() -> None:
     cfg = make_config(merge=False, step_wise=False)
     cfg.stepwise.merge_stepwise_output = True  # without step-wise: load_config would reject it
     with pytest.raises(ValueError, match="stepwise.merge_stepwise_output"):
-        Trainer(cfg, BigramPolicy(Bigram(seed=2), 0.1), pad_token_id=TOK.pad_token_id)
+        Trainer(cfg, BigramPolicy(Bigram(seed=2), 0.1))

@@ -1,12 +1,12 @@
 """Atomic distributed checkpoints and resume (DESIGN.md section 1, last stage).
 
-``save_checkpoint(policy, save_dir, trainer_state)`` / ``load_checkpoint(policy, path)`` (``dist.py``; what
-``MegatronPolicy.save_checkpoint / load_checkpoint`` call), the on-disk layout and its crash safety
+``save_checkpoint(policy, save_dir, trainer_state)`` / ``load_checkpoint(policy, path)`` (``dist.py``; ``policy`` is
+any ``CheckpointablePolicy``, e.g. a ``MegatronPolicy``), the on-disk layout and its crash safety
 (``layout.py``), the megatron optimizer state with the 0.16.1 fixes (``optimizer_state.py``), RNG states
 (``rng.py``).
 """
 
-from megatron_rl.checkpoint.dist import CheckpointParts, load_checkpoint, load_parts, save_checkpoint, save_parts
+from megatron_rl.checkpoint.dist import CheckpointablePolicy, CheckpointParts, load_checkpoint, load_parts, save_checkpoint, save_parts
 from megatron_rl.checkpoint.layout import resolve_checkpoint
 
-__all__ = ["CheckpointParts", "load_checkpoint", "load_parts", "resolve_checkpoint", "save_checkpoint", "save_parts"]
+__all__ = ["CheckpointablePolicy", "CheckpointParts", "load_checkpoint", "load_parts", "resolve_checkpoint", "save_checkpoint", "save_parts"]

@@ -1,7 +1,8 @@
 """Save and resume a training run with megatron-core ``dist_checkpointing``, atomically.
 
 Place in the data flow: after an optimizer step (DESIGN.md section 1, "checkpoint"), and once at start-up to
-resume. ``MegatronPolicy.save_checkpoint / load_checkpoint`` delegate here.
+resume. Callers use ``save_checkpoint(policy, ...)`` / ``load_checkpoint(policy, ...)``; ``policy`` is any
+``CheckpointablePolicy`` (``MegatronPolicy`` is one; the model package does not import this one).
 
 A checkpoint holds (layout: ``checkpoint/layout.py``):
 - the model chunks' sharded state (``GPTModel.sharded_state_dict``: global layer numbers, TP shards), so it
@@ -38,10 +39,14 @@ import signal
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from types import FrameType
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.checkpoint import layout
 from megatron_rl.checkpoint.optimizer_state import (
@@ -51,6 +56,25 @@ from megatron_rl.checkpoint.optimizer_state import (
 )
 from megatron_rl.checkpoint.rng import capture_rng_state, restore_rng_state
 from megatron_rl.config import MegatronRLConfig, dump_config
+from megatron_rl.distributed.bootstrap import ParallelGroups
+from megatron_rl.model.optimizer import follow_new_weights
+
+T = TypeVar("T")
+TrainerState = dict[str, Any]
+"""JSON-serializable trainer state (``step``: int, plus whatever the caller keeps); values are JSON."""
+ModelDict = dict[str, Any]
+"""A ``ModelConfig`` as a dict (``config_to_dict``): field name -> JSON value."""
+
+
+class CheckpointablePolicy(Protocol):
+    """What a checkpoint needs of a policy (``MegatronPolicy`` has it)."""
+
+    module: torch.nn.Module
+    """The bare GPTModel chunk of this rank."""
+    optimizer: MegatronOptimizer | None
+    scheduler: OptimizerParamScheduler | None
+    config: MegatronRLConfig
+    groups: ParallelGroups
 
 SHAPE_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
@@ -59,7 +83,7 @@ SHAPE_FIELDS = (
 """ModelConfig fields that must match between a checkpoint and the model it is loaded into."""
 
 
-def model_shape_mismatches(source: dict[str, Any], current: dict[str, Any], source_name: str) -> list[str]:
+def model_shape_mismatches(source: ModelDict, current: ModelDict, source_name: str) -> list[str]:
     """``"field: <source_name> a vs config b"`` for every SHAPE_FIELDS entry that differs (ModelConfig dicts)."""
     source, current = _effective_shape(source), _effective_shape(current)
     return [
@@ -69,7 +93,7 @@ def model_shape_mismatches(source: dict[str, Any], current: dict[str, Any], sour
     ]
 
 
-def _effective_shape(model: dict[str, Any]) -> dict[str, Any]:
+def _effective_shape(model: ModelDict) -> ModelDict:
     """kv_channels=None means hidden_size // num_attention_heads (ModelConfig)."""
     if model.get("kv_channels") is None and model.get("num_attention_heads"):
         return {**model, "kv_channels": model["hidden_size"] // model["num_attention_heads"]}
@@ -82,21 +106,21 @@ class CheckpointParts:
 
     model_chunks: list[torch.nn.Module]
     """Bare GPTModel chunks of this rank (never the DDP wrapper: it prefixes keys with ``module.``)."""
-    optimizer: Any | None
+    optimizer: MegatronOptimizer | None
     """Megatron optimizer (``get_megatron_optimizer``), None for a frozen model."""
-    scheduler: Any | None
+    scheduler: OptimizerParamScheduler | None
     """``OptimizerParamScheduler``, None for a frozen model."""
     config: MegatronRLConfig
-    groups: Any
-    """``distributed.bootstrap.ParallelGroups`` of this rank."""
+    groups: ParallelGroups
+    """This rank's process groups."""
 
 
-def parts_of(policy: Any) -> CheckpointParts:
+def parts_of(policy: CheckpointablePolicy) -> CheckpointParts:
     """The checkpointed parts of a ``MegatronPolicy`` (one model chunk per PP stage)."""
     return CheckpointParts([policy.module], policy.optimizer, policy.scheduler, policy.config, policy.groups)
 
 
-def save_checkpoint(policy: Any, save_dir: str | Path, trainer_state: dict[str, Any]) -> Path:
+def save_checkpoint(policy: CheckpointablePolicy, save_dir: str | Path, trainer_state: TrainerState) -> Path:
     """Save ``policy`` and ``trainer_state`` (needs an int ``step``) under ``save_dir``; returns the
     checkpoint directory. Keeps ``config.checkpoint.keep_last`` checkpoints, aborts after
     ``config.checkpoint.save_timeout_s``. Collective: every rank calls it."""
@@ -107,11 +131,12 @@ def save_checkpoint(policy: Any, save_dir: str | Path, trainer_state: dict[str, 
 
 
 def load_checkpoint(
-    policy: Any, path: str | Path, *, load_optimizer: bool = True, verify_checksums: bool = True
-) -> dict[str, Any]:
+    policy: CheckpointablePolicy, path: str | Path, *, load_optimizer: bool = True, verify_checksums: bool = True
+) -> TrainerState:
     """Restore ``policy`` from ``path`` (a checkpoint directory, or a save_dir: its latest complete
     checkpoint); returns the trainer state. ``verify_checksums=False`` checks file sizes only (reading a very
     large checkpoint twice costs time). Collective."""
+    load_optimizer = load_optimizer and policy.optimizer is not None  # a frozen model has none to load
     return load_parts(parts_of(policy), path, load_optimizer=load_optimizer, verify_checksums=verify_checksums)
 
 
@@ -121,13 +146,12 @@ def load_checkpoint(
 def save_parts(
     parts: CheckpointParts,
     save_dir: str | Path,
-    trainer_state: dict[str, Any],
+    trainer_state: TrainerState,
     *,
     keep_last: int = 2,
     timeout_s: float | None = None,
 ) -> Path:
     """Atomic save of ``parts`` (module docstring); returns ``save_dir/step_<step>``."""
-    from megatron.core import dist_checkpointing
 
     save_dir, step = Path(save_dir), _step_of(trainer_state)
     state_json = _trainer_state_json(trainer_state)
@@ -211,9 +235,8 @@ def _publish(save_dir: Path, tmp: Path, final: Path, keep_last: int) -> None:
 
 def load_parts(
     parts: CheckpointParts, path: str | Path, *, load_optimizer: bool = True, verify_checksums: bool = True
-) -> dict[str, Any]:
+) -> TrainerState:
     """Restore ``parts`` from ``path``; returns the trainer state (module docstring for the checks)."""
-    from megatron.core import dist_checkpointing
 
     ckpt = Path(_broadcast_from_rank0(lambda: str(layout.resolve_checkpoint(path))))
     manifest = _broadcast_from_rank0(lambda: layout.read_manifest(ckpt))
@@ -225,8 +248,8 @@ def load_parts(
         chunk.load_state_dict(loaded[key], strict=True)
     if load_optimizer and parts.optimizer is not None:
         load_optimizer_state(parts.optimizer, loaded["optimizer"])
-    elif parts.optimizer is not None:  # weights only: the optimizer's fp32 main copies (bf16) must follow them,
-        parts.optimizer.reload_model_params()  # or the next step writes the old weights back
+    else:  # weights only: the optimizer's fp32 main copies (bf16) must follow them
+        follow_new_weights(parts.optimizer)
     if load_optimizer and parts.scheduler is not None:
         parts.scheduler.load_state_dict(loaded["scheduler"])
     _restore_rng(ckpt, manifest, parts)
@@ -300,21 +323,21 @@ def _sharded_state(parts: CheckpointParts, is_loading: bool) -> dict[str, Any]:
     return state
 
 
-def _step_of(trainer_state: dict[str, Any]) -> int:
+def _step_of(trainer_state: TrainerState) -> int:
     step = trainer_state.get("step") if isinstance(trainer_state, dict) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"trainer_state['step']={step!r} must be an int >= 0 (the train step being saved)")
     return step
 
 
-def _trainer_state_json(trainer_state: dict[str, Any]) -> str:
+def _trainer_state_json(trainer_state: TrainerState) -> str:
     try:
         return json.dumps(trainer_state, indent=1, sort_keys=True)
     except TypeError as err:
         raise ValueError(f"trainer_state must be JSON-serializable (ints, floats, strings, lists, dicts): {err}") from err
 
 
-def _together(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
+def _together(fn: Callable[[], T], *, rank0_only: bool = False) -> T | None:
     """Run ``fn`` (on every rank, or on rank 0 only) and raise on every rank if it raised on any.
 
     The filesystem steps of a save run on some ranks only; a failure only they see (a full disk, a permission
@@ -338,11 +361,11 @@ def _together(fn: Callable[[], Any], *, rank0_only: bool = False) -> Any:
     return result
 
 
-def _broadcast_from_rank0(fn: Callable[[], Any]) -> Any:
+def _broadcast_from_rank0(fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 and give every rank its result. An error there is raised on every rank: a
     ValueError (bad input) as a ValueError with the same message, anything else as itself on rank 0 and as a
     RuntimeError elsewhere (so no rank waits in a later collective)."""
-    box: list[Any] = [None]
+    box: list[T | None] = [None]
     error: Exception | None = None
     if dist.get_rank() == 0:
         try:
@@ -369,7 +392,7 @@ def _deadline(seconds: float | None, what: str) -> Iterator[None]:
         yield
         return
 
-    def _expired(signum: int, frame: Any) -> None:
+    def _expired(signum: int, frame: FrameType | None) -> None:
         raise TimeoutError(f"{what} took longer than {seconds} s (checkpoint.save_timeout_s); "
                            "the previous checkpoint is untouched")
 

@@ -4,6 +4,7 @@ prompt-based mini-batches -> THD packed micro-batches. No megatron-core import, 
 from megatron_rl.data.batch import (
     TrainingBatch,
     convert_prompts_responses_to_batch_tensors,
+    left_pad,
     response_values,
     right_aligned_mask,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "compute_prompt_mini_batch_boundaries",
     "convert_prompts_responses_to_batch_tensors",
     "is_scalar_reward",
+    "left_pad",
     "merge_stepwise_output",
     "pack",
     "packing_alignment",

@@ -78,6 +78,16 @@ def _check_values(loss_mask: torch.Tensor, rewards: torch.Tensor, logprobs: torc
             raise ValueError(f"{name}[{i}] holds a NaN or infinite value: fix the generator/reward function.")
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists -> ``(input_ids [n, S] int64, attention_mask [n, S] int64)``, each row right-aligned
+    after ``pad_token_id`` padding (DESIGN.md section 2), ``S`` the longest row. The one left-padding routine
+    for id lists (``convert_prompts_responses_to_batch_tensors`` uses the same block writer)."""
+    lengths = _lengths(rows)  # [n]
+    width = int(lengths.max())
+    input_ids = _right_aligned_block(((row,) for row in rows), lengths, width, pad_token_id, np.int64)
+    return input_ids, right_aligned_mask(torch.from_numpy(lengths), width)
+
+
 def right_aligned_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, width]`` int64 mask whose row i has its last ``lengths[i]`` columns set."""
     columns = torch.arange(width, device=lengths.device)
@@ -303,11 +313,21 @@ class TrainingBatch:
 
     @staticmethod
     def from_generator_output(
-        out: GeneratorOutput, pad_token_id: int, max_seq_len: int | None = None, step_wise: bool = False
+        out: GeneratorOutput,
+        pad_token_id: int,
+        max_seq_len: int | None = None,
+        step_wise: bool = False,
+        *,
+        validated: bool = False,
     ) -> TrainingBatch:
         """Validate ``out`` and convert it. Without ``step_wise`` each sequence is its own trajectory (id = its
-        index, ``is_last_step=True``), whatever trajectory ids / is_last_step the generator filled in."""
-        validate_generator_output(out, step_wise)
+        index, ``is_last_step=True``), whatever trajectory ids / is_last_step the generator filled in.
+
+        ``validated=True`` skips ``validate_generator_output``: the caller validated once at its entry (the
+        Trainer), or ``out`` comes from ``merge_stepwise_output`` of validated rollouts (valid by construction).
+        """
+        if not validated:
+            validate_generator_output(out, step_wise)
         sequences, attention_mask, response_mask, rewards, loss_mask, logprobs = (
             convert_prompts_responses_to_batch_tensors(
                 pad_token_id,

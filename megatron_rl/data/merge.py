@@ -42,13 +42,18 @@ class _Group:
     stop_reason: Any
 
 
-def merge_stepwise_output(out: GeneratorOutput) -> tuple[GeneratorOutput, dict[str, int]]:
+def merge_stepwise_output(
+    out: GeneratorOutput, *, validated: bool = False
+) -> tuple[GeneratorOutput, dict[str, int]]:
     """Merge consecutive steps of each trajectory whose prompts extend the previous prompt + response.
 
     Returns ``(merged, {"num_seq_before_merge": N, "num_seq_after_merge": M})``; ``merged`` is a valid step-wise
-    ``GeneratorOutput`` (``is_last_step`` true on each trajectory's last merged group).
+    ``GeneratorOutput`` (``is_last_step`` true on each trajectory's last merged group), so it needs no second
+    validation. ``validated=True``: the caller already ran ``validate_generator_output(out, step_wise=True)``
+    (the Trainer does, once, at its entry); library callers leave it False and get the same ValueErrors.
     """
-    validate_generator_output(out, step_wise=True)
+    if not validated:
+        validate_generator_output(out, step_wise=True)
     groups: list[_Group] = []
     for i in range(len(out["prompt_token_ids"])):
         starts_trajectory = i == 0 or out["trajectory_ids"][i] != out["trajectory_ids"][i - 1]

@@ -65,7 +65,7 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         tensors = {
-            name: getattr(self, name).to(device)
+            name: getattr(self, name).to(device, non_blocking=True)
             for name in ("input_ids", "position_ids", "labels", "label_mask", "cu_seqlens", "seq_lens")
         }
         return replace(self, **tensors)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_rl.data.batch import right_aligned_mask
+from megatron_rl.data.batch import left_pad as left_padded  # noqa: F401 (the demo tests import it from here)
 from megatron_rl.demo.sampler import NextTokenLogprobs
 
 
@@ -29,15 +29,6 @@ def policy_next_token_logprobs(policy, pad_token_id: int) -> NextTokenLogprobs:
         return logprobs.float().cpu()[index]  # [n, V]
 
     return next_token_logprobs
-
-
-def left_padded(contexts: Sequence[Sequence[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids [n, S], attention_mask [n, S])`` with each context right-aligned (DESIGN.md section 2)."""
-    lengths = torch.tensor([len(c) for c in contexts])
-    mask = right_aligned_mask(lengths, int(lengths.max()))
-    tokens = torch.tensor([t for c in contexts for t in c], dtype=torch.long)
-    input_ids = torch.full(mask.shape, pad_token_id, dtype=torch.long).masked_scatter_(mask.bool(), tokens)
-    return input_ids, mask
 
 
 def _dedupe(contexts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], torch.Tensor]:

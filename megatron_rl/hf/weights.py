@@ -29,17 +29,23 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.checkpoint.dist import model_shape_mismatches
+from megatron_rl.config import MegatronRLConfig, ModelConfig
+from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.hf.config import load_hf_config, model_config_from_hf, rope_theta
+from megatron_rl.hf.tokenizer import load_tokenizer, pad_token_id
+from megatron_rl.model.optimizer import follow_new_weights
+from megatron_rl.model.policy import MegatronPolicy
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth")
 
 
-def make_bridge(hf_dir: str | os.PathLike, groups: Any, dtype: torch.dtype, padded_vocab_size: int) -> Any:
+def make_bridge(hf_dir: str | os.PathLike, groups: ParallelGroups, dtype: torch.dtype, padded_vocab_size: int) -> Any:
     """An mbridge ``Bridge`` for ``hf_dir`` that speaks our layer names and layout (module docstring)."""
     from mbridge import AutoBridge
     from mbridge.core.parallel_states import ParallelStates
@@ -76,7 +82,7 @@ def _set_name_maps(bridge: Any, tied: bool) -> None:
     bridge._get_hf_shared_weight_keys = lambda: ["model.embed_tokens.weight"] if tied else []
 
 
-def _bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any) -> Any:
+def _bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups) -> Any:
     embedding_or_output = _vocab_parallel_rows(model_chunks[0])
     dtype = next(model_chunks[0].parameters()).dtype
     padded = _all_reduce_max(embedding_or_output, groups)
@@ -91,16 +97,14 @@ def _vocab_parallel_rows(chunk: torch.nn.Module) -> int:
     return 0
 
 
-def _all_reduce_max(value: int, groups: Any) -> int:
+def _all_reduce_max(value: int, groups: ParallelGroups) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=groups.device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=groups.pp_group)
     return int(tensor.item())
 
 
-def check_hf_matches(model_cfg: Any, hf_dir: str | os.PathLike) -> None:
+def check_hf_matches(model_cfg: ModelConfig, hf_dir: str | os.PathLike) -> None:
     """ValueError if ``model_cfg`` does not have the shapes of the checkpoint in ``hf_dir``."""
-    from megatron_rl.checkpoint.dist import model_shape_mismatches
-
     hf_model = dataclasses.asdict(model_config_from_hf(hf_dir))
     diffs = model_shape_mismatches(hf_model, dataclasses.asdict(model_cfg), "HF config.json")
     if diffs:
@@ -110,8 +114,8 @@ def check_hf_matches(model_cfg: Any, hf_dir: str | os.PathLike) -> None:
         )
 
 
-def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any,
-                    model_cfg: Any | None = None) -> None:
+def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups,
+                    model_cfg: ModelConfig | None = None) -> None:
     """Copy the safetensors of ``hf_dir`` into this rank's bare GPTModel chunks (collective over TP/PP).
 
     ``model_cfg`` (the ModelConfig the chunks were built from) is checked against ``hf_dir`` first.
@@ -125,25 +129,21 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
         bridge.load_weights(model_chunks, str(hf_dir))
 
 
-def load_hf_into_policy(policy: Any, hf_dir: str | os.PathLike | None = None) -> None:
+def load_hf_into_policy(policy: MegatronPolicy, hf_dir: str | os.PathLike | None = None) -> None:
     """Load ``hf_dir`` (default ``config.model.hf_path``) into a ``MegatronPolicy``; refreshes the optimizer's
     main (fp32) copies of the parameters, which were taken when the optimizer was built."""
     hf_dir = hf_dir or policy.config.model.hf_path
     if hf_dir is None:
         raise ValueError("model.hf_path is not set; pass the local HF checkpoint directory")
     load_hf_weights([policy.module], hf_dir, policy.groups, policy.config.model)
-    if policy.optimizer is not None:
-        policy.optimizer.reload_model_params()
+    follow_new_weights(policy.optimizer)
 
 
-def policy_from_hf(config: Any, groups: Any, *, role: str = "policy", hf_dir: str | os.PathLike | None = None,
-                   **policy_kwargs: Any) -> Any:
+def policy_from_hf(config: MegatronRLConfig, groups: ParallelGroups, *, role: Literal["policy", "reference"] = "policy", hf_dir: str | os.PathLike | None = None,
+                   **policy_kwargs: Any) -> MegatronPolicy:
     """A ``MegatronPolicy`` whose shapes (config.json), pad id (tokenizer) and weights come from the local HF
     checkpoint ``hf_dir`` (default ``config.model.hf_path``); the other model fields (dtype, attention backend)
     are kept from ``config.model``. Collective: call on every rank."""
-    from megatron_rl.hf.tokenizer import load_tokenizer, pad_token_id
-    from megatron_rl.model.policy import MegatronPolicy
-
     hf_dir = hf_dir or config.model.hf_path
     if hf_dir is None:
         raise ValueError("model.hf_path is not set; set it to the local HF checkpoint directory")
@@ -154,7 +154,7 @@ def policy_from_hf(config: Any, groups: Any, *, role: str = "policy", hf_dir: st
     return policy
 
 
-def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any
+def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank."""
     bridge = _bridge_for(model_chunks, hf_dir, groups)
@@ -164,7 +164,7 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
 
 
 def export_hf(model_chunks: list[torch.nn.Module], out_dir: str | os.PathLike, hf_dir: str | os.PathLike,
-              groups: Any, *, max_shard_bytes: int = 5 << 30) -> Path:
+              groups: ParallelGroups, *, max_shard_bytes: int = 5 << 30) -> Path:
     """Write the model as a Hugging Face checkpoint in ``out_dir`` (rank 0 writes; collective).
 
     ``hf_dir`` is the checkpoint the model came from: its config and tokenizer files are copied.
@@ -183,7 +183,7 @@ def export_hf(model_chunks: list[torch.nn.Module], out_dir: str | os.PathLike, h
     return out_dir
 
 
-def export_policy_to_hf(policy: Any, out_dir: str | os.PathLike, hf_dir: str | os.PathLike | None = None) -> Path:
+def export_policy_to_hf(policy: MegatronPolicy, out_dir: str | os.PathLike, hf_dir: str | os.PathLike | None = None) -> Path:
     """``export_hf`` of a ``MegatronPolicy`` (source directory default ``config.model.hf_path``)."""
     hf_dir = hf_dir or policy.config.model.hf_path
     if hf_dir is None:

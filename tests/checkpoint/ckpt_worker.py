@@ -27,6 +27,7 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ckpt_helpers import local_weights, make_config, set_weights_to_step
 
+    from megatron_rl.checkpoint import save_checkpoint
     from megatron_rl.checkpoint.layout import FAULT_ENV
     from megatron_rl.distributed.bootstrap import initialize_distributed
     from megatron_rl.model.policy import MegatronPolicy
@@ -38,7 +39,7 @@ def main() -> None:
         if step == args.fault_step:
             os.environ[FAULT_ENV] = args.fault
         set_weights_to_step(policy, base, step)
-        policy.save_checkpoint(args.save_dir, {"step": step})
+        save_checkpoint(policy, args.save_dir, {"step": step})
 
 
 if __name__ == "__main__":

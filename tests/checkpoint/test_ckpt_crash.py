@@ -26,6 +26,7 @@ import torch
 
 from ckpt_helpers import local_weights, make_config, set_weights_to_step
 from multirank import run_ranks
+from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
 
 WORKER = Path(__file__).with_name("ckpt_worker.py")
 STALLED = ("shards_written", "renamed")
@@ -104,11 +105,11 @@ def _killed_checks(policy, base: dict, killed: dict[str, str]) -> dict:
         save_dir = Path(save_dir)
         leftovers = sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".tmp."))
         resolved = layout.resolve_checkpoint(save_dir)
-        state = policy.load_checkpoint(str(save_dir))
+        state = load_checkpoint(policy, str(save_dir))
         entry = {"resolved": resolved.name, "step": state["step"], "leftovers": leftovers,
                  "weights_ok": _weights_match_step(policy, base, state["step"])}
         set_weights_to_step(policy, base, 100)
-        policy.save_checkpoint(str(save_dir), {"step": 100})
+        save_checkpoint(policy, str(save_dir), {"step": 100})
         entry["after_new_save"] = layout.resolve_checkpoint(save_dir).name
         entry["tmp_after_new_save"] = [p.name for p in save_dir.iterdir() if p.name.startswith(".tmp.")]
         out[name] = entry
@@ -120,20 +121,20 @@ def _staged_failures(policy, base: dict, save_dir: Path) -> list[dict]:
     from megatron_rl.checkpoint import layout
 
     set_weights_to_step(policy, base, 1)
-    policy.save_checkpoint(str(save_dir), {"step": 1})
+    save_checkpoint(policy, str(save_dir), {"step": 1})
     out = []
     for i, stage in enumerate(layout.FAULT_STAGES):
         step = i + 2
         set_weights_to_step(policy, base, step)
         os.environ[layout.FAULT_ENV] = f"{stage}:raise"
         try:
-            policy.save_checkpoint(str(save_dir), {"step": step})
+            save_checkpoint(policy, str(save_dir), {"step": step})
             raised = False
         except RuntimeError:
             raised = True
         finally:
             del os.environ[layout.FAULT_ENV]
-        state = policy.load_checkpoint(str(save_dir))
+        state = load_checkpoint(policy, str(save_dir))
         out.append({"stage": stage, "saving": step, "raised": raised, "loaded": state["step"],
                     "weights_ok": _weights_match_step(policy, base, state["step"])})
     return out
@@ -144,7 +145,7 @@ def _deadline_check(policy, base: dict, save_dir: Path) -> dict:
     from megatron_rl.checkpoint.dist import parts_of, save_parts
 
     set_weights_to_step(policy, base, 1)
-    policy.save_checkpoint(str(save_dir), {"step": 1})
+    save_checkpoint(policy, str(save_dir), {"step": 1})
     set_weights_to_step(policy, base, 2)
     os.environ[layout.FAULT_ENV] = "shards_written:sleep"  # a save that never finishes
     start = time.monotonic()
@@ -156,7 +157,7 @@ def _deadline_check(policy, base: dict, save_dir: Path) -> dict:
     finally:
         del os.environ[layout.FAULT_ENV]
     elapsed = time.monotonic() - start
-    state = policy.load_checkpoint(str(save_dir))
+    state = load_checkpoint(policy, str(save_dir))
     return {"error": error, "elapsed": elapsed, "loaded": state["step"],
             "weights_ok": _weights_match_step(policy, base, 1)}
 
@@ -187,25 +188,25 @@ def _bad_input_checks(policy, groups, base: dict, root: Path) -> dict:
 
     good_dir = root / "good"
     set_weights_to_step(policy, base, 1)
-    good = Path(policy.save_checkpoint(str(good_dir), {"step": 1}))
+    good = Path(save_checkpoint(policy, str(good_dir), {"step": 1}))
     (root / "empty").mkdir()
     set_weights_to_step(policy, base, 77)  # sentinel: a failed load must leave these weights
     out = {
-        "missing": _value_error(lambda: policy.load_checkpoint(str(root / "nope"))),
-        "empty": _value_error(lambda: policy.load_checkpoint(str(root / "empty"))),
-        "flipped": _value_error(lambda: policy.load_checkpoint(str(_corrupt_copy(good, root / "flip", "flip")))),
-        "truncated": _value_error(lambda: policy.load_checkpoint(str(_corrupt_copy(good, root / "trunc", "cut")))),
-        "bad_step": _value_error(lambda: policy.save_checkpoint(str(root / "s"), {"step": "7"})),
-        "not_json": _value_error(lambda: policy.save_checkpoint(str(root / "s"), {"step": 7, "x": object()})),
+        "missing": _value_error(lambda: load_checkpoint(policy, str(root / "nope"))),
+        "empty": _value_error(lambda: load_checkpoint(policy, str(root / "empty"))),
+        "flipped": _value_error(lambda: load_checkpoint(policy, str(_corrupt_copy(good, root / "flip", "flip")))),
+        "truncated": _value_error(lambda: load_checkpoint(policy, str(_corrupt_copy(good, root / "trunc", "cut")))),
+        "bad_step": _value_error(lambda: save_checkpoint(policy, str(root / "s"), {"step": "7"})),
+        "not_json": _value_error(lambda: save_checkpoint(policy, str(root / "s"), {"step": 7, "x": object()})),
     }
     (root / "nomanifest").mkdir()
     shutil.copytree(good, root / "nomanifest" / "step_00000001")
     (root / "nomanifest" / "step_00000001" / layout.MANIFEST_FILE).unlink()
-    out["no_manifest"] = _value_error(lambda: policy.load_checkpoint(str(root / "nomanifest")))
+    out["no_manifest"] = _value_error(lambda: load_checkpoint(policy, str(root / "nomanifest")))
     out["untouched"] = _weights_match_step(policy, base, 77)
     out["nothing_written"] = not (root / "s").exists()
     other = MegatronPolicy(make_config(hidden=32), groups)
-    out["other_shape"] = _value_error(lambda: other.load_checkpoint(str(good_dir)))
+    out["other_shape"] = _value_error(lambda: load_checkpoint(other, str(good_dir)))
     return out
 
 

@@ -27,6 +27,7 @@ import torch
 
 from ckpt_helpers import full_weights, make_batch, make_config, train_step
 from multirank import run_ranks
+from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
 
 STEPS, SAVE_AT = 4, 2
 
@@ -57,13 +58,13 @@ def _resume_run(config, save_dir: Path) -> dict:
     for k in range(1, STEPS + 1):
         steps.append(train_step(policy, batch))
         if k == SAVE_AT:
-            policy.save_checkpoint(str(save_dir), {"step": k, "consumed_prompts": 4 * k})
+            save_checkpoint(policy, str(save_dir), {"step": k, "consumed_prompts": 4 * k})
             out["weights_at_save"] = full_weights(policy)
             out["rng_at_save"] = _draw_rng()
     out["steps"], out["final"] = steps[SAVE_AT:], full_weights(policy)
     resumed = MegatronPolicy(config, groups)
     torch.manual_seed(12345)  # disturb the generators: the checkpoint must restore them
-    out["trainer_state"] = resumed.load_checkpoint(str(save_dir))
+    out["trainer_state"] = load_checkpoint(resumed, str(save_dir))
     out["rng_after_load"] = _draw_rng()
     out["resumed_steps"] = [train_step(resumed, batch) for _ in range(STEPS - SAVE_AT)]
     out["resumed_final"] = full_weights(resumed)
@@ -76,17 +77,17 @@ def _reshard_run(config, source: Path) -> dict:
 
     policy, groups = _policy(config)
     batch = make_batch()
-    out = {"trainer_state": policy.load_checkpoint(str(source)), "loaded": full_weights(policy)}
+    out = {"trainer_state": load_checkpoint(policy, str(source)), "loaded": full_weights(policy)}
     out["steps"] = [train_step(policy, batch) for _ in range(STEPS - SAVE_AT)]
     out["final"] = full_weights(policy)
     local = MegatronPolicy(make_config(config.parallel.tensor_model_parallel_size,
                                        config.parallel.pipeline_model_parallel_size), groups)
     try:
-        local.load_checkpoint(str(source))
+        load_checkpoint(local, str(source))
         out["kind_error"] = None
     except ValueError as err:
         out["kind_error"] = str(err)
-    local.load_checkpoint(str(source), load_optimizer=False)
+    load_checkpoint(local, str(source), load_optimizer=False)
     out["weights_only"] = full_weights(local)
     return out
 
@@ -101,7 +102,7 @@ def _rank0_filesystem_failure(config, save_dir: Path) -> str:
         save_dir.write_text("a file where the checkpoint directory should be")
     dist.barrier()
     try:
-        policy.save_checkpoint(str(save_dir), {"step": 1})
+        save_checkpoint(policy, str(save_dir), {"step": 1})
         outcome = "no error"
     except (OSError, RuntimeError) as err:
         outcome = type(err).__name__

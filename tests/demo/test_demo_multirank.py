@@ -84,7 +84,7 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
     result["responses"] = [p.episode.responses for p in played]
     for merge, policy in policies.items():
         config.stepwise.merge_stepwise_output = merge
-        trainer = Trainer(config, policy, pad_token_id=tok.pad_token_id, dp_size=groups.dp_size)
+        trainer = Trainer(config, policy)
         result[f"metrics_{merge}"] = trainer.train_step(rollouts)
         result[f"steps_{merge}"] = trainer.optimizer_steps
         result[f"weights_{merge}"] = {k: v.detach().clone() for k, v in policy.full_state_dict().items()}

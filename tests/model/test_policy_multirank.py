@@ -196,14 +196,16 @@ def _checkpoint_roundtrip(policy, batch) -> dict:
     """save_checkpoint, one step, load_checkpoint: the saved weights and trainer state come back."""
     import tempfile
 
+    from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
+
     # Adam state first: a checkpoint saved before the first step does not load yet (KeyError 'step' in
     # checkpoint/optimizer_state.py, reported to its owner).
     _step(policy, batch)
     saved = policy.full_state_dict()
     with tempfile.TemporaryDirectory() as tmp:
-        policy.save_checkpoint(tmp, {"step": 3})
+        save_checkpoint(policy, tmp, {"step": 3})
         _step(policy, batch)
-        state = policy.load_checkpoint(tmp)
+        state = load_checkpoint(policy, tmp)
     return {"ckpt_state": state, "ckpt_saved": saved, "ckpt_restored": policy.full_state_dict()}
 
 

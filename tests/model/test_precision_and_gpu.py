@@ -133,6 +133,7 @@ def test_te_attention_packed_equals_one_sequence_per_pack():
 def _weights_only_load_child(rank: int, world_size: int, ckpt_dir: str) -> float:
     """Save policy A, load its weights only into a differently initialized bf16 policy B, take one step at a
     negligible LR: B must stay at A's weights (its optimizer's fp32 main copies must follow the load)."""
+    from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.config import MegatronRLConfig, ModelConfig, OptimizerConfig
     from megatron_rl.distributed.bootstrap import initialize_distributed
 
@@ -141,12 +142,12 @@ def _weights_only_load_child(rank: int, world_size: int, ckpt_dir: str) -> float
     config = MegatronRLConfig(model=ModelConfig(params_dtype="bfloat16"), optimizer=OptimizerConfig(lr=1e-12))
     groups = initialize_distributed(config.parallel, seed=3)
     saved = MegatronPolicy(config, groups)
-    saved.save_checkpoint(ckpt_dir, {"step": 1})
+    save_checkpoint(saved, ckpt_dir, {"step": 1})
     torch.manual_seed(123)
     policy = MegatronPolicy(config, groups)  # other init
     for p in policy.module.parameters():
         p.data.add_(0.1)
-    policy.load_checkpoint(ckpt_dir, load_optimizer=False)
+    load_checkpoint(policy, ckpt_dir, load_optimizer=False)
     policy.forward_backward(_batch(), _summed_loss, None)
     policy.optim_step()
     after, reference = policy.full_state_dict(), saved.full_state_dict()

@@ -1,11 +1,11 @@
-"""Micro-batch planning (model/microbatch.py) against brute-force properties and a loop reference."""
+"""Micro-batch planning (data/microbatch.py) against brute-force properties and a loop reference."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.model.microbatch import (
+from megatron_rl.data.microbatch import (
     dp_shard_range,
     packed_lengths,
     plan_microbatches,

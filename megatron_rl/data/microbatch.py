@@ -1,6 +1,6 @@
 """Micro-batch planning: which rows of a DP-padded global batch go into which micro-batch on which DP rank.
 
-Place in the data flow (DESIGN.md section 1): after DP padding (the global batch has ``B`` rows, a multiple of
+Place in the data flow (DESIGN.md section 1): inside the policy (``model/plan.py``), after DP padding (the global batch has ``B`` rows, a multiple of
 ``dp_size``) and before packing. Pure functions of ints; no torch.distributed. Every rank computes the plans of
 *all* DP ranks from the same global batch, so micro-batch counts agree without a collective.
 
@@ -38,13 +38,25 @@ def packed_lengths(valid_lengths: Sequence[int], align: int) -> list[int]:
     return [-(-int(n) // align) * align for n in valid_lengths]
 
 
-def fixed_size_microbatches(rows: Sequence[int], micro_batch_size: int) -> MicroBatchPlan:
-    """Consecutive groups of ``micro_batch_size`` rows (the last may be shorter)."""
-    if micro_batch_size < 1:
+def check_microbatch_rule(micro_batch_size: int | None, max_tokens_per_micro_batch: int | None) -> None:
+    """The micro-batch rule, checked here only: exactly one of fixed rows / token budget, and it is >= 1.
+
+    ``config.batch`` validation and ``plan_microbatches`` both call this (one source of the messages).
+    """
+    if (micro_batch_size is None) == (max_tokens_per_micro_batch is None):
         raise ValueError(
-            f"batch.micro_batch_size={micro_batch_size} must be >= 1; set a positive number of rows per "
-            "micro-batch or use batch.max_tokens_per_micro_batch instead"
+            f"set exactly one of batch.micro_batch_size ({micro_batch_size}) and "
+            f"batch.max_tokens_per_micro_batch ({max_tokens_per_micro_batch}); set the other to null"
         )
+    for name, value in (("micro_batch_size", micro_batch_size), ("max_tokens_per_micro_batch",
+                                                                  max_tokens_per_micro_batch)):
+        if value is not None and value < 1:
+            raise ValueError(f"batch.{name}={value} must be >= 1; set a positive value or null (and set the other)")
+
+
+def fixed_size_microbatches(rows: Sequence[int], micro_batch_size: int) -> MicroBatchPlan:
+    """Consecutive groups of ``micro_batch_size`` rows (the last may be shorter; rule checked by the caller)."""
+    assert micro_batch_size >= 1, micro_batch_size
     rows = list(rows)
     return [rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
 
@@ -90,11 +102,7 @@ def plan_microbatches(
     Exactly one of ``micro_batch_size`` / ``max_tokens_per_micro_batch`` is set.
     Returns ``plans[d]``: DP rank d's micro-batches of global row indices; shorter plans are padded with ``[]``.
     """
-    if (micro_batch_size is None) == (max_tokens_per_micro_batch is None):
-        raise ValueError(
-            f"set exactly one of batch.micro_batch_size={micro_batch_size} and "
-            f"batch.max_tokens_per_micro_batch={max_tokens_per_micro_batch}"
-        )
+    check_microbatch_rule(micro_batch_size, max_tokens_per_micro_batch)
     lengths = packed_lengths(valid_lengths, align)
     plans = []
     for d in range(dp_size):

@@ -1,0 +1,166 @@
+"""Call planning: a global ``TrainingBatch`` -> this rank's packed micro-batches, on the host, then the device.
+
+Place in the data flow (DESIGN.md section 1): the first stage of every ``MegatronPolicy`` call, before any
+collective. Everything that can fail for a user's input fails here, on every rank (no rank left waiting):
+
+    global batch [B, ...]  (host)                     validate_batch: ValueError naming the key
+      | pad_to_multiple(dp_size)                      dummy rows: loss_mask 0 (the one place that pads for DP)
+      | plan_microbatches (data/microbatch.py)        every rank computes every DP rank's plan: equal counts
+      | this DP rank's micro-batches -> pack (THD)    [1, T] per micro-batch, computed on the host
+      v
+    build_microbatch: one ``.to(device, non_blocking=True)`` per tensor, once per micro-batch
+
+The packs keep Python-int ``max_seqlen``, so nothing inside the model needs ``.item()`` / ``.tolist()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.config import MegatronRLConfig
+from megatron_rl.data.batch import TrainingBatch, dummy_rows
+from megatron_rl.data.microbatch import MicroBatchPlan, dp_shard_range, packed_lengths, plan_microbatches
+from megatron_rl.data.packing import PackedBatch, pack
+from megatron_rl.distributed.bootstrap import ParallelGroups
+
+PER_TOKEN_KEYS = (
+    "response_mask", "loss_mask", "rewards", "rollout_logprobs", "old_logprobs", "ref_logprobs",
+    "advantages", "returns", "values",
+)  # fmt: skip
+
+
+@dataclass
+class MicroBatch:
+    rows: list[int]
+    """Global row indices of the DP-padded batch; empty for a dummy micro-batch (equal counts across DP)."""
+    tensors: dict[str, torch.Tensor]
+    """``[b, ...]`` slices of every batch tensor, on the device (one all-masked row for a dummy)."""
+    packed: PackedBatch
+    """THD pack of ``tensors["sequences"]`` (``[1, T]``, T the call's common length under fixed PP shapes),
+    computed on the host; its tensors are on the device, ``max_seqlen`` a Python int."""
+
+
+@dataclass
+class CallPlan:
+    """One call's view of the batch on this rank."""
+
+    num_rows: int
+    """Rows of the caller's batch (before DP padding)."""
+    response_width: int
+    plan: MicroBatchPlan
+    first_row: int
+    """First global row of this DP rank's shard."""
+    shard_rows: int
+    microbatches: list[MicroBatch]
+    seq_length: int
+    """The largest pack of the call (all DP ranks): the p2p shape when packs are extended to one length."""
+
+
+def plan_call(
+    batch: TrainingBatch,
+    config: MegatronRLConfig,
+    groups: ParallelGroups,
+    *,
+    align: int,
+    pad_token_id: int,
+    fixed_shapes: bool,
+    device: torch.device,
+) -> CallPlan:
+    """Validate, DP-pad, plan and pack: everything that can fail happens here, before any collective.
+
+    ``fixed_shapes``: extend every pack to the call's longest (pipeline p2p without variable lengths).
+    """
+    batch = batch.to("cpu")  # host planning; a no-op for host batches (the contract)
+    validate_batch(batch, config)
+    padded, _ = batch.pad_to_multiple(groups.dp_size, pad_token_id)
+    lengths = padded["attention_mask"].sum(dim=1).tolist()
+    plans = plan_microbatches(
+        lengths, groups.dp_size, micro_batch_size=config.batch.micro_batch_size,
+        max_tokens_per_micro_batch=config.batch.max_tokens_per_micro_batch, align=align,
+    )  # fmt: skip
+    aligned = packed_lengths(lengths, align)
+    seq_length = max(sum(aligned[r] for r in mb) if mb else align for p in plans for mb in p)
+    target = seq_length if fixed_shapes else None
+    plan = plans[groups.dp_rank]
+    first_row, end_row = dp_shard_range(len(padded), groups.dp_size, groups.dp_rank)
+    return CallPlan(
+        num_rows=len(batch),
+        response_width=batch["response_mask"].shape[1],
+        plan=plan,
+        first_row=first_row,
+        shard_rows=end_row - first_row,
+        microbatches=[
+            build_microbatch(padded, rows, align=align, pad_token_id=pad_token_id, target_len=target, device=device)
+            for rows in plan
+        ],
+        seq_length=seq_length,
+    )
+
+
+def build_microbatch(
+    padded: TrainingBatch, rows: list[int], *, align: int, pad_token_id: int, target_len: int | None,
+    device: torch.device,
+) -> MicroBatch:  # fmt: skip
+    """Rows ``rows`` of the (host) DP-padded batch, packed on the host, then moved to ``device`` once."""
+    if rows:
+        index = torch.tensor(rows, dtype=torch.long)
+        tensors = {k: v[index] for k, v in padded.tensors.items()}
+    else:
+        tensors = {k: dummy_rows(k, v, 1, pad_token_id) for k, v in padded.tensors.items()}
+    packed = pack(tensors["sequences"], tensors["attention_mask"], align, target_len=target_len)
+    tensors = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
+    return MicroBatch(rows=rows, tensors=tensors, packed=packed.to(device))
+
+
+def validate_batch(batch: TrainingBatch, config: MegatronRLConfig) -> None:
+    """ValueError naming the field for inputs the model cannot take (runs on every rank, no collective)."""
+    for key in ("sequences", "attention_mask", "response_mask"):
+        if key not in batch:
+            raise ValueError(f"batch has no {key!r} tensor (keys: {batch.keys()}); build it with TrainingBatch")
+    if len(batch) == 0:
+        raise ValueError("batch has 0 rows; pass at least one sequence")
+    sequences, attention_mask = batch["sequences"], batch["attention_mask"]
+    if sequences.dtype.is_floating_point:
+        raise ValueError(f"batch['sequences'] has dtype {sequences.dtype}; token ids must be an integer tensor")
+    if sequences.dim() != 2 or attention_mask.shape != sequences.shape:
+        raise ValueError(
+            f"batch['attention_mask'] has shape {tuple(attention_mask.shape)} but batch['sequences'] has "
+            f"{tuple(sequences.shape)}; both must be [B, S]"
+        )
+    width = batch["response_mask"].shape[1]
+    for key in PER_TOKEN_KEYS:
+        if key in batch and tuple(batch[key].shape) != (len(batch), width):
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(batch[key].shape)}, expected [B, R] = {(len(batch), width)} "
+                "like batch['response_mask']; per-token tensors must be right-aligned to one width"
+            )
+    if width >= sequences.shape[1]:
+        raise ValueError(
+            f"batch['response_mask'] width R={width} must be smaller than the sequence width S="
+            f"{sequences.shape[1]} (every response follows at least one prompt token)"
+        )
+    _validate_tokens(sequences, attention_mask, config)
+
+
+def _validate_tokens(sequences: torch.Tensor, attention_mask: torch.Tensor, config: MegatronRLConfig) -> None:
+    model_cfg = config.model
+    tokens = sequences[attention_mask.bool()]
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= model_cfg.vocab_size):
+        bad = int(tokens.max()) if int(tokens.max()) >= model_cfg.vocab_size else int(tokens.min())
+        raise ValueError(
+            f"batch['sequences'] holds token id {bad}, outside the vocabulary [0, model.vocab_size="
+            f"{model_cfg.vocab_size}); check the tokenizer matches the model"
+        )
+    lengths = attention_mask.sum(dim=1)
+    if int(lengths.min()) < 1:
+        raise ValueError(
+            f"batch['attention_mask'] row {int(lengths.argmin())} has no valid token; every row needs at least one"
+        )
+    if int(lengths.max()) > model_cfg.max_position_embeddings:
+        raise ValueError(
+            f"batch['sequences'] row {int(lengths.argmax())} has {int(lengths.max())} tokens, more than "
+            f"model.max_position_embeddings={model_cfg.max_position_embeddings}; shorten the rollouts "
+            "(e.g. the generator's max length) or raise model.max_position_embeddings"
+        )

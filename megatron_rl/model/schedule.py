@@ -1,0 +1,142 @@
+"""The Megatron stage: megatron-core's pipeline schedule over a ``CallPlan`` and the heads run on its output.
+
+Place in the data flow (DESIGN.md section 1): between ``model/plan.py`` (packed micro-batches on the device)
+and the policy's results. Every function here is module-level and named for its stage:
+
+    run_schedule(model, call, head)          get_forward_backward_func over call.microbatches
+      forward_step(iterator, model, head)    GPTModel(input_ids, position_ids, packed_seq_params) -> logits
+      last PP stage: head(item, logits)      [1, T, V/tp] ->
+        forward_head      response logprobs / entropy [b, R]           (MegatronPolicy.forward)
+        next_token_head   full-vocab log-softmax after each row [b, V] (MegatronPolicy.next_token_logprobs)
+        loss_head         loss_fn(...) scaled for Megatron (model/scaling.py)  (MegatronPolicy.forward_backward)
+    gather_rows(call, rows, groups)          last stage's shard -> every rank, all DP rows, on the host
+
+A head returns ``(loss, reported)``; the schedule collects ``reported`` per micro-batch on the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_rl.data.packing import unpack_response
+from megatron_rl.distributed.bootstrap import ParallelGroups
+from megatron_rl.metrics import Metric
+from megatron_rl.model import scaling
+from megatron_rl.model.logprobs import vocab_parallel_log_softmax, vocab_parallel_logprobs_entropy
+from megatron_rl.model.plan import CallPlan, MicroBatch
+
+LossFn = Callable[[torch.Tensor, torch.Tensor | None, Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, dict]]
+"""``loss_fn(logprobs [b,R], entropy [b,R] | None, mb_tensors, loss_config) -> (summed_loss, dict[str, Metric])``;
+``loss_config`` is passed through untouched (docs/INTERFACES.md, algorithms/)."""
+
+Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
+"""``head(item, logits [1, T, V/tp]) -> (loss, reported)``: what the last stage does with a micro-batch."""
+
+
+def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module, *, head: Head):
+    """megatron-core's ``forward_step_func``: one packed micro-batch through this rank's model chunk."""
+    item = next(data_iterator)
+    p = item.packed
+    output = model(p.input_ids, p.position_ids, None, packed_seq_params=p.packed_seq_params())
+    return output, partial(head, item)
+
+
+def run_schedule(model: torch.nn.Module, call: CallPlan, head: Head, *, forward_only: bool) -> list[dict]:
+    """megatron-core's schedule over this rank's micro-batches; returns what ``head`` reported (last stage)."""
+    return get_forward_backward_func()(
+        forward_step_func=partial(forward_step, head=head),
+        data_iterator=iter(call.microbatches),
+        model=[model],
+        num_microbatches=len(call.microbatches),
+        seq_length=call.seq_length,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+
+
+def token_outputs(
+    item: MicroBatch, logits: torch.Tensor, groups: ParallelGroups, vocab_size: int, compute_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Last stage: logits ``[1, T, V/tp]`` -> response logprobs / entropy ``[b, R]`` (fp32)."""
+    width = item.tensors["response_mask"].shape[1]
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        logits, item.packed.labels, groups.tp_group, compute_entropy, valid_vocab_size=vocab_size
+    )
+    logprobs = unpack_response(logprobs, item.packed, width)
+    entropy = unpack_response(entropy, item.packed, width) if entropy is not None else None
+    return logprobs, entropy
+
+
+def forward_head(
+    item: MicroBatch, logits: torch.Tensor, *, groups: ParallelGroups, vocab_size: int, compute_entropy: bool
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``{"logprobs": [b, R]}`` (+ ``"entropy"``) of the micro-batch's real rows (a dummy has none)."""
+    logprobs, entropy = token_outputs(item, logits, groups, vocab_size, compute_entropy)
+    rows = len(item.rows)  # 0 for a dummy micro-batch: its outputs are dropped
+    out = {"logprobs": logprobs[:rows]}
+    if entropy is not None:
+        out["entropy"] = entropy[:rows]
+    return logits.new_zeros(()), out
+
+
+def next_token_head(
+    item: MicroBatch, logits: torch.Tensor, *, groups: ParallelGroups, vocab_size: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Last stage: logits ``[1, T, V/tp]`` -> full-vocab log-probs after each row's last token ``[b, V]``."""
+    packed = item.packed
+    last = (packed.cu_seqlens[: packed.num_rows] + packed.seq_lens - 1).long()  # [b] last valid token
+    logprobs = vocab_parallel_log_softmax(logits[0, last], groups.tp_group, valid_vocab_size=vocab_size)  # [b, V]
+    return logits.new_zeros(()), {"next_token_logprobs": logprobs[: len(item.rows)]}  # dummy: 0 rows
+
+
+def loss_head(
+    item: MicroBatch, logits: torch.Tensor, *, groups: ParallelGroups, vocab_size: int, loss_fn: LossFn,
+    loss_config: Any, compute_entropy: bool, num_microbatches: int,
+) -> tuple[torch.Tensor, dict[str, Metric]]:  # fmt: skip
+    """``loss_fn`` on the micro-batch, scaled so Megatron's gradient is that of the summed loss (scaling.py)."""
+    logprobs, entropy = token_outputs(item, logits, groups, vocab_size, compute_entropy)
+    summed, metrics = loss_fn(logprobs, entropy, item.tensors, loss_config)
+    if not summed.requires_grad:  # e.g. a loss that returns a constant for an all-masked micro-batch
+        summed = summed + 0.0 * logprobs.sum()
+    reported = metrics if item.rows else {}  # a dummy micro-batch's metrics would skew max/min
+    return scaling.scale_loss_for_megatron(
+        summed, reported, num_microbatches=num_microbatches, dp_size=groups.dp_size
+    )
+
+
+@torch.no_grad()
+def dry_run_loss(call: CallPlan, loss_fn: LossFn, loss_config: Any, compute_entropy: bool) -> None:
+    """Run ``loss_fn`` once on zero log-probs of the first micro-batch, on every rank, before the schedule.
+
+    Inside the schedule the loss runs on the last pipeline stage only: an error there (a missing batch key,
+    a bad config) would leave the other stages waiting forever for its gradient. Here every rank raises.
+    """
+    tensors = call.microbatches[0].tensors
+    zeros = torch.zeros_like(tensors["response_mask"], dtype=torch.float32)  # [b, R]
+    loss_fn(zeros, zeros if compute_entropy else None, tensors, loss_config)
+
+
+def gather_rows(
+    call: CallPlan, local: torch.Tensor | None, row_shape: tuple[int, ...], groups: ParallelGroups
+) -> torch.Tensor:
+    """Shard ``[B/dp, *row_shape]`` on the last PP stage -> ``[B, *row_shape]`` on every rank, on the host,
+    padding rows stripped (``row_shape`` e.g. ``(R, k)``). ``local`` is None off the last stage."""
+    shape = (call.shard_rows, *row_shape)
+    if local is None:
+        local = torch.empty(shape, dtype=torch.float32, device=groups.device)
+    local = local.contiguous()
+    assert tuple(local.shape) == shape, (tuple(local.shape), shape)
+    pp_group = groups.pp_group
+    if groups.pp_size > 1:
+        dist.broadcast(local, src=dist.get_global_rank(pp_group, groups.pp_size - 1), group=pp_group)
+    if groups.dp_size > 1:
+        parts = [torch.empty_like(local) for _ in range(groups.dp_size)]
+        dist.all_gather(parts, local, group=groups.dp_group)
+        local = torch.cat(parts, dim=0)
+    return local[: call.num_rows].cpu()
