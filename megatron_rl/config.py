@@ -528,7 +528,7 @@ def _suggestion(key: str, schema: Schema, aliases: Mapping[str, tuple[str, ...]]
         if ".".join(path[:i]) in schema.leaves:
             return f"; {'.'.join(path[:i])!r} takes a value, not a mapping"
     for part in (name, *path):
-        if part in KEY_NOTES:
+        if part in KEY_NOTES and part not in schema.sections:
             return f"; {KEY_NOTES[part]}"
     top = schema.children("")
     if path and path[0] not in top and difflib.get_close_matches(path[0], top, n=1, cutoff=0.6):
