@@ -25,4 +25,4 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), config $CONFIG${*:+, overrides: $*}"
 echo "run_megatron.sh: outputs (metrics.jsonl, tensorboard/, reward_loss.png, summary.txt, checkpoints/) go to" \
   "logging.output_dir of the config (configs/demo_cpu.yaml: outputs/demo_cpu); rank 0 prints the full path"
-exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.main --config "$CONFIG" "$@"
+exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.demo.main --config "$CONFIG" "$@"

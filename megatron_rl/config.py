@@ -1,65 +1,214 @@
 """Configuration schema of megatron_rl.
 
-Dataclasses are the single schema (DESIGN.md section 8). YAML files in ``configs/`` are serialized overrides
-of these defaults; dotted ``key=value`` arguments override the YAML. Unknown keys and wrong types are errors
-that name the key and the closest valid key. Each dataclass validates the fields it owns in ``validate()``;
-cross-section rules live in ``MegatronRLConfig.validate``.
+Dataclasses are the single schema (DESIGN.md section 8). YAML files are serialized overrides of these defaults;
+dotted ``key=value`` arguments override the YAML (``load_config``). Names passed to megatron-core keep
+megatron-core's spelling (``tensor_model_parallel_size``, not ``tp``).
 
-Names passed to megatron-core keep megatron-core's spelling (``tensor_model_parallel_size``, not ``tp``).
+Validation runs once, when a config is built:
+
+- each section (``ConfigSection``) checks the fields it owns in ``__post_init__``: the valid range declared next
+  to each numeric field (``field(..., metadata=valid(...))``), ``Literal`` choices, and the section's own rules
+  between its fields (``_check_rules``);
+- the root ``MegatronRLConfig.__post_init__`` checks the rules that span sections (seed, algorithm x step-wise);
+- the world-size rule (``ParallelConfig.check_world_size``) runs where the world size is known: in
+  ``distributed.bootstrap.initialize_distributed``, or when a caller passes ``world_size`` to ``load_config``.
+
+``load_config`` builds every section from its final values (YAML, then overrides), so each rule runs once per
+load. A config mutated after construction can be re-checked with ``MegatronRLConfig.validate()`` (the Trainer
+does, once). Every user mistake raises ``ConfigError`` (a ``ValueError``) naming the dotted key, the value and
+the valid range or fix; unknown keys get a suggestion (an alias table of common names, then the closest key).
+
+Algorithm names are owned by the registries of ``megatron_rl.algorithms``: this module imports its validators;
+``algorithms`` never imports this module (it reads its settings through the ``AlgorithmSettings`` Protocol).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence, TypeVar
 
 import yaml
 
-LOSS_REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
-TEMPORAL_ESTIMATORS = ("gae", "reinforce++")
+from megatron_rl.algorithms.validation import validate_algorithm_settings, validate_step_wise_algorithm
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's configuration; the message names the key, the value and the fix."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Valid ranges, declared next to the fields
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(x)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The valid values of a numeric field: finite numbers between ``low`` and ``high`` (open or closed ends)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            if self.low == -math.inf:
+                return "finite"
+            return f"finite and {'>' if self.low_open else '>='} {_number(self.low)}"
+        return (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+                f"{')' if self.high_open else ']'}")
+
+
+def valid(low: float = -math.inf, high: float = math.inf, *, low_open: bool = False,
+          high_open: bool = False) -> dict[str, Interval]:
+    """Field metadata declaring the valid range (``None`` is always allowed where the type allows it)."""
+    return {"valid": Interval(low, high, low_open, high_open)}
+
+
+AT_LEAST_1 = valid(1)
+NON_NEGATIVE = valid(0)
+POSITIVE = valid(0, low_open=True)
+FINITE = valid()
+UNIT = valid(0, 1)
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_fields(obj: object, prefix: str) -> None:
+    """Each field of the dataclass ``obj`` against its declared range and its ``Literal`` choices."""
+    hints = _type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        key, value = prefix + f.name, getattr(obj, f.name)
+        interval = f.metadata.get("valid")
+        if interval is not None and value is not None and value not in interval:
+            raise ConfigError(f"{key}={value!r} is out of range; it must be {interval}")
+        hint = hints[f.name]
+        if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
+            raise ConfigError(f"{key}={value!r} is not one of {list(typing.get_args(hint))}")
+
+
+class ConfigSection:
+    """Base of a config section: validates the fields it owns once, on construction.
+
+    Subclasses are ``@dataclass(kw_only=True)`` with ``SECTION`` (the YAML key of the section) and may add
+    ``_check_rules`` for rules between their own fields.
+    """
+
+    SECTION: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Ranges and choices of every field, then the section's rules; ConfigError names the dotted key."""
+        check_fields(self, f"{self.SECTION}.")
+        self._check_rules()
+
+    def _check_rules(self) -> None:
+        """Rules between this section's fields (none by default)."""
+
+
+@contextlib.contextmanager
+def _reported_as_config_error() -> Iterator[None]:
+    """The algorithms' validators raise plain ValueError (they cannot import ConfigError): re-raise as one."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
-class ParallelConfig:
-    tensor_model_parallel_size: int = 1
+class ParallelConfig(ConfigSection):
+    SECTION: ClassVar[str] = "parallel"
+
+    tensor_model_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
     """Tensor-parallel group size (megatron-core name)."""
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
     """Pipeline-parallel stages (megatron-core name)."""
-    context_parallel_size: int = 1
+    context_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
     """Context-parallel group size. Only 1 is supported today; kept for the scaling contract."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
 
+    def _check_rules(self) -> None:
+        if self.context_parallel_size != 1:
+            raise ConfigError(
+                f"parallel.context_parallel_size={self.context_parallel_size} is not supported yet; set it to 1"
+            )
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError(
+                "parallel.sequence_parallel=True has no effect with parallel.tensor_model_parallel_size=1; "
+                "set sequence_parallel=false or tensor_model_parallel_size > 1"
+            )
+
+    def check_world_size(self, world_size: int) -> None:
+        """The world size must divide by tp * pp * cp; checked where the world size is known (bootstrap)."""
+        model_parallel = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                          * self.context_parallel_size)
+        if world_size % model_parallel != 0:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size * "
+                f"pipeline_model_parallel_size * context_parallel_size = {model_parallel}; change the number of "
+                "processes (NPROC) or the parallel sizes"
+            )
+
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(ConfigSection):
+    SECTION: ClassVar[str] = "model"
+
     hf_path: str | None = None
     """Local Hugging Face checkpoint directory to import weights, shapes and tokenizer from (no downloads).
     When set, the shape fields below are taken from the checkpoint's config.json."""
-    num_layers: int = 2
+    num_layers: int = field(default=2, metadata=AT_LEAST_1)
     """Transformer layers."""
-    hidden_size: int = 64
+    hidden_size: int = field(default=64, metadata=AT_LEAST_1)
     """Model width."""
-    ffn_hidden_size: int = 128
+    ffn_hidden_size: int = field(default=128, metadata=AT_LEAST_1)
     """SwiGLU intermediate width."""
-    num_attention_heads: int = 4
+    num_attention_heads: int = field(default=4, metadata=AT_LEAST_1)
     """Query heads."""
-    num_query_groups: int = 2
+    num_query_groups: int = field(default=2, metadata=AT_LEAST_1)
     """Key/value heads (GQA); equal to num_attention_heads for MHA."""
-    kv_channels: int | None = None
+    kv_channels: int | None = field(default=None, metadata=AT_LEAST_1)
     """Head dimension; None means hidden_size // num_attention_heads."""
-    vocab_size: int = 128
+    vocab_size: int = field(default=128, metadata=AT_LEAST_1)
     """Vocabulary size (padded to a multiple of tensor_model_parallel_size by the builder if needed)."""
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = field(default=512, metadata=AT_LEAST_1)
     """Longest sequence the model accepts; longer inputs are rejected with a ValueError."""
-    rotary_base: float = 10000.0
+    rotary_base: float = field(default=10000.0, metadata=POSITIVE)
     """RoPE theta."""
-    layernorm_epsilon: float = 1e-6
+    layernorm_epsilon: float = field(default=1e-6, metadata=POSITIVE)
     """RMSNorm epsilon."""
     share_embeddings_and_output_weights: bool = False
     """Tie the input embedding and the output layer."""
@@ -71,124 +220,180 @@ class ModelConfig:
     """Parameter / compute dtype. bfloat16 is for GPUs."""
     attention_backend: Literal["auto", "local", "te"] = "auto"
     """'te' = TransformerEngine spec, 'local' = portable packed SDPA attention, 'auto' = te if importable."""
-    init_method_std: float = 0.02
+    init_method_std: float = field(default=0.02, metadata=POSITIVE)
     """Std of the random weight init (ignored when hf_path is set)."""
+
+    def _check_rules(self) -> None:
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={self.num_query_groups}; choose num_query_groups dividing the head count"
+            )
 
 
 @dataclass(kw_only=True)
-class OptimizerConfig:
+class OptimizerConfig(ConfigSection):
+    SECTION: ClassVar[str] = "optimizer"
+
     optimizer: Literal["adam", "sgd"] = "adam"
     """Megatron optimizer type (the distributed optimizer supports adam only)."""
-    lr: float = 1e-6
+    lr: float = field(default=1e-6, metadata=POSITIVE)
     """Peak learning rate."""
-    min_lr: float = 0.0
-    """Floor of the decay schedule."""
-    weight_decay: float = 0.0
+    min_lr: float = field(default=0.0, metadata=NON_NEGATIVE)
+    """Floor of the decay schedule (<= lr)."""
+    weight_decay: float = field(default=0.0, metadata=NON_NEGATIVE)
     """Decoupled weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = field(default=0.9, metadata=valid(0, 1, high_open=True))
     """Adam beta1."""
-    adam_beta2: float = 0.999
+    adam_beta2: float = field(default=0.999, metadata=valid(0, 1, high_open=True))
     """Adam beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: float = field(default=1e-8, metadata=POSITIVE)
     """Adam epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Global gradient-norm clip; 0 disables."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = field(default=0, metadata=NON_NEGATIVE)
     """Linear warmup in optimizer steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """LR decay after warmup."""
-    lr_decay_steps: int | None = None
+    lr_decay_steps: int | None = field(default=None, metadata=AT_LEAST_1)
     """Optimizer steps over which the LR decays; None = total steps of the run when known."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (Megatron DistributedOptimizer)."""
 
+    def _check_rules(self) -> None:
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optimizer.min_lr={self.min_lr!r} is above optimizer.lr={self.lr!r}; "
+                              "the decay floor must be <= the peak learning rate")
+        if self.use_distributed_optimizer and self.optimizer != "adam":
+            raise ConfigError(
+                f"optimizer.use_distributed_optimizer=True needs optimizer.optimizer='adam' (got "
+                f"{self.optimizer!r}): megatron-core's distributed optimizer supports Adam only"
+            )
+
 
 @dataclass(kw_only=True)
-class AlgorithmConfig:
+class AlgorithmConfig(ConfigSection):
+    """The algorithm section; names are checked against the registries of ``megatron_rl.algorithms``."""
+
+    SECTION: ClassVar[str] = "algorithm"
+
     advantage_estimator: str = "grpo"
-    """Registered estimator: grpo, rloo, reinforce++, gae."""
+    """Registered estimator (``algorithms.ADVANTAGE_ESTIMATORS``): grpo, rloo, reinforce++, gae."""
     grpo_norm_by_std: bool = True
     """GRPO divides by the group std; False gives Dr. GRPO's mean-only baseline."""
-    gamma: float = 1.0
+    gamma: float = field(default=1.0, metadata=UNIT)
     """Discount for temporal estimators (gae, reinforce++)."""
-    lambd: float = 1.0
+    lambd: float = field(default=1.0, metadata=UNIT)
     """GAE lambda."""
     policy_loss_type: str = "regular"
-    """Registered policy loss: regular, dual_clip, gspo, cispo, cross_entropy, importance_sampling."""
-    loss_reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    """How the summed loss is normalized (through the advantages, per mini-batch; DESIGN.md section 5)."""
-    max_seq_len: int | None = None
+    """Registered policy loss (``algorithms.POLICY_LOSSES``): regular, dual_clip, gspo, cispo, cross_entropy,
+    importance_sampling."""
+    loss_reduction: str = "token_mean"
+    """Registered reduction (``algorithms.LOSS_REDUCTIONS``): token_mean, sequence_mean, seq_mean_token_sum_norm.
+    How the summed loss is normalized (through the advantages, per mini-batch; DESIGN.md section 5)."""
+    max_seq_len: int | None = field(default=None, metadata=AT_LEAST_1)
     """Longest prompt + response the run allows: batch conversion warns past it (never truncates), and it is
     the constant normalizer of seq_mean_token_sum_norm."""
-    eps_clip_low: float = 0.2
+    eps_clip_low: float = field(default=0.2, metadata=valid(0, 1, low_open=True))
     """PPO lower clip: ratio >= 1 - eps_clip_low."""
-    eps_clip_high: float = 0.2
+    eps_clip_high: float = field(default=0.2, metadata=POSITIVE)
     """PPO upper clip: ratio <= 1 + eps_clip_high."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages (> 1)."""
+    clip_ratio_c: float = field(default=3.0, metadata=FINITE)
+    """Dual-clip bound for negative advantages (> 1 with policy_loss_type='dual_clip')."""
     use_kl_loss: bool = False
     """Add kl_loss_coef * KL(policy || reference) (token mean) to the loss."""
     use_kl_in_reward: bool = False
     """Subtract kl_loss_coef * KL from the token rewards instead."""
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = field(default=0.001, metadata=NON_NEGATIVE)
     """KL weight (loss or reward)."""
-    kl_estimator_type: Literal["k1", "k2", "k3", "abs"] = "k3"
-    """KL estimator."""
-    entropy_loss_coef: float = 0.0
+    kl_estimator_type: str = "k3"
+    """Registered KL estimator (``algorithms.KL_ESTIMATORS``): k1, k2, k3, abs."""
+    entropy_loss_coef: float = field(default=0.0, metadata=FINITE)
     """Entropy bonus weight (token mean); 0 disables the entropy computation."""
     advantage_whitening: bool = False
     """Whiten advantages over the whole batch (masked mean/var) before per-mini-batch normalization."""
-    off_policy_correction: Literal["none", "token_tis", "sequence_tis"] = "none"
-    """Truncated importance sampling with rollout logprobs (needs rollout_logprobs)."""
-    tis_cap: float = 2.0
-    """Cap of the truncated importance ratio."""
-    value_clip: float = 0.2
+    off_policy_correction: str = "none"
+    """Truncated importance sampling with rollout logprobs (needs rollout_logprobs): none, token_tis,
+    sequence_tis (``algorithms.OFF_POLICY_CORRECTIONS``)."""
+    tis_cap: float = field(default=2.0, metadata=POSITIVE)
+    """Cap of the truncated importance ratio (>= 1 when off_policy_correction is on)."""
+    value_clip: float = field(default=0.2, metadata=NON_NEGATIVE)
     """Critic value clip range."""
 
+    def _check_rules(self) -> None:
+        with _reported_as_config_error():
+            validate_algorithm_settings(self)
+
 
 @dataclass(kw_only=True)
-class BatchConfig:
-    train_batch_size: int = 4
+class BatchConfig(ConfigSection):
+    SECTION: ClassVar[str] = "batch"
+
+    train_batch_size: int = field(default=4, metadata=AT_LEAST_1)
     """Prompts per training batch (one train_step)."""
-    policy_mini_batch_size: int = 2
+    policy_mini_batch_size: int = field(default=2, metadata=AT_LEAST_1)
     """Prompts per mini-batch; one optimizer step each."""
-    n_samples_per_prompt: int = 4
-    """Rollouts per prompt (group size)."""
-    micro_batch_size: int | None = 4
+    micro_batch_size: int | None = field(default=4, metadata=AT_LEAST_1)
     """Rows per micro-batch per DP rank; exclusive with max_tokens_per_micro_batch."""
-    max_tokens_per_micro_batch: int | None = None
+    max_tokens_per_micro_batch: int | None = field(default=None, metadata=AT_LEAST_1)
     """Token budget per micro-batch (packed tokens, hard cap); exclusive with micro_batch_size."""
-    update_epochs_per_batch: int = 1
+    update_epochs_per_batch: int = field(default=1, metadata=AT_LEAST_1)
     """Passes over each training batch."""
 
+    def _check_rules(self) -> None:
+        if self.train_batch_size % self.policy_mini_batch_size != 0:
+            raise ConfigError(
+                f"batch.train_batch_size={self.train_batch_size} is not divisible by "
+                f"batch.policy_mini_batch_size={self.policy_mini_batch_size}; both count prompts and the batch "
+                "must split into whole mini-batches"
+            )
+        if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
+            raise ConfigError(
+                f"set exactly one of batch.micro_batch_size ({self.micro_batch_size}) and "
+                f"batch.max_tokens_per_micro_batch ({self.max_tokens_per_micro_batch}); set the other to null"
+            )
+
 
 @dataclass(kw_only=True)
-class StepWiseConfig:
+class StepWiseConfig(ConfigSection):
+    SECTION: ClassVar[str] = "stepwise"
+
     step_wise_trajectories: bool = False
     """One sequence per turn; advantages broadcast from each trajectory's last step."""
     merge_stepwise_output: bool = False
     """Prefix-aware merging of consecutive turns (needs step_wise_trajectories)."""
 
+    def _check_rules(self) -> None:
+        if self.merge_stepwise_output and not self.step_wise_trajectories:
+            raise ConfigError(
+                "stepwise.merge_stepwise_output=True needs stepwise.step_wise_trajectories=True; "
+                "enable step-wise training or disable merging"
+            )
+
 
 @dataclass(kw_only=True)
-class CheckpointConfig:
+class CheckpointConfig(ConfigSection):
+    SECTION: ClassVar[str] = "checkpoint"
+
     save_dir: str | None = None
     """Directory of distributed checkpoints; None = <logging.output_dir>/checkpoints."""
-    save_interval: int = 0
+    save_interval: int = field(default=0, metadata=NON_NEGATIVE)
     """Save every N train steps; 0 = only at the end."""
-    keep_last: int = 2
+    keep_last: int = field(default=2, metadata=AT_LEAST_1)
     """Complete checkpoints kept on disk."""
     resume: bool = True
     """Resume from the latest complete checkpoint in save_dir if there is one."""
-    save_timeout_s: float = 600.0
+    save_timeout_s: float = field(default=600.0, metadata=POSITIVE)
     """Abort a save that takes longer (the previous checkpoint stays)."""
 
 
 @dataclass(kw_only=True)
-class LoggingConfig:
+class LoggingConfig(ConfigSection):
+    SECTION: ClassVar[str] = "logging"
+
     output_dir: str = "outputs/run"
     """Where metrics, TensorBoard events, checkpoints and plots go."""
-    log_interval: int = 1
+    log_interval: int = field(default=1, metadata=AT_LEAST_1)
     """Train steps between metric lines."""
     tensorboard: bool = True
     """Write TensorBoard events (if tensorboard is installed)."""
@@ -197,25 +402,9 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
-class DemoConfig:
-    """The main job's toy RL loop (megatron_rl/main.py, megatron_rl/demo/); ignored by library use."""
-
-    num_steps: int = 150
-    """RL train steps of the main job (one batch of fresh rollouts each)."""
-    num_turns: int = 3
-    """Turns per episode of the next-digit game (megatron_rl/demo/environment.py)."""
-    digit_offset: int = 1
-    """The game's rule: the right answer to digit d is (d + digit_offset) mod 10."""
-    max_new_tokens: int = 3
-    """Response length cap per turn (the right answer takes 2 tokens: digit and stop token)."""
-    temperature: float = 1.0
-    """Sampling temperature; 1.0 makes rollout and trainer log-probs comparable (mismatch metrics ~0)."""
-    baseline_episodes: int = 2000
-    """Episodes a uniformly random policy plays to estimate the random-baseline reward of the summary."""
-
-
-@dataclass(kw_only=True)
 class MegatronRLConfig:
+    """The library's configuration: the sections below plus ``seed`` (no application's fields)."""
+
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -224,129 +413,219 @@ class MegatronRLConfig:
     stepwise: StepWiseConfig = field(default_factory=StepWiseConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    demo: DemoConfig = field(default_factory=DemoConfig)
-    seed: int = 1234
+    seed: int = field(default=1234, metadata=valid(0, 2**32, high_open=True))
     """Global seed (weights, sampling, data order)."""
 
+    def __post_init__(self) -> None:
+        self._check_rules()  # the sections validated themselves when they were built
+
+    def _check_rules(self) -> None:
+        """The root's own fields and the rules that span sections."""
+        check_fields(self, "")
+        with _reported_as_config_error():
+            validate_step_wise_algorithm(self.algorithm, self.stepwise.step_wise_trajectories)
+
+    def sections(self) -> list[ConfigSection]:
+        values = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return [value for value in values if isinstance(value, ConfigSection)]
+
     def validate(self, world_size: int | None = None) -> None:
-        """Every load-time rule (``validate_config``); for configs built in code rather than loaded."""
-        validate_config(self, world_size)
+        """Re-run every rule, for a config mutated after construction; ``world_size`` adds the world-size rule."""
+        for section in self.sections():
+            section.validate()
+        self._check_rules()
+        if world_size is not None:
+            self.parallel.check_world_size(world_size)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Loading, dumping, validation
+# Keys: schema, suggestions for unknown keys
+# --------------------------------------------------------------------------------------------------------------
+
+KEY_ALIASES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("learning_rate", "lr"), ("optimizer.lr",)),
+    **dict.fromkeys(("lr_warmup", "warmup", "warmup_steps", "num_warmup_steps", "lr_warmup_iters"),
+                    ("optimizer.lr_warmup_steps",)),
+    **dict.fromkeys(("lr_decay_iters", "decay_steps"), ("optimizer.lr_decay_steps",)),
+    "beta1": ("optimizer.adam_beta1",),
+    "beta2": ("optimizer.adam_beta2",),
+    **dict.fromkeys(("eps", "epsilon", "adam_epsilon"), ("optimizer.adam_eps", "model.layernorm_epsilon")),
+    **dict.fromkeys(("grad_clip", "max_grad_norm", "clip_grad_norm", "gradient_clipping"), ("optimizer.clip_grad",)),
+    **dict.fromkeys(("tp", "tp_size", "tensor_parallel_size"), ("parallel.tensor_model_parallel_size",)),
+    **dict.fromkeys(("pp", "pp_size", "pipeline_parallel_size"), ("parallel.pipeline_model_parallel_size",)),
+    **dict.fromkeys(("cp", "cp_size"), ("parallel.context_parallel_size",)),
+    **dict.fromkeys(("batch_size", "global_batch_size", "rollout_batch_size"), ("batch.train_batch_size",)),
+    **dict.fromkeys(("mini_batch_size", "ppo_mini_batch_size"), ("batch.policy_mini_batch_size",)),
+    **dict.fromkeys(("ppo_micro_batch_size", "micro_batch_size_per_gpu"), ("batch.micro_batch_size",)),
+    **dict.fromkeys(("max_tokens", "ppo_max_token_len_per_gpu"), ("batch.max_tokens_per_micro_batch",)),
+    **dict.fromkeys(("epochs", "ppo_epochs", "num_epochs"), ("batch.update_epochs_per_batch",)),
+    **dict.fromkeys(("kl_coef", "kl_coeff"), ("algorithm.kl_loss_coef",)),
+    **dict.fromkeys(("entropy_coef", "entropy_coeff"), ("algorithm.entropy_loss_coef",)),
+    **dict.fromkeys(("clip_ratio", "clip_ratio_low", "eps_clip", "clip_range"), ("algorithm.eps_clip_low",)),
+    "clip_ratio_high": ("algorithm.eps_clip_high",),
+    **dict.fromkeys(("lam", "lambda", "gae_lambda"), ("algorithm.lambd",)),
+    **dict.fromkeys(("adv_estimator", "estimator"), ("algorithm.advantage_estimator",)),
+    "loss_agg_mode": ("algorithm.loss_reduction",),
+    "num_hidden_layers": ("model.num_layers",),
+    "intermediate_size": ("model.ffn_hidden_size",),
+    "num_key_value_heads": ("model.num_query_groups",),
+    "rope_theta": ("model.rotary_base",),
+    "rms_norm_eps": ("model.layernorm_epsilon",),
+    **dict.fromkeys(("dtype", "precision"), ("model.params_dtype",)),
+    **dict.fromkeys(("save_freq", "save_steps"), ("checkpoint.save_interval",)),
+}
+"""Common names from other frameworks -> our dotted keys (the first in the key's own section is suggested)."""
+
+KEY_NOTES: dict[str, str] = {
+    **dict.fromkeys(("dp", "dp_size", "data_parallel_size"),
+                    "the data-parallel size is not set: it is world size / (tensor_model_parallel_size * "
+                    "pipeline_model_parallel_size * context_parallel_size); change the number of processes"),
+    "demo": "'demo' is the demo job's section; load the file with megatron_rl.demo.config.load_demo_config "
+            "(the main job: python -m megatron_rl.demo.main)",
+    "n_samples_per_prompt": "the library takes groups from the rows' uids (rows sharing a uid form a group); "
+                            "the generator sets the group size (the demo job: demo.n_samples_per_prompt)",
+}
+"""Names that have no key of their own, and what to do instead."""
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The dotted keys a loader accepts: ``leaves`` (key -> type) and ``sections`` (keys that hold mappings)."""
+
+    leaves: Mapping[str, Any]
+    sections: frozenset[str]
+
+    @classmethod
+    def of(cls, config_cls: type, prefix: str = "") -> Schema:
+        leaves, sections = {}, {prefix[:-1]} if prefix else set()
+        for name, hint in _type_hints(config_cls).items():
+            if typing.get_origin(hint) is ClassVar:
+                continue
+            if dataclasses.is_dataclass(hint):
+                sub = cls.of(hint, f"{prefix}{name}.")
+                leaves.update(sub.leaves)
+                sections |= sub.sections
+            else:
+                leaves[prefix + name] = hint
+        return cls(leaves, frozenset(sections))
+
+    def __or__(self, other: Schema) -> Schema:
+        return Schema({**self.leaves, **other.leaves}, self.sections | other.sections)
+
+    def children(self, section: str) -> list[str]:
+        """Names directly under ``section`` ("" = top level)."""
+        names = {key[len(section) + 1 if section else 0:].split(".")[0]
+                 for key in (*self.leaves, *self.sections) if not section or key.startswith(section + ".")}
+        return sorted(names)
+
+
+def _suggestion(key: str, schema: Schema, aliases: Mapping[str, tuple[str, ...]]) -> str:
+    """How to fix the unknown ``key``, first that applies: a leaf used as a section, a note, a misspelled
+    section, an alias, the closest name in the key's section, the closest key of another section."""
+    *path, name = key.split(".")
+    section = ".".join(path)
+    for i in range(1, len(path) + 1):
+        if ".".join(path[:i]) in schema.leaves:
+            return f"; {'.'.join(path[:i])!r} takes a value, not a mapping"
+    for part in (name, *path):
+        if part in KEY_NOTES and part not in schema.sections:
+            return f"; {KEY_NOTES[part]}"
+    top = schema.children("")
+    if path and path[0] not in top and difflib.get_close_matches(path[0], top, n=1, cutoff=0.6):
+        return f"; did you mean {difflib.get_close_matches(path[0], top, n=1, cutoff=0.6)[0]!r}?"
+    targets = [t for t in aliases.get(name.lower(), ()) if t in schema.leaves]
+    if targets:
+        same_section = [t for t in targets if t.rpartition(".")[0] == section]
+        return f"; did you mean {(same_section or targets)[0]!r}?"
+    if path and path[0] not in top:
+        return f"; valid sections: {top}"
+    match = difflib.get_close_matches(name, schema.children(section), n=1, cutoff=0.6)
+    if match:
+        return f"; did you mean {(section + '.' if section else '') + match[0]!r}?"
+    elsewhere = [k for k in schema.leaves if k.rpartition(".")[0] != section]
+    match = difflib.get_close_matches(key, elsewhere, n=1, cutoff=0.6)
+    if match:
+        return f"; did you mean {match[0]!r}?"
+    return f"; valid keys{' of ' + repr(section) if section else ''}: {schema.children(section)}"
+
+
+def check_keys(flat: Mapping[str, Any], schema: Schema, aliases: Mapping[str, tuple[str, ...]] = KEY_ALIASES) -> None:
+    """Every dotted key of ``flat`` must be a leaf of ``schema``; ConfigError with a suggestion otherwise."""
+    for key, value in flat.items():
+        if key in schema.leaves:
+            continue
+        if key in schema.sections:
+            raise ConfigError(f"config key {key!r} is a section; give a mapping, not {value!r}")
+        raise ConfigError(f"unknown config key {key!r}{_suggestion(key, schema, aliases)}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading YAML and overrides, building, dumping
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _positive(section: str, obj: object, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and value <= 0:
-            raise ValueError(f"{section}.{name}={value!r} must be positive; set it to an integer >= 1")
+def _read_yaml(path: str | Path) -> dict:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass the path of a YAML file (e.g. "
+                          "configs/demo_cpu.yaml)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} cannot be read ({err}); pass a readable YAML file") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"config file {path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
 
 
-def validate_parallel_config(p: ParallelConfig, world_size: int | None) -> None:
-    """Parallel sizes; with ``world_size`` also checks it divides by tp * pp * cp (bootstrap calls this)."""
-    _positive("parallel", p, ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
-    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
-        raise ValueError(
-            "parallel.sequence_parallel=True has no effect with parallel.tensor_model_parallel_size=1; "
-            "set sequence_parallel=false or tensor_model_parallel_size > 1"
-        )
-    if p.context_parallel_size != 1:
-        raise ValueError(
-            f"parallel.context_parallel_size={p.context_parallel_size} is not supported yet; set it to 1"
-        )
-    if world_size is None:
+def _put(flat: dict[str, Any], key: str, value: Any, renames: Mapping[str, str]) -> None:
+    """Set ``key`` (nested mappings become dotted keys); the latest value of a key wins."""
+    if isinstance(value, dict):
+        for name, sub in value.items():
+            _put(flat, f"{key}.{name}", sub, renames)
         return
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
-    if world_size % model_parallel != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size * "
-            f"pipeline_model_parallel_size * context_parallel_size = {model_parallel}; change the number of "
-            "processes (NPROC) or the parallel sizes"
-        )
+    key = renames.get(key, key)
+    flat.pop(key, None)
+    flat[key] = value
 
 
-def _validate_model(m: ModelConfig) -> None:
-    _positive("model", m, ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                           "num_query_groups", "kv_channels", "vocab_size", "max_position_embeddings"))
-    if m.num_attention_heads % m.num_query_groups != 0:
-        raise ValueError(
-            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
-            f"model.num_query_groups={m.num_query_groups}; choose num_query_groups dividing the head count"
-        )
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. optimizer.lr=1e-5)")
+    key, raw = item.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(err, 'problem', err)})") from None
 
 
-def _validate_optimizer(o: OptimizerConfig) -> None:
-    if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
-        raise ValueError(f"optimizer.lr={o.lr} / optimizer.min_lr={o.min_lr}: need 0 <= min_lr <= lr")
-    if o.lr_warmup_steps < 0:
-        raise ValueError(f"optimizer.lr_warmup_steps={o.lr_warmup_steps} must be >= 0")
-    if o.use_distributed_optimizer and o.optimizer != "adam":
-        raise ValueError(
-            f"optimizer.use_distributed_optimizer=True needs optimizer.optimizer='adam' (got {o.optimizer!r}): "
-            "megatron-core's distributed optimizer supports Adam only"
-        )
+def read_overrides(path: str | Path | None, overrides: Sequence[str] = (), *,
+                   renames: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``{dotted key: raw value}`` from the YAML at ``path``, then the dotted ``overrides`` (later wins).
 
-
-def _validate_algorithm(a: AlgorithmConfig, step_wise: bool) -> None:
-    # The algorithms package owns its registries (estimators, losses, reductions); import lazily because it
-    # imports this module.
-    from megatron_rl.algorithms.validation import validate_algorithm_config
-
-    validate_algorithm_config(a, step_wise)
-
-
-def _validate_batch(b: BatchConfig) -> None:
-    _positive("batch", b, ("train_batch_size", "policy_mini_batch_size", "n_samples_per_prompt",
-                           "micro_batch_size", "max_tokens_per_micro_batch", "update_epochs_per_batch"))
-    if b.train_batch_size % b.policy_mini_batch_size != 0:
-        raise ValueError(
-            f"batch.train_batch_size={b.train_batch_size} is not divisible by "
-            f"batch.policy_mini_batch_size={b.policy_mini_batch_size}; both count prompts and the batch must "
-            "split into whole mini-batches"
-        )
-    if (b.micro_batch_size is None) == (b.max_tokens_per_micro_batch is None):
-        raise ValueError(
-            f"set exactly one of batch.micro_batch_size ({b.micro_batch_size}) and "
-            f"batch.max_tokens_per_micro_batch ({b.max_tokens_per_micro_batch}); set the other to null"
-        )
-
-
-def _validate_stepwise(s: StepWiseConfig) -> None:
-    if s.merge_stepwise_output and not s.step_wise_trajectories:
-        raise ValueError(
-            "stepwise.merge_stepwise_output=True needs stepwise.step_wise_trajectories=True; "
-            "enable step-wise training or disable merging"
-        )
-
-
-def _validate_checkpoint(c: CheckpointConfig) -> None:
-    _positive("checkpoint", c, ("keep_last", "save_timeout_s"))
-    if c.save_interval < 0:
-        raise ValueError(f"checkpoint.save_interval={c.save_interval} must be >= 0 (0 = only at the end)")
-
-
-def validate_config(cfg: MegatronRLConfig, world_size: int | None = None) -> None:
-    """Check every rule that can be checked without the model; ``world_size`` adds the divisibility check."""
-    validate_parallel_config(cfg.parallel, world_size)
-    _validate_model(cfg.model)
-    _validate_optimizer(cfg.optimizer)
-    _validate_algorithm(cfg.algorithm, cfg.stepwise.step_wise_trajectories)
-    _validate_batch(cfg.batch)
-    _validate_stepwise(cfg.stepwise)
-    _validate_checkpoint(cfg.checkpoint)
-    _positive("logging", cfg.logging, ("log_interval",))
-
-
-def _closest(name: str, valid: typing.Iterable[str], prefix: str = "") -> str:
-    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.0)
-    return f"; did you mean {prefix + match[0]!r}?" if match else ""
+    ``renames`` maps keys that moved to their new place (read from either spelling).
+    """
+    flat: dict[str, Any] = {}
+    for name, value in (_read_yaml(path) if path is not None else {}).items():
+        _put(flat, str(name), value, renames or {})
+    for item in overrides:
+        _put(flat, *_parse_override(item), renames or {})
+    return flat
 
 
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check ``value`` against a field annotation (after YAML parsing); int -> float is allowed."""
+    """Check ``value`` against a field annotation (after YAML parsing); int -> float is allowed.
+
+    ``Literal`` values pass through: their choices are checked by the section, for configs built in code too.
+    """
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
@@ -358,108 +637,92 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 continue
             try:
                 return _coerce(key, value, option)
-            except ValueError as err:
-                errors.append(str(err))
-        raise ValueError(errors[0] if errors else f"{key}: bad value {value!r}")
-    if origin is Literal:
-        choices = typing.get_args(annotation)
-        if value not in choices:
-            raise ValueError(f"{key}={value!r} is not one of {list(choices)}")
-        return value
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0] if errors else ConfigError(f"{key}: bad value {value!r}")
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"{key}={value!r} must be a bool (true/false)")
+            raise ConfigError(f"{key}={value!r} must be a bool (true/false)")
         return value
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key}={value!r} must be an int")
+            raise ConfigError(f"{key}={value!r} must be an int")
         return value
     if annotation is float:
         if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{key}={value!r} must be a number")
+            raise ConfigError(f"{key}={value!r} must be a number")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
-            raise ValueError(f"{key}={value!r} must be a string")
+            raise ConfigError(f"{key}={value!r} must be a string")
         return value
     return value
 
 
-def _apply(obj: object, data: dict, prefix: str) -> None:
-    hints = typing.get_type_hints(type(obj))
-    fields = {f.name: f for f in dataclasses.fields(obj)}
-    for name, value in data.items():
-        key = f"{prefix}{name}"
-        if name not in fields:
-            raise ValueError(f"unknown config key {key!r}{_closest(name, fields, prefix)}")
-        current = getattr(obj, name)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ValueError(f"config key {key!r} is a section; give a mapping, not {value!r}")
-            _apply(current, value, f"{key}.")
-        else:
-            setattr(obj, name, _coerce(key, value, hints[name]))
+T = TypeVar("T")
 
 
-def _dotted_to_nested(overrides: typing.Sequence[str]) -> list[dict]:
-    nested = []
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.key=value (e.g. optimizer.lr=1e-5)")
-        dotted, raw = item.split("=", 1)
-        value = yaml.safe_load(raw) if raw != "" else None
-        node: dict = {}
-        root = node
-        parts = dotted.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-        nested.append(root)
-    return nested
+def build_config(cls: type[T], flat: Mapping[str, Any], prefix: str = "") -> T:
+    """Construct ``cls`` from the dotted keys of ``flat`` under ``prefix`` (keys checked by ``check_keys``).
+
+    Sections are built bottom-up from their final values, so each validates exactly once.
+    """
+    hints = _type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = build_config(hints[f.name], flat, key + ".")
+        elif key in flat:
+            kwargs[f.name] = _coerce(key, flat[key], hints[f.name])
+    return cls(**kwargs)
 
 
 def load_config(
     path: str | Path | None = None,
-    overrides: typing.Sequence[str] = (),
+    overrides: Sequence[str] = (),
     *,
     world_size: int | None = None,
 ) -> MegatronRLConfig:
-    """Defaults <- YAML overrides at ``path`` <- dotted ``key=value`` overrides, then ``validate_config``.
+    """Defaults <- YAML overrides at ``path`` <- dotted ``key=value`` overrides, validated once.
 
-    Unknown keys and wrong types raise ``ValueError`` naming the key and the closest valid key.
+    ``world_size`` (optional) adds the world-size rule, which ``initialize_distributed`` checks anyway.
+    Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming the key.
     """
-    cfg = MegatronRLConfig()
-    if path is not None:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
-        _apply(cfg, data, "")
-    for nested in _dotted_to_nested(overrides):
-        _apply(cfg, nested, "")
-    validate_config(cfg, world_size)
+    flat = read_overrides(path, overrides)
+    check_keys(flat, Schema.of(MegatronRLConfig))
+    cfg = build_config(MegatronRLConfig, flat)
+    if world_size is not None:
+        cfg.parallel.check_world_size(world_size)
     return cfg
 
 
-def config_to_dict(cfg: MegatronRLConfig) -> dict:
-    """Plain nested dict of the resolved config (YAML-serializable)."""
+def config_to_dict(cfg: object) -> dict:
+    """Plain nested dict of a resolved config (YAML-serializable)."""
     return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> MegatronRLConfig:
+    """Inverse of ``config_to_dict`` (validated)."""
+    flat: dict[str, Any] = {}
+    for name, value in data.items():
+        _put(flat, name, value, {})
+    check_keys(flat, Schema.of(MegatronRLConfig))
+    return build_config(MegatronRLConfig, flat)
+
+
+def write_yaml(data: Mapping[str, Any], path: str | Path) -> None:
+    """Write ``data`` as YAML, atomically (temp file + rename: a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(dict(data), sort_keys=False))
+    os.replace(tmp, path)
 
 
 def dump_config(cfg: MegatronRLConfig, path: str | Path) -> None:
     """Write the resolved config as YAML; ``load_config(path)`` gives an equal config back."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-
-
-def config_from_dict(data: dict) -> MegatronRLConfig:
-    """Inverse of ``config_to_dict`` (validated)."""
-    cfg = MegatronRLConfig()
-    _apply(cfg, data, "")
-    validate_config(cfg)
-    return cfg
+    write_yaml(config_to_dict(cfg), path)

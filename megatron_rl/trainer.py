@@ -70,7 +70,7 @@ class Trainer:
     """
 
     def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, reference: PolicyLike | None = None) -> None:
-        config.validate()  # configs built in code skip load_config's checks otherwise
+        config.validate()  # re-checks a config changed after construction (tests and library users mutate fields)
         algo = config.algorithm
         if (algo.use_kl_loss or algo.use_kl_in_reward) and reference is None:
             raise ValueError(

@@ -1,24 +1,28 @@
 """Config schema: loading, overrides, round trip, validation messages, every shipped YAML loads."""
 
+import math
 from pathlib import Path
 
 import pytest
 
+import megatron_rl.config as config_module
 from megatron_rl.config import (
+    ConfigError,
     MegatronRLConfig,
+    OptimizerConfig,
     config_from_dict,
     config_to_dict,
     dump_config,
     load_config,
-    validate_config,
 )
+from megatron_rl.demo.config import load_demo_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_yaml_loads(path):
-    cfg = load_config(path)
+    cfg = load_demo_config(path).rl  # the shipped files are the demo's: library sections plus `demo:`
     assert isinstance(cfg, MegatronRLConfig)
 
 
@@ -89,8 +93,126 @@ def test_validation_messages_name_the_field(overrides, needle):
 
 def test_world_size_divisibility():
     cfg = load_config(None, ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
-    validate_config(cfg, world_size=8)
+    cfg.validate(world_size=8)
     with pytest.raises(ValueError, match="world size 6 is not divisible"):
-        validate_config(cfg, world_size=6)
+        cfg.validate(world_size=6)
     with pytest.raises(ValueError, match="world size 6"):
         load_config(None, ["parallel.tensor_model_parallel_size=4"], world_size=6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Every value checked by the dataclass that owns it (one ValueError naming the dotted key, value and range)
+# ---------------------------------------------------------------------------------------------------------------
+
+BAD_VALUES = [
+    ("optimizer.lr=.inf", "optimizer.lr=inf", "> 0"),
+    ("optimizer.lr=.nan", "optimizer.lr=nan", "> 0"),
+    ("optimizer.lr=0", "optimizer.lr=0.0", "> 0"),
+    ("optimizer.min_lr=-1e-3", "optimizer.min_lr=-0.001", ">= 0"),
+    ("optimizer.adam_beta1=1.5", "optimizer.adam_beta1=1.5", "[0, 1)"),
+    ("optimizer.adam_beta2=1.0", "optimizer.adam_beta2=1.0", "[0, 1)"),
+    ("optimizer.adam_eps=0", "optimizer.adam_eps=0.0", "> 0"),
+    ("optimizer.clip_grad=-1", "optimizer.clip_grad=-1.0", ">= 0"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1", ">= 0"),
+    ("optimizer.lr_warmup_steps=-1", "optimizer.lr_warmup_steps=-1", ">= 0"),
+    ("optimizer.lr_decay_steps=0", "optimizer.lr_decay_steps=0", ">= 1"),
+    ("seed=-1", "seed=-1", "[0, 4294967296)"),
+    ("seed=4294967296", "seed=4294967296", "[0, 4294967296)"),
+    ("model.rotary_base=.inf", "model.rotary_base=inf", "> 0"),
+    ("model.layernorm_epsilon=0", "model.layernorm_epsilon=0.0", "> 0"),
+    ("model.kv_channels=0", "model.kv_channels=0", ">= 1"),
+    ("algorithm.gamma=1.5", "algorithm.gamma=1.5", "[0, 1]"),
+    ("algorithm.eps_clip_high=0", "algorithm.eps_clip_high=0.0", "> 0"),
+    ("algorithm.eps_clip_low=0", "algorithm.eps_clip_low=0.0", "(0, 1]"),
+    ("algorithm.kl_loss_coef=.nan", "algorithm.kl_loss_coef=nan", ">= 0"),
+    ("algorithm.entropy_loss_coef=.inf", "algorithm.entropy_loss_coef=inf", "finite"),
+    ("algorithm.tis_cap=-1", "algorithm.tis_cap=-1.0", "> 0"),
+    ("algorithm.max_seq_len=0", "algorithm.max_seq_len=0", ">= 1"),
+    ("batch.update_epochs_per_batch=0", "batch.update_epochs_per_batch=0", ">= 1"),
+    ("checkpoint.save_interval=-1", "checkpoint.save_interval=-1", ">= 0"),
+    ("checkpoint.keep_last=0", "checkpoint.keep_last=0", ">= 1"),
+    ("checkpoint.save_timeout_s=.inf", "checkpoint.save_timeout_s=inf", "> 0"),
+    ("logging.log_interval=0", "logging.log_interval=0", ">= 1"),
+]
+
+
+@pytest.mark.parametrize("override, named, valid_range", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_values_name_key_value_and_range(override, named, valid_range):
+    with pytest.raises(ValueError) as info:
+        load_config(None, [override])
+    assert isinstance(info.value, ConfigError)
+    message = str(info.value)
+    assert message.startswith(named) and valid_range in message, message
+
+
+def test_configs_built_in_code_are_checked_on_construction():
+    with pytest.raises(ValueError, match=r"optimizer\.lr=inf"):
+        OptimizerConfig(lr=math.inf)
+    with pytest.raises(ValueError, match=r"optimizer\.min_lr=0\.5 is above optimizer\.lr=0\.1"):
+        OptimizerConfig(lr=0.1, min_lr=0.5)
+    with pytest.raises(ValueError, match="model.params_dtype='float16'"):
+        config_module.ModelConfig(params_dtype="float16")
+    with pytest.raises(ValueError, match="seed=-1"):
+        MegatronRLConfig(seed=-1)
+
+
+def test_each_rule_runs_once_per_load(monkeypatch):
+    """load_config builds each section from its final values: every section and the root are checked once."""
+    calls = []
+    real = config_module.check_fields
+    monkeypatch.setattr(config_module, "check_fields", lambda obj, prefix: calls.append(prefix) or real(obj, prefix))
+    load_config(None, ["optimizer.lr=1e-4", "optimizer.min_lr=1e-5", "batch.train_batch_size=8"])
+    assert sorted(calls) == sorted(["", "parallel.", "model.", "optimizer.", "algorithm.", "batch.", "stepwise.",
+                                    "checkpoint.", "logging."])
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("optimizer.learning_rate=1e-4", "'optimizer.lr'"),
+        ("learning_rate=1e-4", "'optimizer.lr'"),
+        ("optimizer.warmup_steps=3", "'optimizer.lr_warmup_steps'"),
+        ("optimizer.lr_warmup=3", "'optimizer.lr_warmup_steps'"),
+        ("optimizer.beta1=0.9", "'optimizer.adam_beta1'"),
+        ("optimizer.eps=1e-8", "'optimizer.adam_eps'"),
+        ("model.eps=1e-5", "'model.layernorm_epsilon'"),
+        ("optimizer.grad_clip=1", "'optimizer.clip_grad'"),
+        ("optimizer.max_grad_norm=1", "'optimizer.clip_grad'"),
+        ("parallel.tp=2", "'parallel.tensor_model_parallel_size'"),
+        ("pp=2", "'parallel.pipeline_model_parallel_size'"),
+        ("parallel.dp_size=2", "number of processes"),
+        ("batch.batch_size=8", "'batch.train_batch_size'"),
+        ("batch.n_samples_per_prompt=4", "demo.n_samples_per_prompt"),
+        ("optimizer.tensor_model_parallel_size=2", "'parallel.tensor_model_parallel_size'"),
+        ("optimizer.lr.value=1", "'optimizer.lr' takes a value"),
+        ("optimizer.zzzz=1", "valid keys of 'optimizer'"),
+        ("demo.num_steps=3", "load_demo_config"),
+    ],
+)
+def test_unknown_key_suggestions(override, suggestion):
+    with pytest.raises(ValueError, match="unknown config key") as info:
+        load_config(None, [override])
+    assert suggestion in str(info.value), str(info.value)
+
+
+def test_missing_unreadable_and_malformed_yaml(tmp_path):
+    with pytest.raises(ValueError, match=f"config file {tmp_path / 'nope.yaml'} does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ValueError, match=f"config file {tmp_path} cannot be read"):
+        load_config(tmp_path)  # a directory
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optimizer:\n  lr: 1e-3\n model: [\n")
+    with pytest.raises(ValueError, match=f"config file {bad}: invalid YAML at line 3, column 2"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ValueError, match="must hold a mapping of sections"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(None, ["optimizer.lr=["])
+
+
+def test_dump_is_atomic_and_leaves_no_temp_file(tmp_path):
+    dump_config(MegatronRLConfig(), tmp_path / "c.yaml")
+    dump_config(load_config(None, ["seed=7"]), tmp_path / "c.yaml")
+    assert [p.name for p in tmp_path.iterdir()] == ["c.yaml"]
+    assert load_config(tmp_path / "c.yaml").seed == 7

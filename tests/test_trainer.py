@@ -93,7 +93,7 @@ class BigramPolicy:
 def make_config(*, merge: bool, step_wise: bool = True, epochs: int = 2) -> MegatronRLConfig:
     cfg = MegatronRLConfig()
     cfg.batch.train_batch_size, cfg.batch.policy_mini_batch_size = 4, 2
-    cfg.batch.n_samples_per_prompt, cfg.batch.update_epochs_per_batch = 3, epochs
+    cfg.batch.update_epochs_per_batch = epochs
     cfg.stepwise.step_wise_trajectories, cfg.stepwise.merge_stepwise_output = step_wise, merge
     return cfg
 

@@ -26,25 +26,33 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from megatron_rl.algorithms.normalization import whiten_advantages
-from megatron_rl.config import TEMPORAL_ESTIMATORS, AlgorithmConfig
+from megatron_rl.algorithms.settings import AlgorithmSettings
 
 EstimatorFn = Callable[
-    [torch.Tensor, torch.Tensor, Sequence[Hashable], AlgorithmConfig, "torch.Tensor | None"],
+    [torch.Tensor, torch.Tensor, Sequence[Hashable], AlgorithmSettings, "torch.Tensor | None"],
     "tuple[torch.Tensor, torch.Tensor]",
 ]
 
 ADVANTAGE_ESTIMATORS: dict[str, EstimatorFn] = {}
 """Registry name -> estimator; extend with ``register_advantage_estimator``."""
 
+TEMPORAL_ESTIMATORS: set[str] = set()
+"""Registered estimators with per-token credit (``temporal=True``): not usable with step-wise trajectories."""
+
 GRPO_EPS = 1e-6
 """Added to the group std (GRPO) so a group of equal scores gives zero advantages."""
 
 
-def register_advantage_estimator(name: str) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Decorator adding ``fn`` to ``ADVANTAGE_ESTIMATORS`` under ``name`` (a duplicate name is an error)."""
+def register_advantage_estimator(name: str, *, temporal: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Decorator adding ``fn`` to ``ADVANTAGE_ESTIMATORS`` under ``name`` (a duplicate name is an error).
+
+    ``temporal``: the estimator assigns per-token credit from the token rewards, so it cannot run step-wise.
+    """
     def deco(fn: EstimatorFn) -> EstimatorFn:
         assert name not in ADVANTAGE_ESTIMATORS, f"advantage estimator {name!r} registered twice"
         ADVANTAGE_ESTIMATORS[name] = fn
+        if temporal:
+            TEMPORAL_ESTIMATORS.add(name)
         return fn
     return deco
 
@@ -81,7 +89,7 @@ def _outcome_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tens
 
 @register_advantage_estimator("grpo")
 def grpo_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable],
-                    config: AlgorithmConfig, values: torch.Tensor | None = None
+                    config: AlgorithmSettings, values: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO / Dr. GRPO (module docstring); returns ``(A, A)`` as ``[B, R]``."""
     scores = _outcome_scores(token_level_rewards, response_mask)  # [B]
@@ -99,7 +107,7 @@ def grpo_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tens
 
 @register_advantage_estimator("rloo")
 def rloo_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable],
-                    config: AlgorithmConfig, values: torch.Tensor | None = None
+                    config: AlgorithmSettings, values: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Leave-one-out baseline (module docstring); returns ``(A, A)`` as ``[B, R]``."""
     scores = _outcome_scores(token_level_rewards, response_mask)  # [B]
@@ -125,18 +133,18 @@ def discounted_returns(token_level_rewards: torch.Tensor, response_mask: torch.T
     return returns * mask
 
 
-@register_advantage_estimator("reinforce++")
+@register_advantage_estimator("reinforce++", temporal=True)
 def reinforce_pp_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                            uids: Sequence[Hashable], config: AlgorithmConfig, values: torch.Tensor | None = None
+                            uids: Sequence[Hashable], config: AlgorithmSettings, values: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++: whitened discounted returns; returns ``(whiten(G), G)`` as ``[B, R]``."""
     returns = discounted_returns(token_level_rewards, response_mask, config.gamma)
     return whiten_advantages(returns, response_mask), returns
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", temporal=True)
 def gae_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable],
-                   config: AlgorithmConfig, values: torch.Tensor | None = None
+                   config: AlgorithmSettings, values: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE over response tokens; the value after the last response token (column R-1) is 0.
 
@@ -175,7 +183,7 @@ def trajectory_index(is_last_step: Sequence[bool]) -> torch.Tensor:
 
 
 def compute_advantages_and_returns(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
-                                   uids: Sequence[Hashable], estimator: str, config: AlgorithmConfig,
+                                   uids: Sequence[Hashable], estimator: str, config: AlgorithmSettings,
                                    values: torch.Tensor | None = None,
                                    is_last_step: Sequence[bool] | None = None
                                    ) -> tuple[torch.Tensor, torch.Tensor]:

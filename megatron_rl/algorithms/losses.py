@@ -40,11 +40,11 @@ import torch
 
 from megatron_rl.algorithms.kl import KL_LOG_RATIO_CLAMP, apply_kl_to_rewards, kl_penalty, masked_log_ratio
 from megatron_rl.algorithms.normalization import reduction_weights
-from megatron_rl.config import AlgorithmConfig
+from megatron_rl.algorithms.settings import AlgorithmSettings
 from megatron_rl.metrics import Metric, mean_metric
 
 __all__ = [
-    "POLICY_LOSSES", "LossContext", "apply_kl_to_rewards", "get_policy_loss", "kl_penalty",
+    "OFF_POLICY_CORRECTIONS", "POLICY_LOSSES", "LossContext", "apply_kl_to_rewards", "get_policy_loss", "kl_penalty",
     "off_policy_weights", "policy_loss_fn", "ppo_policy_loss", "register_policy_loss", "value_loss",
     "value_loss_fn",
 ]
@@ -53,6 +53,9 @@ PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, Metric]]"]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 """Registry name -> policy loss (``algorithm.policy_loss_type``); extend with ``register_policy_loss``."""
+
+OFF_POLICY_CORRECTIONS = ("none", "token_tis", "sequence_tis")
+"""The valid ``algorithm.off_policy_correction`` modes (``off_policy_weights``)."""
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -87,7 +90,7 @@ def _ratio_metrics(ratio: torch.Tensor, log_ratio: torch.Tensor, loss_mask: torc
     }
 
 
-def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, config: AlgorithmConfig
+def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, config: AlgorithmSettings
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO clip loss and the clipped indicator, both ``[b, R]``."""
     unclipped = -advantages * ratio
@@ -96,7 +99,7 @@ def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, config: AlgorithmCo
 
 
 def off_policy_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor | None, loss_mask: torch.Tensor,
-                       config: AlgorithmConfig) -> tuple[torch.Tensor | None, dict[str, Metric]]:
+                       config: AlgorithmSettings) -> tuple[torch.Tensor | None, dict[str, Metric]]:
     """Truncated importance weights (no gradient) for ``config.off_policy_correction``.
 
     Returns ``(weights [b, R] or [b, 1], metrics)``, or ``(None, {})`` when the correction is off. The ratio is
@@ -106,9 +109,9 @@ def off_policy_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     mode = config.off_policy_correction
     if mode == "none":
         return None, {}
-    if mode not in ("token_tis", "sequence_tis"):
+    if mode not in OFF_POLICY_CORRECTIONS:
         raise ValueError(
-            f"algorithm.off_policy_correction={mode!r} is unknown; valid: ['none', 'sequence_tis', 'token_tis']"
+            f"algorithm.off_policy_correction={mode!r} is unknown; valid: {sorted(OFF_POLICY_CORRECTIONS)}"
         )
     if rollout_logprobs is None:
         raise ValueError(
@@ -130,7 +133,7 @@ def off_policy_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     }
 
 
-def _finish(loss_tok: torch.Tensor, loss_mask: torch.Tensor, config: AlgorithmConfig, old_logprobs: torch.Tensor,
+def _finish(loss_tok: torch.Tensor, loss_mask: torch.Tensor, config: AlgorithmSettings, old_logprobs: torch.Tensor,
             rollout_logprobs: torch.Tensor | None, metrics: dict[str, Metric]
             ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Apply the off-policy weights, take the masked SUM, add ``policy/pg_loss`` (reduce="sum")."""
@@ -153,7 +156,7 @@ def _log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: to
 
 @register_policy_loss("regular")
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    loss_mask: torch.Tensor, config: AlgorithmConfig, rollout_logprobs: torch.Tensor | None = None
+                    loss_mask: torch.Tensor, config: AlgorithmSettings, rollout_logprobs: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """PPO clip with asymmetric ``eps_clip_low`` / ``eps_clip_high``; summed over loss tokens."""
     log_ratio = _log_ratio(logprobs, old_logprobs, loss_mask)
@@ -165,7 +168,7 @@ def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantag
 
 @register_policy_loss("dual_clip")
 def dual_clip_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                          loss_mask: torch.Tensor, config: AlgorithmConfig,
+                          loss_mask: torch.Tensor, config: AlgorithmSettings,
                           rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Metric]]:
     """PPO clip, and for negative advantages the loss is capped at ``-A * clip_ratio_c``."""
     log_ratio = _log_ratio(logprobs, old_logprobs, loss_mask)
@@ -185,7 +188,7 @@ def dual_clip_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
 
 @register_policy_loss("gspo")
 def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     loss_mask: torch.Tensor, config: AlgorithmConfig, rollout_logprobs: torch.Tensor | None = None
+                     loss_mask: torch.Tensor, config: AlgorithmSettings, rollout_logprobs: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """GSPO: PPO clip on the sequence-level ratio (geometric mean of the token ratios over loss tokens)."""
     valid = loss_mask > 0
@@ -201,7 +204,7 @@ def gspo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
 
 @register_policy_loss("cispo")
 def cispo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                      loss_mask: torch.Tensor, config: AlgorithmConfig, rollout_logprobs: torch.Tensor | None = None
+                      loss_mask: torch.Tensor, config: AlgorithmSettings, rollout_logprobs: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """CISPO: REINFORCE on ``logp`` weighted by the clipped, stop-gradient importance ratio."""
     valid = loss_mask > 0
@@ -218,7 +221,7 @@ def cispo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advant
 
 @register_policy_loss("cross_entropy")
 def cross_entropy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                       loss_mask: torch.Tensor, config: AlgorithmConfig, rollout_logprobs: torch.Tensor | None = None
+                       loss_mask: torch.Tensor, config: AlgorithmSettings, rollout_logprobs: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """SFT: ``sum(-A * logp)``; the advantages carry the reduction weights (module docstring)."""
     logp = _masked(logprobs, loss_mask > 0)
@@ -228,7 +231,7 @@ def cross_entropy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advan
 
 @register_policy_loss("importance_sampling")
 def importance_sampling_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                             loss_mask: torch.Tensor, config: AlgorithmConfig,
+                             loss_mask: torch.Tensor, config: AlgorithmSettings,
                              rollout_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Unclipped importance sampling: ``sum(-r * A)``."""
     log_ratio = _log_ratio(logprobs, old_logprobs, loss_mask)
@@ -269,7 +272,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 class LossContext:
     """What a per-micro-batch loss needs about its mini-batch; the backend passes it through untouched."""
 
-    config: AlgorithmConfig
+    config: AlgorithmSettings
     """The algorithm section of the run config."""
     minibatch_loss_tokens: float
     """sum(loss_mask) over the whole mini-batch (all DP ranks, no DP padding): divisor of mean terms."""
@@ -277,7 +280,7 @@ class LossContext:
     """Rows of the whole mini-batch (no DP padding); needed by the critic's sequence reductions."""
 
     @classmethod
-    def for_minibatch(cls, config: AlgorithmConfig, loss_mask: torch.Tensor) -> "LossContext":
+    def for_minibatch(cls, config: AlgorithmSettings, loss_mask: torch.Tensor) -> "LossContext":
         """Context of a mini-batch from its ``loss_mask [B, R]`` (all rows, before DP padding)."""
         return cls(config=config, minibatch_loss_tokens=float(loss_mask.detach().float().sum()),
                    minibatch_num_sequences=int(loss_mask.shape[0]))

@@ -25,7 +25,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from megatron_rl.config import LOSS_REDUCTIONS
 
 ReductionWeightFn = Callable[[torch.Tensor, float, float, "int | None"], torch.Tensor]
 """fn(row_tokens [B, 1], minibatch_tokens, num_sequences, max_seq_len) -> weights broadcastable to [B, 1]."""
@@ -56,8 +55,10 @@ LOSS_REDUCTION_WEIGHTS: dict[str, ReductionWeightFn] = {
     "sequence_mean": _sequence_mean,
     "seq_mean_token_sum_norm": _seq_mean_token_sum_norm,
 }
-"""Registry of loss reductions (names fixed by ``megatron_rl.config.LOSS_REDUCTIONS``)."""
-assert tuple(LOSS_REDUCTION_WEIGHTS) == LOSS_REDUCTIONS, (tuple(LOSS_REDUCTION_WEIGHTS), LOSS_REDUCTIONS)
+"""Registry of loss reductions (``algorithm.loss_reduction``): name -> per-row weight function."""
+
+LOSS_REDUCTIONS: tuple[str, ...] = tuple(LOSS_REDUCTION_WEIGHTS)
+"""The valid ``algorithm.loss_reduction`` names."""
 
 
 def reduction_weights(loss_mask: torch.Tensor, loss_reduction: str, *, minibatch_tokens: float,

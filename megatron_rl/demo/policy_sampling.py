@@ -7,7 +7,7 @@ contexts are left-padded into one ``[u, S]`` block and the policy returns the fu
 one's last token, through its pipeline schedule (any TP/PP/DP layout), identical on every rank.
 
 All ranks must sample the same tokens: they run this on the same contexts, get the same table and draw with
-identically seeded generators (``demo/sampler.py``); ``megatron_rl/main.py`` checks the rollouts agree.
+identically seeded generators (``demo/sampler.py``); ``megatron_rl/demo/main.py`` checks the rollouts agree.
 """
 
 from __future__ import annotations

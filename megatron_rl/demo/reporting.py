@@ -1,6 +1,6 @@
 """What the main job shows and leaves behind (rank 0 only): progress bar, metrics files, plot, summary.
 
-Place in the data flow: the last stage of every RL step of ``megatron_rl/main.py`` (``RunReporter.log_step``) and
+Place in the data flow: the last stage of every RL step of ``megatron_rl/demo/main.py`` (``RunReporter.log_step``) and
 of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
 
     metrics.jsonl        one JSON object per logged step: {"step": n, "time_s": ..., <metric>: <float>, ...}

@@ -1,6 +1,6 @@
 """Play the demo game with the current policy and package the episodes as a ``GeneratorOutput``.
 
-Place in the data flow: the first stage of every RL step of the main job (``megatron_rl/main.py``)::
+Place in the data flow: the first stage of every RL step of the main job (``megatron_rl/demo/main.py``)::
 
     play_episodes (game + sampler, all turns in lock-step)  ->  episodes_to_generator_output  ->  Trainer.train_step
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import ParallelConfig, validate_parallel_config
+from megatron_rl.config import ParallelConfig
 
 ProcessGroup = dist.ProcessGroup
 
@@ -108,7 +108,7 @@ def initialize_distributed(
     (call ``destroy_distributed`` first).
     """
     world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
-    validate_parallel_config(parallel, world_size)
+    parallel.check_world_size(world_size)  # the one place the world-size rule runs in a job
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

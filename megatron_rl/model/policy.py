@@ -84,7 +84,6 @@ class MegatronPolicy:
     ) -> None:
         if role not in ("policy", "reference"):
             raise ValueError(f"MegatronPolicy role={role!r} is not valid; use 'policy' or 'reference'")
-        config.validate()  # configs built in code skip load_config's checks otherwise
         if not 0 <= pad_token_id < config.model.vocab_size:
             raise ValueError(
                 f"pad_token_id={pad_token_id} is outside the vocabulary [0, {config.model.vocab_size}); "

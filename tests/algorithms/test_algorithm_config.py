@@ -1,15 +1,21 @@
-"""validate_algorithm_config: estimator / loss / reduction combinations, each error naming its field."""
+"""validate_algorithm_config: estimator / loss / reduction combinations, each error naming its field.
+
+The algorithm section runs these rules when it is built (and the root config the step-wise ones), so a bad
+``AlgorithmConfig(...)`` already raises where it is constructed.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import warnings
 
 import pytest
 
-import megatron_rl.algorithms  # noqa: F401  (registers the config hook)
 from megatron_rl.algorithms import validate_algorithm_config
-from megatron_rl.config import AlgorithmConfig, MegatronRLConfig, StepWiseConfig, validate_config
+from megatron_rl.algorithms.settings import AlgorithmSettings
+from megatron_rl.config import AlgorithmConfig, MegatronRLConfig, StepWiseConfig
 
 BAD = [
     (dict(advantage_estimator="ppo"), False, "advantage_estimator"),
@@ -58,10 +64,25 @@ def test_no_effect_setting_warns():
 
 
 def test_hook_runs_in_validate_config():
-    cfg = MegatronRLConfig(algorithm=AlgorithmConfig(policy_loss_type="nope"))
     with pytest.raises(ValueError, match="policy_loss_type"):
-        validate_config(cfg)
-    step_wise = dataclasses.replace(MegatronRLConfig(), stepwise=StepWiseConfig(step_wise_trajectories=True),
-                                    algorithm=AlgorithmConfig(use_kl_in_reward=True))
+        MegatronRLConfig(algorithm=AlgorithmConfig(policy_loss_type="nope"))
     with pytest.raises(ValueError, match="use_kl_in_reward"):
-        validate_config(step_wise)
+        dataclasses.replace(MegatronRLConfig(), stepwise=StepWiseConfig(step_wise_trajectories=True),
+                            algorithm=AlgorithmConfig(use_kl_in_reward=True))
+    mutated = MegatronRLConfig(stepwise=StepWiseConfig(step_wise_trajectories=True))
+    mutated.algorithm.use_kl_in_reward = True  # after construction: the explicit re-check catches it
+    with pytest.raises(ValueError, match="use_kl_in_reward"):
+        mutated.validate()
+
+
+def test_algorithm_config_satisfies_the_settings_protocol():
+    """The Protocol the math reads lists real fields of AlgorithmConfig, with the same types."""
+    fields = {f.name: f.type for f in dataclasses.fields(AlgorithmConfig)}
+    for name, annotation in AlgorithmSettings.__annotations__.items():
+        assert fields.get(name) == annotation, (name, annotation, fields.get(name))
+
+
+def test_algorithms_never_import_config():
+    """The dependency is one way: config.py imports the registries, the algorithms package never config.py."""
+    code = "import sys, megatron_rl.algorithms; assert 'megatron_rl.config' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -23,7 +23,8 @@ from megatron_rl.algorithms import (
     policy_loss_fn,
     value_loss_fn,
 )
-from megatron_rl.config import LOSS_REDUCTIONS, AlgorithmConfig
+from megatron_rl.algorithms.normalization import LOSS_REDUCTIONS
+from megatron_rl.config import AlgorithmConfig
 from megatron_rl.metrics import finalize_metrics, merge_metrics
 
 ROWS, WIDTH, VOCAB, MAX_SEQ_LEN = 10, 8, 5, 12

@@ -16,7 +16,8 @@ from megatron_rl.algorithms import (
     value_loss_fn,
     whiten_advantages,
 )
-from megatron_rl.config import LOSS_REDUCTIONS, AlgorithmConfig
+from megatron_rl.algorithms.normalization import LOSS_REDUCTIONS
+from megatron_rl.config import AlgorithmConfig
 
 MAX_SEQ_LEN = 16
 

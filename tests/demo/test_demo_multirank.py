@@ -52,7 +52,7 @@ def _tables(policy, tok) -> dict:
 
 
 def _tp2_checks(rank: int, world_size: int) -> dict:
-    from megatron_rl.config import load_config
+    from megatron_rl.demo.config import load_demo_config
     from megatron_rl.demo.environment import NextDigitGame
     from megatron.core import parallel_state
 
@@ -68,7 +68,7 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
                  "batch.n_samples_per_prompt=3", "batch.update_epochs_per_batch=1",
                  "optimizer.optimizer=sgd", "optimizer.lr=0.5",
                  "optimizer.lr_warmup_steps=0"]
-    config = load_config("configs/demo_cpu.yaml", overrides, world_size=world_size)
+    config = load_demo_config("configs/demo_cpu.yaml", overrides).rl
     groups = initialize_distributed(config.parallel, config.seed)
     tok = DigitTokenizer()
     policies = {merge: MegatronPolicy(config, groups, pad_token_id=tok.pad_token_id) for merge in (False, True)}
@@ -90,7 +90,7 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
         result[f"weights_{merge}"] = {k: v.detach().clone() for k, v in policy.full_state_dict().items()}
 
     parallel_state.destroy_model_parallel()  # the same weights on PP2 (one layer per stage)
-    pp2 = load_config("configs/demo_cpu.yaml", ["parallel.pipeline_model_parallel_size=2"], world_size=world_size)
+    pp2 = load_demo_config("configs/demo_cpu.yaml", ["parallel.pipeline_model_parallel_size=2"]).rl
     policy = MegatronPolicy(pp2, initialize_distributed(pp2.parallel, pp2.seed), role="reference",
                             pad_token_id=tok.pad_token_id)
     policy.load_full_state_dict(initial_weights)

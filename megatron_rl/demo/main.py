@@ -1,6 +1,7 @@
 """The main job: a complete RL loop on the toy multi-turn game, launched by ``run_megatron.sh`` through torchrun.
 
-Place in the data flow: the outermost loop. Each RL step, on every rank with the same seeds::
+Place in the data flow: the outermost loop, an application of the library (nothing in ``megatron_rl`` outside
+``demo/`` imports it). Each RL step, on every rank with the same seeds::
 
     play the next-digit game with the current policy (demo/rollout.py, demo/sampler.py)  -> GeneratorOutput
     Trainer.train_step (megatron_rl/trainer.py)                                           -> metrics
@@ -11,7 +12,10 @@ depend only on ``(seed, k)`` and the weights, so a run resumed from the checkpoi
 as the uninterrupted run would have. Ctrl-C keeps the last complete checkpoint (saves are atomic); running the
 same command again resumes from it.
 
-    python -m megatron_rl.main --config configs/demo_cpu.yaml [section.key=value ...]
+    python -m megatron_rl.demo.main --config configs/demo_cpu.yaml [section.key=value ...]
+
+A configuration mistake (``ConfigError``: a bad key or value, a world size the parallel sizes do not divide) is
+printed once, by rank 0, without a traceback, and every rank exits with code 2.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_rl.config import MegatronRLConfig, dump_config, load_config
+from megatron_rl.config import ConfigError, MegatronRLConfig
+from megatron_rl.demo.config import DemoConfig, DemoJobConfig, dump_demo_config, load_demo_config
 from megatron_rl.demo.environment import NextDigitGame
 from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
 from megatron_rl.demo.reporting import RunReporter
@@ -54,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class Job:
     """Everything the loop needs, built once."""
 
-    config: MegatronRLConfig
+    config: DemoJobConfig
     groups: ParallelGroups
     tokenizer: DigitTokenizer
     game: NextDigitGame
@@ -83,35 +88,43 @@ def silence_expected_megatron_warnings() -> None:
 def main(argv: list[str] | None = None) -> int:
     silence_expected_megatron_warnings()
     args = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    config = load_config(args.config, args.overrides, world_size=world_size)
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
-    groups = initialize_distributed(config.parallel, config.seed)
+    try:
+        config = load_demo_config(args.config, args.overrides)
+        groups = initialize_distributed(config.rl.parallel, config.rl.seed)  # checks the world size first
+    except ConfigError as err:
+        return report_config_error(err)
     try:
         return run(build_job(config, groups))
     finally:
         destroy_distributed()
 
 
-def build_job(config: MegatronRLConfig, groups: ParallelGroups) -> Job:
-    """Tokenizer, game, policy (+ reference for KL), trainer; config checks first."""
+def report_config_error(err: ConfigError) -> int:
+    """Rank 0 prints the mistake (one line, no traceback); every rank exits with 2 (usage error)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron_rl: config error: {err}", file=sys.stderr, flush=True)
+    return 2
+
+
+def build_job(config: DemoJobConfig, groups: ParallelGroups) -> Job:
+    """Tokenizer, game, policy (+ reference for KL), trainer (the config was validated when it was loaded)."""
     from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
 
     tokenizer = DigitTokenizer()
-    check_demo_config(config, tokenizer)
-    demo, batch = config.demo, config.batch
+    rl, demo, batch = config.rl, config.demo, config.rl.batch
     optim_steps_per_rl_step = batch.train_batch_size // batch.policy_mini_batch_size * batch.update_epochs_per_batch
-    policy = MegatronPolicy(config, groups, pad_token_id=tokenizer.pad_token_id,
+    policy = MegatronPolicy(rl, groups, pad_token_id=tokenizer.pad_token_id,
                             total_optim_steps=demo.num_steps * optim_steps_per_rl_step)
     reference = None
-    if config.algorithm.use_kl_loss or config.algorithm.use_kl_in_reward:
-        reference = MegatronPolicy(config, groups, role="reference", pad_token_id=tokenizer.pad_token_id)
+    if rl.algorithm.use_kl_loss or rl.algorithm.use_kl_in_reward:
+        reference = MegatronPolicy(rl, groups, role="reference", pad_token_id=tokenizer.pad_token_id)
         reference.load_full_state_dict(policy.full_state_dict())  # the reference is the initial policy
-    trainer = Trainer(config, policy,
+    trainer = Trainer(rl, policy,
                       reference=reference)
-    output_dir = Path(config.logging.output_dir)
+    output_dir = Path(rl.logging.output_dir)
     return Job(
         config=config,
         groups=groups,
@@ -121,23 +134,9 @@ def build_job(config: MegatronRLConfig, groups: ParallelGroups) -> Job:
                                 stop_token_id=tokenizer.eos_token_id),
         policy=policy,
         trainer=trainer,
-        save_dir=Path(config.checkpoint.save_dir) if config.checkpoint.save_dir else output_dir / "checkpoints",
+        save_dir=Path(rl.checkpoint.save_dir) if rl.checkpoint.save_dir else output_dir / "checkpoints",
         is_rank0=groups.rank == 0,
     )
-
-
-def check_demo_config(config: MegatronRLConfig, tokenizer: DigitTokenizer) -> None:
-    """The demo's own rules (ValueError naming the key and the fix)."""
-    if config.model.vocab_size != tokenizer.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={config.model.vocab_size} but the demo tokenizer has {tokenizer.vocab_size} tokens; "
-            f"set model.vocab_size={tokenizer.vocab_size} (configs/demo_cpu.yaml does)"
-        )
-    if config.model.hf_path is not None:
-        raise ValueError(f"model.hf_path={config.model.hf_path!r}: the demo trains a model from scratch on its own "
-                         "16-token vocabulary; unset model.hf_path")
-    if config.demo.num_steps < 1:
-        raise ValueError(f"demo.num_steps={config.demo.num_steps} must be >= 1")
 
 
 def run(job: Job) -> int:
@@ -153,7 +152,7 @@ def run(job: Job) -> int:
             metrics = rl_step(job, next_token_logprobs, step)
             if reporter is not None:
                 reporter.log_step(step, metrics)
-            if checkpoint_due(config, step):
+            if checkpoint_due(config.rl, config.demo, step):
                 save(job, step)
     except KeyboardInterrupt:  # saves are atomic: an interrupted save leaves the previous checkpoint as latest
         if reporter is not None:
@@ -170,18 +169,18 @@ def run(job: Job) -> int:
 
 def rl_step(job: Job, next_token_logprobs: NextTokenLogprobs, step: int) -> dict[str, float]:
     """Rollouts with the current policy, then one train step. Same on every rank (seeded by (seed, step))."""
-    config = job.config
+    rl, demo = job.config.rl, job.config.demo
     started = time.perf_counter()
     played = play_episodes(
         job.game, next_token_logprobs, job.sampling,
-        num_prompts=config.batch.train_batch_size,
-        n_samples_per_prompt=config.batch.n_samples_per_prompt,
-        rng=random.Random(config.seed * 1_000_003 + step),
-        generator=sampling_generator(config.seed, step),
+        num_prompts=rl.batch.train_batch_size,
+        n_samples_per_prompt=demo.n_samples_per_prompt,
+        rng=random.Random(rl.seed * 1_000_003 + step),
+        generator=sampling_generator(rl.seed, step),
     )
     check_ranks_agree(job.groups, played)
     rollout_s = time.perf_counter() - started
-    rollouts = episodes_to_generator_output(played, step_wise=config.stepwise.step_wise_trajectories)
+    rollouts = episodes_to_generator_output(played, step_wise=rl.stepwise.step_wise_trajectories)
     metrics = job.trainer.train_step(rollouts)
     metrics["timing/rollout_s"] = rollout_s
     metrics["timing/step_s"] = time.perf_counter() - started
@@ -205,33 +204,33 @@ def random_baseline(job: Job) -> float:
     """Mean reward of a uniformly random policy over ``demo.baseline_episodes`` games (no model involved)."""
     episodes = max(1, job.config.demo.baseline_episodes)
     played = play_episodes(job.game, uniform_next_token_logprobs(job.tokenizer.vocab_size), job.sampling,
-                           num_prompts=episodes, n_samples_per_prompt=1, rng=random.Random(job.config.seed),
-                           generator=sampling_generator(job.config.seed, -1))
+                           num_prompts=episodes, n_samples_per_prompt=1, rng=random.Random(job.config.rl.seed),
+                           generator=sampling_generator(job.config.rl.seed, -1))
     return mean_reward(played)
 
 
 def open_reporter(job: Job, start_step: int) -> RunReporter | None:
     if not job.is_rank0:
         return None
-    config = job.config
-    output_dir = Path(config.logging.output_dir)
-    dump_config(config, output_dir / "config.yaml")
+    config, logging = job.config, job.config.rl.logging
+    output_dir = Path(logging.output_dir)
+    dump_demo_config(config, output_dir / "config.yaml")
     print(f"megatron_rl main job: {job.groups.world_size} rank(s) (TP{job.groups.tp_size} PP{job.groups.pp_size} "
           f"DP{job.groups.dp_size}); outputs in {output_dir.resolve()}, checkpoints in {job.save_dir.resolve()}"
           + (f"; resuming after step {start_step}" if start_step else ""), flush=True)
     return RunReporter(output_dir, total_steps=config.demo.num_steps, start_step=start_step,
-                       tensorboard=config.logging.tensorboard,
-                       progress_bar=config.logging.progress_bar, log_interval=config.logging.log_interval)
+                       tensorboard=logging.tensorboard, progress_bar=logging.progress_bar,
+                       log_interval=logging.log_interval)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------------------------------
 
-def checkpoint_due(config: MegatronRLConfig, step: int) -> bool:
+def checkpoint_due(rl: MegatronRLConfig, demo: DemoConfig, step: int) -> bool:
     """Every ``checkpoint.save_interval`` steps (0 = never in between) and always after the last step."""
-    interval = config.checkpoint.save_interval
-    return step == config.demo.num_steps or (interval > 0 and step % interval == 0)
+    interval = rl.checkpoint.save_interval
+    return step == demo.num_steps or (interval > 0 and step % interval == 0)
 
 
 def save(job: Job, step: int) -> None:
@@ -246,7 +245,7 @@ def resume(job: Job) -> int:
     from megatron_rl.checkpoint import load_checkpoint
     from megatron_rl.checkpoint.layout import complete_checkpoints
 
-    if not job.config.checkpoint.resume or not complete_checkpoints(job.save_dir):
+    if not job.config.rl.checkpoint.resume or not complete_checkpoints(job.save_dir):
         return 0
     state = load_checkpoint(job.policy, job.save_dir)
     job.trainer.optimizer_steps = int(state.get("optimizer_steps", 0))

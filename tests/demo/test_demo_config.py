@@ -1,0 +1,80 @@
+"""The demo's config: library sections plus ``demo:`` from one YAML, the moved group-size key, and the main
+job's handling of a config mistake (printed once by rank 0, exit code 2, no traceback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import MegatronRLConfig
+from megatron_rl.demo.config import DemoConfig, DemoJobConfig, dump_demo_config, load_demo_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = ROOT / "configs" / "demo_cpu.yaml"
+
+
+def test_library_schema_has_no_demo_fields():
+    names = {f for f in MegatronRLConfig.__dataclass_fields__}
+    assert "demo" not in names
+    assert "n_samples_per_prompt" not in MegatronRLConfig().batch.__dataclass_fields__
+
+
+def test_demo_overrides_and_the_moved_group_size_key():
+    job = load_demo_config(CPU, ["demo.num_steps=5", "optimizer.lr=1e-4"])
+    assert (job.demo.num_steps, job.demo.n_samples_per_prompt, job.rl.optimizer.lr) == (5, 8, 1e-4)
+    old_spelling = load_demo_config(CPU, ["batch.n_samples_per_prompt=3"])
+    assert old_spelling.demo.n_samples_per_prompt == 3  # the old key still works, and the later value wins
+    assert load_demo_config(CPU, ["batch.n_samples_per_prompt=3", "demo.n_samples_per_prompt=5"]).demo \
+        .n_samples_per_prompt == 5
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("demo.num_steps=0", "demo.num_steps=0 is out of range"),
+        ("demo.temperature=-1", "demo.temperature=-1.0 is out of range"),
+        ("demo.n_samples_per_prompt=0", "demo.n_samples_per_prompt=0 is out of range"),
+        ("batch.n_samples_per_prompt=0", "demo.n_samples_per_prompt=0 is out of range"),
+        ("demo.num_step=3", "did you mean 'demo.num_steps'"),
+        ("demo.group_size=3", "did you mean 'demo.n_samples_per_prompt'"),
+        ("model.vocab_size=32", "model.vocab_size=32 but the demo tokenizer has 16"),
+        ("optimizer.lr=.inf", "optimizer.lr=inf is out of range"),
+    ],
+)
+def test_demo_config_errors_name_the_key(override, needle):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        load_demo_config(CPU, [override])
+
+
+def test_dump_round_trip(tmp_path):
+    job = load_demo_config(CPU, ["demo.num_steps=7"])
+    dump_demo_config(job, tmp_path / "config.yaml")
+    assert load_demo_config(tmp_path / "config.yaml") == job
+    assert DemoJobConfig(rl=job.rl, demo=DemoConfig(num_steps=7, n_samples_per_prompt=8)) == job
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_main_prints_a_config_error_once_and_exits_2(monkeypatch, capsys, rank, printed):
+    from megatron_rl.demo.main import main
+
+    monkeypatch.setenv("RANK", rank)
+    assert main(["--config", str(CPU), "optimizer.lr=.inf"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    if printed:
+        assert err.strip() == "megatron_rl: config error: optimizer.lr=inf is out of range; it must be finite and > 0"
+    else:
+        assert err == ""
+
+
+def test_main_world_size_error_before_any_collective(monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from megatron_rl.demo.main import main
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["--config", str(CPU), "parallel.tensor_model_parallel_size=2"]) == 2
+    assert "world size 3 is not divisible" in capsys.readouterr().err
+    assert not dist.is_initialized()
