@@ -1,4 +1,8 @@
-"""megatron_rl package. ``patches/`` installs as ``megatron_rl.patches`` (no top-level ``patches`` module)."""
+"""megatron_rl package. ``patches/`` installs as ``megatron_rl.patches`` (no top-level ``patches`` module).
+
+megatron-core: exactly the range CI tests (docs/MEGATRON_CORE.md): 0.16.1 (newest for Python 3.11) through
+0.19.x (Python >= 3.12). ``scripts/setup.sh`` pins one end per interpreter with a constraint.
+"""
 
 from setuptools import find_packages, setup
 
@@ -6,16 +10,17 @@ setup(
     name="megatron_rl",
     version="0.1.0",
     description="Megatron-core backend for RL post-training (PPO/GRPO, multi-turn agents)",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl.patches"],
     package_dir={"megatron_rl.patches": "patches"},
     install_requires=[
         "torch>=2.6",
-        "megatron-core==0.16.1",
+        "megatron-core>=0.16.1,<0.20",  # the tested range; extend it with docs/MEGATRON_CORE.md
         "pyyaml",
         "numpy",
         "psutil",  # megatron-core's checkpoint saver hangs without it (DIST_CKPT_NOTES.md)
         "einops",
+        "packaging",  # megatron_rl.patches compares the installed megatron-core with the supported range
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis", "pytest-timeout"],

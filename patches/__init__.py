@@ -1,23 +1,27 @@
-"""CPU adaptations of megatron-core (quarantined; DESIGN.md section 7, STYLE.md habit 13).
+"""CPU adaptations of megatron-core (quarantined; docs/MEGATRON_CORE.md, STYLE.md habit 13).
 
-megatron-core 0.16.1 hard-codes CUDA in a handful of places (call sites P1-P6 in MEGATRON_CPU_NOTES.md).
+megatron-core hard-codes CUDA in a handful of places (call sites P1-P6 and P9 in docs/MEGATRON_CORE.md).
 On a machine without CUDA, ``megatron_rl.distributed.bootstrap.initialize_distributed`` calls
 ``apply_cpu_patches()`` once, before any model is built; nothing else in megatron_rl imports this package or
-branches on whether a patch is applied. Each patch is a ``Patch`` record naming its target version, the reason
-and the condition under which it can be deleted.
+branches on whether a patch is applied. Each patch is a ``Patch`` record naming the megatron-core versions it
+was measured on, the reason and the condition under which it can be deleted.
 
     P1, P4, P5  patches/cuda_calls.py  one TorchFunctionMode: device="cuda" -> cpu, Tensor.cuda() -> self,
                                        Tensor.type() reports "torch.cuda.*" names
     P2, P3      patches/cuda_calls.py  torch.cuda.current_device -> cpu, torch.cuda.synchronize -> no-op
+    P9          patches/cuda_calls.py  torch.cuda.current_stream -> a no-op stream (0.19.x only)
     P6          patches/rng.py         the model-parallel RNG tracker keeps CPU generator states
 
 P7 (a norm that supports sequence parallelism) and P8 (THD-capable core attention) are layer-spec
 substitutions made by ``megatron_rl.model.builder``, not patches.
 
-Version policy: the patches are written against one megatron-core version (``TARGET_VERSION``). On another
-version ``apply_cpu_patches`` refuses with a RuntimeError (the call sites may have moved, and a silently
-half-working patch is worse than none) unless ``MEGATRON_RL_ALLOW_UNTESTED_MCORE=1`` is set, which downgrades
-the refusal to a warning.
+Version policy: megatron_rl supports ``SUPPORTED_RANGE`` of megatron-core (what ``setup.py`` admits) and CI
+tests both ends, ``TESTED_VERSIONS``. Each patch lists the versions it was measured on (``Patch.versions``)
+and is applied on those; on a version in the range that CI does not test, every patch is applied (each is a
+no-op translation where its call site is absent) and a warning says so. Outside the range
+``apply_cpu_patches`` refuses with a RuntimeError naming the range (the call sites may have moved, and a
+silently half-working patch is worse than none) unless ``MEGATRON_RL_ALLOW_UNTESTED_MCORE=1`` is set, which
+downgrades the refusal to a warning.
 
 Scope: the effects are process-global (``torch.cuda.current_device`` is replaced for everyone), except the
 TorchFunctionMode, which torch keeps per thread: it is active in the thread that called
@@ -34,11 +38,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 logger = logging.getLogger("megatron_rl.patches")
 
 TARGET_PACKAGE = "megatron-core"
-TARGET_VERSION = "0.16.1"
+SUPPORTED_RANGE = ">=0.16.1,<0.20"
+"""The megatron-core versions megatron_rl supports: setup.py's install_requires admits exactly this range."""
+TESTED_VERSIONS = ("0.16.1", "0.19.2")
+"""The ends of the range CI runs the whole suite on (Python 3.11 and Python 3.12); see docs/MEGATRON_CORE.md."""
 ALLOW_ENV = "MEGATRON_RL_ALLOW_UNTESTED_MCORE"
 
 
@@ -46,14 +55,23 @@ ALLOW_ENV = "MEGATRON_RL_ALLOW_UNTESTED_MCORE"
 class Patch:
     name: str
     """Short id, e.g. "P2 torch.cuda.current_device"."""
-    target: str
-    """The package version the patch was written and measured against (``package==version``)."""
+    versions: tuple[str, ...]
+    """The megatron-core versions the patch was measured on (where it is needed), a subset of TESTED_VERSIONS."""
     reason: str
     """The CUDA assumption it removes, with megatron-core call sites."""
     removal: str
     """When the patch can be deleted."""
     apply: Callable[[], None]
     """Installs the patch; called at most once per process."""
+
+    @property
+    def target(self) -> str:
+        """``megatron-core==0.16.1,==0.19.2``: the measured versions as one requirement string."""
+        return f"{TARGET_PACKAGE}" + ",".join(f"=={v}" for v in self.versions)
+
+    def applies_to(self, installed: str) -> bool:
+        """Measured on ``installed``, or ``installed`` is untested (then every patch applies, see module doc)."""
+        return installed in self.versions or installed not in TESTED_VERSIONS
 
 
 _APPLIED: list[str] | None = None
@@ -66,15 +84,29 @@ def registry() -> list[Patch]:
     return [*cuda_calls.PATCHES, *rng.PATCHES]
 
 
+def in_supported_range(version: str) -> bool:
+    """Whether ``version`` lies in SUPPORTED_RANGE (PEP 440 comparison)."""
+    return Version(version) in SpecifierSet(SUPPORTED_RANGE)
+
+
 def check_megatron_version() -> str:
-    """Installed megatron-core version; RuntimeError (or a warning, see module doc) if it is not the target."""
+    """Installed megatron-core version; RuntimeError (or a warning, see module doc) if it is out of range."""
     installed = importlib.metadata.version(TARGET_PACKAGE)
-    if installed == TARGET_VERSION:
+    if installed in TESTED_VERSIONS:
+        return installed
+    tested = " and ".join(TESTED_VERSIONS)
+    if in_supported_range(installed):
+        warnings.warn(
+            f"{TARGET_PACKAGE} {installed} is in megatron_rl's supported range {SUPPORTED_RANGE} but CI tests "
+            f"only {tested}; applying every CPU patch (docs/MEGATRON_CORE.md: adding a version)",
+            stacklevel=2,
+        )
         return installed
     message = (
-        f"megatron_rl.patches targets {TARGET_PACKAGE}=={TARGET_VERSION} but {installed} is installed; "
-        f"install {TARGET_PACKAGE}=={TARGET_VERSION}, or re-measure the call sites in MEGATRON_CPU_NOTES.md "
-        f"and set {ALLOW_ENV}=1 to try anyway"
+        f"megatron_rl.patches supports {TARGET_PACKAGE}{SUPPORTED_RANGE} (tested: {tested}) but {installed} is "
+        f"installed; install {TARGET_PACKAGE}=={TESTED_VERSIONS[-1]} (Python >= 3.12) or "
+        f"=={TESTED_VERSIONS[0]} (Python 3.11), or re-measure the call sites (docs/MEGATRON_CORE.md) and set "
+        f"{ALLOW_ENV}=1 to try anyway"
     )
     if os.environ.get(ALLOW_ENV) != "1":
         raise RuntimeError(message)
@@ -94,9 +126,11 @@ def apply_cpu_patches() -> list[str]:
         logger.info("CUDA is available: megatron-core CPU patches not applied")
         _APPLIED = []
         return []
-    check_megatron_version()
+    installed = check_megatron_version()
     applied = []
     for patch in registry():
+        if not patch.applies_to(installed):
+            continue
         patch.apply()
         applied.append(patch.name)
         logger.info("applied %s (target %s): %s", patch.name, patch.target, patch.reason)

@@ -1,9 +1,10 @@
-"""P1-P5: megatron-core 0.16.1 call sites that name the CUDA device (see MEGATRON_CPU_NOTES.md for lines).
+"""P1-P5, P9: megatron-core call sites that name the CUDA device (docs/MEGATRON_CORE.md has the lines).
 
 P1, P4 and P5 go through one ``TorchFunctionMode`` (torch routes factory functions and Tensor methods
 through it): a ``device`` keyword naming CUDA becomes CPU, ``Tensor.cuda()`` returns the tensor itself, and
 ``Tensor.type()`` reports the CUDA type name that megatron-core asserts on. P2 and P3 replace two
-``torch.cuda`` attributes. Everything here is a no-op translation: no numerics change.
+``torch.cuda`` attributes, and P9 (0.19.x) a third: ``torch.cuda.current_stream`` returns a stream stand-in
+whose waits do nothing. Everything here is a no-op translation: no numerics change.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_rl import patches
 
-_TARGET = f"{patches.TARGET_PACKAGE}=={patches.TARGET_VERSION}"
+_MEASURED_ON = ("0.16.1", "0.19.2")
 _CPU = torch.device("cpu")
 
 
@@ -69,6 +70,34 @@ def _synchronize(device: object = None) -> None:
     """Nothing to wait for: CPU ops are synchronous."""
 
 
+class _NoOpStream:
+    """What ``torch.cuda.current_stream()`` returns on CPU (P9): CPU work is synchronous, so every wait is done."""
+
+    def wait_event(self, event: object) -> None:
+        """Nothing to wait for (events are recorded by CUDA graph replays, which do not exist on CPU)."""
+
+    def wait_stream(self, stream: object) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """All work is complete."""
+        return True
+
+
+_NO_OP_STREAM = _NoOpStream()
+
+
+def _current_stream(device: object = None) -> _NoOpStream:
+    return _NO_OP_STREAM
+
+
+def _replace_current_stream() -> None:
+    torch.cuda.current_stream = _current_stream
+
+
 def _replace_current_device() -> None:
     torch.cuda.current_device = _current_device
 
@@ -80,7 +109,7 @@ def _replace_synchronize() -> None:
 PATCHES = [
     patches.Patch(
         name="P1/P4/P5 CpuForCudaMode",
-        target=_TARGET,
+        versions=_MEASURED_ON,
         reason=(
             "device='cuda' in tensor factories (optimizer.py, clip_grads.py, utils.py, schedules.py), "
             "Tensor.cuda() (language_module.py:244), Tensor.type() == 'torch.cuda.FloatTensor' "
@@ -91,7 +120,7 @@ PATCHES = [
     ),
     patches.Patch(
         name="P2 torch.cuda.current_device",
-        target=_TARGET,
+        versions=_MEASURED_ON,
         reason=(
             "device=torch.cuda.current_device() in DDP buffers, PP receive buffers, RoPE, SP all-gather "
             "and reduce-scatter buffers, local attention"
@@ -101,9 +130,20 @@ PATCHES = [
     ),
     patches.Patch(
         name="P3 torch.cuda.synchronize",
-        target=_TARGET,
+        versions=_MEASURED_ON,
         reason="torch.cuda.synchronize() after batched p2p ops (p2p_communication.py:398)",
         removal="megatron-core drops the synchronize or guards it by device type",
         apply=_replace_synchronize,
+    ),
+    patches.Patch(
+        name="P9 torch.cuda.current_stream",
+        versions=("0.19.2",),
+        reason=(
+            "torch.cuda.current_stream().wait_event(...) before every DDP grad reduction "
+            "(distributed/param_and_grad_buffer.py:632, start_grad_sync, absent in 0.16.1; also :691 and :814, "
+            "only with num_distributed_optimizer_instances > 1)"
+        ),
+        removal="megatron-core guards the CUDA-graph event wait by device type (or only waits when an event exists)",
+        apply=_replace_current_stream,
     ),
 ]

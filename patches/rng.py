@@ -2,11 +2,11 @@
 
 ``model_parallel_cuda_manual_seed`` registers named RNG states (data-parallel, model-parallel = seed + 2718 +
 tp_rank, expert) in ``CudaRNGStatesTracker``, and layers draw dropout / GPU-style init inside
-``get_cuda_rng_tracker().fork(name)``. In 0.16.1 those states are CUDA generator states
-(``tensor_parallel/random.py:235-277``). Here they become CPU generator states with the same meaning: ``add``
-seeds a private generator, ``fork`` swaps the CPU default generator to the named state and back, so TP ranks
-draw different dropout masks in model-parallel regions exactly as on GPU. The module-level state helpers used
-by activation recomputation read and write the CPU generator likewise.
+``get_cuda_rng_tracker().fork(name)``. In megatron-core those states are CUDA generator states
+(``tensor_parallel/random.py``: 0.16.1 lines 217-277, 0.19.2 lines 285-345). Here they become CPU generator
+states with the same meaning: ``add`` seeds a private generator, ``fork`` swaps the CPU default generator to
+the named state and back, so TP ranks draw different dropout masks in model-parallel regions exactly as on
+GPU. The module-level state helpers used by activation recomputation read and write the CPU generator likewise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from megatron_rl import patches
 
 
 def _add(self, name: str, seed: int) -> None:
-    """CudaRNGStatesTracker.add with a CPU generator state (same duplicate checks as megatron-core)."""
+    """CudaRNGStatesTracker.add with a CPU generator state (same checks and flag as megatron-core)."""
+    self._is_initialized = True
     if seed in self.seeds_:
         raise Exception(f"seed {seed} already exists")
     self.seeds_.add(seed)
@@ -66,10 +67,11 @@ def _apply() -> None:
 PATCHES = [
     patches.Patch(
         name="P6 CPU RNG tracker",
-        target=f"{patches.TARGET_PACKAGE}=={patches.TARGET_VERSION}",
+        versions=("0.16.1", "0.19.2"),
         reason=(
             "CudaRNGStatesTracker.add/fork and _get/_set_cuda_rng_state call torch.cuda RNG APIs "
-            "(tensor_parallel/random.py:235-277), needed by model_parallel_cuda_manual_seed and fork()"
+            "(tensor_parallel/random.py: 0.16.1 :41-110,217-277; 0.19.2 :104-173,285-345), "
+            "needed by model_parallel_cuda_manual_seed and fork()"
         ),
         removal="megatron-core's tracker supports a CPU generator (or a device-agnostic torch RNG API)",
         apply=_apply,

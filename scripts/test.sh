@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
-# Set up .venv if needed, then run the whole test suite. Extra arguments go to pytest.
+# Set up the venv if needed, then run the whole test suite. Extra arguments go to pytest.
+# The venv is the one scripts/setup.sh picks (the newest megatron-core the machine allows); PYTHON=... or
+# VENV=... choose another end of the supported range, as for setup.sh (docs/MEGATRON_CORE.md).
 # Exit code is pytest's: non-zero on any failure, and 5 (also a failure) when no test ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest tests "$@"
+venv=$(bash scripts/setup.sh --venv)
+"$venv/bin/python" -c "import importlib.metadata as m, sys; print(f'tests: Python {sys.version.split()[0]}, ' \
+f'megatron-core {m.version(\"megatron-core\")}, torch {m.version(\"torch\")} ($venv)')"
+exec "$venv/bin/python" -m pytest tests "$@"

@@ -5,9 +5,16 @@ One 2-rank PP2 run (tied embeddings, packed micro-batches of different lengths) 
 ``get_megatron_optimizer(...).step()`` with grad clipping on (its CUDA call sites: P1-P5), spying on
 megatron's functions to show they really ran; losses, the grad norm and the parameters after one SGD step
 are compared with a plain single-process autograd reference built from the same full state dict.
+
+The patches exist only for CUDA-less machines: tests that need them applied skip where CUDA is available.
+Which patches apply depends on the installed megatron-core (``EXPECTED_PATCHES``, the version table of
+docs/MEGATRON_CORE.md).
 """
 
+import importlib.metadata
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +31,14 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attent
                     vocab_size=64, share_embeddings_and_output_weights=True, attention_backend="local")
 NUM_MICROBATCHES = 2
 LR = 0.5
+_COMMON = ["P1/P4/P5 CpuForCudaMode", "P2 torch.cuda.current_device", "P3 torch.cuda.synchronize"]
+EXPECTED_PATCHES = {  # megatron-core version -> the patches applied on CPU, in order
+    "0.16.1": [*_COMMON, "P6 CPU RNG tracker"],
+    "0.19.2": [*_COMMON, "P9 torch.cuda.current_stream", "P6 CPU RNG tracker"],
+}
+MCORE_VERSION = importlib.metadata.version("megatron-core")
+needs_cpu_patches = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CUDA is available: the CPU patches are not applied (nothing to test)")
 
 
 def _micro_batches():
@@ -126,15 +141,35 @@ def reference():
         destroy_distributed()
 
 
+def test_version_table_matches_the_registry_and_setup_py():
+    from megatron_rl import patches
+
+    assert set(EXPECTED_PATCHES) == set(patches.TESTED_VERSIONS)
+    assert MCORE_VERSION in patches.TESTED_VERSIONS, "CI runs the suite on the tested versions only"
+    for version in patches.TESTED_VERSIONS:
+        assert patches.in_supported_range(version)
+    for patch in patches.registry():
+        assert patch.versions and set(patch.versions) <= set(patches.TESTED_VERSIONS), patch.name
+        assert patch.reason and patch.removal, patch.name
+        assert patch.target == "megatron-core" + ",".join(f"=={v}" for v in patch.versions)
+    for version, names in EXPECTED_PATCHES.items():
+        assert [p.name for p in patches.registry() if p.applies_to(version)] == names, version
+    setup_py = (Path(__file__).parents[1] / "setup.py").read_text()
+    assert re.search(r'"megatron-core(.*?)"', setup_py).group(1) == patches.SUPPORTED_RANGE
+
+
+@needs_cpu_patches
 def test_registry_records_are_complete_and_apply_is_idempotent(caplog):
     from megatron_rl import patches
 
-    for patch in patches.registry():
-        assert patch.target == "megatron-core==0.16.1" and patch.reason and patch.removal
     with caplog.at_level(logging.INFO, logger="megatron_rl.patches"):
         first = patches.apply_cpu_patches()
-        assert patches.apply_cpu_patches() == first == [p.name for p in patches.registry()]
+        assert patches.apply_cpu_patches() == first == EXPECTED_PATCHES[MCORE_VERSION]
     assert torch.zeros(1, device="cuda").device.type == "cpu"
+    if "P9 torch.cuda.current_stream" in first:
+        stream = torch.cuda.current_stream()
+        stream.wait_event(None)
+        stream.wait_stream(stream)
 
 
 def test_version_mismatch_refused(monkeypatch):
@@ -142,21 +177,32 @@ def test_version_mismatch_refused(monkeypatch):
 
     monkeypatch.setattr(patches.importlib.metadata, "version", lambda name: "0.99.0")
     monkeypatch.delenv(patches.ALLOW_ENV, raising=False)
-    with pytest.raises(RuntimeError, match="targets megatron-core==0.16.1 but 0.99.0 is installed"):
+    with pytest.raises(RuntimeError, match=r"supports megatron-core>=0\.16\.1,<0\.20 \(tested: 0\.16\.1 and "
+                                           r"0\.19\.2\) but 0\.99\.0 is installed"):
         patches.check_megatron_version()
     monkeypatch.setenv(patches.ALLOW_ENV, "1")
     with pytest.warns(UserWarning, match="0.99.0"):
         assert patches.check_megatron_version() == "0.99.0"
 
 
+def test_untested_version_in_range_warns_and_applies_every_patch(monkeypatch):
+    from megatron_rl import patches
+
+    monkeypatch.setattr(patches.importlib.metadata, "version", lambda name: "0.18.0")
+    monkeypatch.delenv(patches.ALLOW_ENV, raising=False)
+    with pytest.warns(UserWarning, match=r"0\.18\.0 is in megatron_rl's supported range .* CI tests only"):
+        assert patches.check_megatron_version() == "0.18.0"
+    assert all(p.applies_to("0.18.0") for p in patches.registry())
+
+
+@needs_cpu_patches
 @pytest.mark.multirank
 def test_megatron_schedule_ddp_optimizer_run_on_cpu_pp2(reference):
     full_sd, ref_losses, ref_grad_norm, ref_after = reference
     out = run_ranks(2, _pp2_train_step, full_sd, _micro_batches())
     first, last = sorted(out, key=lambda o: o["pp_rank"])
     for o in out:
-        assert o["applied"] == ["P1/P4/P5 CpuForCudaMode", "P2 torch.cuda.current_device",
-                                "P3 torch.cuda.synchronize", "P6 CPU RNG tracker"]
+        assert o["applied"] == EXPECTED_PATCHES[MCORE_VERSION]
         assert o["cuda_factory_device"] == "cpu"
         assert o["optimizer"].startswith("megatron.core.optimizer") and o["success"]
         counts = o["counts"]
