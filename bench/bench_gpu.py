@@ -67,7 +67,7 @@ def hf_config(shape: dict):
     from transformers import Qwen3Config
 
     return Qwen3Config(vocab_size=VOCAB, head_dim=HEAD_DIM, tie_word_embeddings=True, max_position_embeddings=40960,
-                       rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16", **shape)  # fmt: skip
+                       rope_theta=1e6, rms_norm_eps=1e-6, **shape)  # fmt: skip
 
 
 def workload(rows: int, small: bool):
@@ -152,7 +152,7 @@ def run_hf(shape: dict, batch, budget: int, reps: int) -> tuple[float, float]:
 
     from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 
-    model = Qwen3ForCausalLM._from_config(hf_config(shape), attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    model = Qwen3ForCausalLM._from_config(hf_config(shape), attn_implementation="sdpa", dtype=torch.bfloat16)
     model = model.cuda().train()
     seqs, mask = batch["sequences"].cuda(), batch["attention_mask"].cuda()
     loss_mask, adv = batch["loss_mask"].cuda(), batch["advantages"].cuda()
