@@ -123,6 +123,7 @@ class PackedDotProductAttention(MegatronModule):
         kernel does not cover would be left unwritten."""
         if max_seqlen is None:  # a sync; PackedBatch.packed_seq_params() always sets it
             max_seqlen = int((cu[1:] - cu[:-1]).max())
+        _check_max_seqlen(max_seqlen, [0] * (cu.numel() - 1) + [query.shape[0]])  # host shapes only (cu[-1] == T)
         kwargs = dict(_VARLEN.causal_kwargs)
         if self.num_heads != self.num_groups:
             if _VARLEN.has_gqa:
