@@ -219,7 +219,8 @@ class ModelConfig(ConfigSection):
     params_dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter / compute dtype. bfloat16 is for GPUs."""
     attention_backend: Literal["auto", "local", "te"] = "auto"
-    """'te' = TransformerEngine spec, 'local' = portable packed SDPA attention, 'auto' = te if importable."""
+    """'local' = portable packed attention (flash varlen on CUDA, SDPA on CPU); 'auto' = 'local' (TE is never
+    picked silently); 'te' = TransformerEngine spec, an explicit opt-in that has not run on our machines."""
     init_method_std: float = field(default=0.02, metadata=POSITIVE)
     """Std of the random weight init (ignored when hf_path is set)."""
 

@@ -7,18 +7,30 @@ constructor and forward signature as ``DotProductAttention`` in 0.16.1 and is pu
 
     THD (packed_seq_params.qkv_format == "thd"):   q [T, np, hn], k/v [T, ng, hn]  ->  [T, np*hn]
         sequence i occupies rows cu[i]:cu[i+1] (cu_seqlens_q_padded if given, else cu_seqlens_q); each
-        sequence attends causally to itself only (block-diagonal causal); rows after cu[-1] give 0.
+        sequence attends causally to itself only (block-diagonal causal); rows after cu[-1] give 0 (CPU
+        path; the CUDA path requires cu[-1] == T, see below).
     padded (sbhd):                                 q [s, b, np, hn], k/v [s, b, ng, hn]  ->  [s, b, np*hn]
         attention_mask [b|1, 1, s, s] bool, True = masked (megatron's convention); None = causal.
 
-Math is torch's scaled_dot_product_attention (GQA via ``enable_gqa``), one call per packed sequence: cost is
-``sum_i n_i**2`` rather than ``T**2``. Masked-out logits get the dtype's most negative value rather than -inf,
-so a fully masked (padding) query row yields a finite, ignored output instead of NaN.
+Kernels, chosen by device in ``_thd`` (the CPU result is unchanged by the CUDA path's existence):
+
+    CUDA, fp16/bf16, no dropout   ``torch.nn.attention.varlen.varlen_attn`` (flash) over ``cu_seqlens``: one
+                                  kernel for all sequences, causal, GQA native or by expanding k/v on the
+                                  device; no host sync (``max_seqlen`` is the Python int of PackedSeqParams).
+                                  Requires ``cu_seqlens[-1] == T`` and ``max_seqlen`` >= every sequence, which
+                                  ``PackedBatch`` guarantees (checking it here would be a device sync).
+    otherwise (CPU, fp32)         torch's scaled_dot_product_attention (GQA via ``enable_gqa``), one call per
+                                  packed sequence over host bounds (``cu.tolist()``, free on CPU).
+
+Either way the cost is ``sum_i n_i**2`` rather than ``T**2``. Masked-out logits get the dtype's most negative
+value rather than -inf, so a fully masked (padding) query row yields a finite, ignored output instead of NaN.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import math
 
 import torch
@@ -29,6 +41,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+logger = logging.getLogger(__name__)
 
 
 class PackedDotProductAttention(MegatronModule):
@@ -81,7 +95,10 @@ class PackedDotProductAttention(MegatronModule):
         """q [T, np, hn], k/v [T, ng, hn] -> [T, np*hn], block-diagonal causal over cu_seqlens."""
         cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        assert torch.equal(cu_q.cpu(), cu_kv.cpu()), "self-attention expects cu_seqlens_q == cu_seqlens_kv"
+        if cu_q is not cu_kv:  # PackedBatch passes one tensor for both: no comparison (a device sync) needed
+            assert torch.equal(cu_q.cpu(), cu_kv.cpu()), "self-attention expects cu_seqlens_q == cu_seqlens_kv"
+        if self._use_varlen(query):
+            return self._thd_varlen(query, key, value, cu_q, params.max_seqlen_q)
         bounds = cu_q.tolist()
         total = query.shape[0]
         assert bounds[0] == 0 and bounds[-1] <= total, (bounds, total)
@@ -94,6 +111,29 @@ class PackedDotProductAttention(MegatronModule):
         if bounds[-1] < total:
             outs.append(query.new_zeros(total - bounds[-1], self.num_heads * query.shape[-1]))
         return torch.cat(outs, dim=0)
+
+    def _use_varlen(self, query: torch.Tensor) -> bool:
+        """The flash kernel: CUDA, fp16/bf16, no attention dropout, and a causal form of varlen_attn."""
+        return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _VARLEN is not None
+                and not (self.dropout_p > 0 and self.training))  # fmt: skip
+
+    def _thd_varlen(self, query, key, value, cu: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
+        """The CUDA path of ``_thd``: one flash kernel over all sequences, no host sync when ``max_seqlen`` is
+        given. Contract (module docstring): ``cu[-1] == T`` and ``max_seqlen`` >= every sequence; rows the
+        kernel does not cover would be left unwritten."""
+        if max_seqlen is None:  # a sync; PackedBatch.packed_seq_params() always sets it
+            max_seqlen = int((cu[1:] - cu[:-1]).max())
+        _check_max_seqlen(max_seqlen, [0] * (cu.numel() - 1) + [query.shape[0]])  # host shapes only (cu[-1] == T)
+        kwargs = dict(_VARLEN.causal_kwargs)
+        if self.num_heads != self.num_groups:
+            if _VARLEN.has_gqa:
+                kwargs["enable_gqa"] = True
+            else:  # expand k/v on the device (a Python repeat count: no sync)
+                key = key.repeat_interleave(self.num_heads // self.num_groups, dim=1)
+                value = value.repeat_interleave(self.num_heads // self.num_groups, dim=1)
+        cu = cu.to(torch.int32)
+        out = _VARLEN.fn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=self.softmax_scale, **kwargs)
+        return out.reshape(query.shape[0], -1)  # [T, np*hn]
 
     def _padded(self, query, key, value, attention_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """q [s, b, np, hn], k/v [s, b, ng, hn], mask [b|1, 1, s, s] (True = masked) -> [s, b, np*hn].
@@ -127,6 +167,42 @@ class PackedDotProductAttention(MegatronModule):
         if self.dropout_p > 0 and self.training and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+class _VarlenAttn:
+    """``torch.nn.attention.varlen.varlen_attn`` and the keyword arguments its installed version takes.
+
+    Causal is ``window_size=(-1, 0)`` in torch 2.11-2.13 (no ``is_causal``); ``enable_gqa`` exists in 2.13 but
+    not necessarily in older versions (then k/v are expanded). Checked once, with ``inspect``."""
+
+    def __init__(self, fn):
+        params = inspect.signature(fn).parameters
+        self.fn = fn
+        self.has_gqa = "enable_gqa" in params
+        if "is_causal" in params:
+            self.causal_kwargs = {"is_causal": True}
+        elif "window_size" in params:
+            self.causal_kwargs = {"window_size": (-1, 0)}
+        else:
+            raise TypeError("varlen_attn takes neither is_causal nor window_size")
+        if "scale" not in params:
+            raise TypeError("varlen_attn takes no scale")
+
+
+def _find_varlen() -> _VarlenAttn | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10: the exact per-sequence path everywhere
+        return None
+    try:
+        return _VarlenAttn(varlen_attn)
+    except TypeError as err:
+        logger.warning("torch.nn.attention.varlen.varlen_attn not usable (%s); THD attention loops over sequences",
+                       err)
+        return None
+
+
+_VARLEN = _find_varlen()
 
 
 def _check_supported(config: TransformerConfig) -> None:

@@ -9,8 +9,9 @@ Logits stay vocab-sharded (``parallel_output=True``): ``[b, s, V_padded/tp]`` (`
 on the last stage; feed them to ``megatron_rl.model.logprobs``.
 
 Layer spec:
-    TransformerEngine spec   attention_backend="te", or "auto" when TE is importable and CUDA is available
-    local spec               otherwise: megatron's ``get_gpt_layer_local_spec`` with the core attention
+    TransformerEngine spec   attention_backend="te" only: an explicit opt-in (it has never run on a machine
+                             of ours; TE cannot be installed on the lent GPU), never picked silently
+    local spec               "local" and "auto" (the default; "auto" never means TE): megatron's ``get_gpt_layer_local_spec`` with the core attention
                              replaced by ``PackedDotProductAttention`` (accepts THD, P8) and every norm
                              (layer, q/k, final) by ``model.norm.RMSNorm`` (sequence-parallel aware, P7)
 
@@ -74,16 +75,16 @@ def _validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
 
 
 def use_transformer_engine(model_cfg: ModelConfig) -> bool:
-    """Whether the TE layer spec is used (see module doc); ValueError for 'te' without TE or CUDA."""
-    have_te = importlib.util.find_spec("transformer_engine") is not None
-    if model_cfg.attention_backend == "te":
-        if not (have_te and torch.cuda.is_available()):
-            raise ValueError(
-                "model.attention_backend='te' needs TransformerEngine and CUDA; install transformer-engine on a "
-                "GPU machine or set attention_backend='local' (or 'auto')"
-            )
-        return True
-    return model_cfg.attention_backend == "auto" and have_te and torch.cuda.is_available()
+    """Whether the TE layer spec is used: only for attention_backend='te' (see module doc); ValueError for
+    'te' without TE or CUDA. 'auto' is the local spec even where TE is importable."""
+    if model_cfg.attention_backend != "te":
+        return False
+    if not (importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()):
+        raise ValueError(
+            "model.attention_backend='te' needs TransformerEngine and CUDA; install transformer-engine on a "
+            "GPU machine or set attention_backend='local' (or 'auto')"
+        )
+    return True
 
 
 def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> TransformerConfig:

@@ -13,6 +13,14 @@ All in fp32; the full vocab is never gathered; the input logits are never writte
 
     d logp / d x_j = 1[j == label] - p_j          d H / d x_j = -p_j (x_j - sum_k p_k x_k)
 
+Memory: the head works on row chunks of ``CHUNK_BYTES`` per fp32 temporary and saves only the input logits
+(their own dtype: bf16 in bf16 training) plus ``m``, ``log Z`` and ``E_p[x - m]`` (``[N]`` fp32 each); the
+backward recomputes ``p`` chunk by chunk. No fp32 ``[N, V_l]`` tensor lives between forward and backward
+(the unchunked version kept ``p`` and, with entropy, ``x - m``: 2 x 5 GB at N = 8,192, V = 151,936). Every
+formula is applied row by row exactly as written above, so the values and gradients are those of the
+unchunked computation (``tests/model/test_logprob_head.py`` checks bitwise equality on CPU). The all-reduces
+run once per pass over all rows, not once per chunk.
+
 ``vocab_parallel_log_softmax`` returns the whole row ``(x - m) - log Z`` (all-gathered over TP), for the few
 positions where a sampler needs the full distribution.
 
@@ -26,6 +34,9 @@ import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
+
+CHUNK_BYTES = 1 << 28
+"""Target size of one fp32 ``[rows, V_l]`` temporary of the chunked head (256 MiB: ~440 rows at V = 151,936)."""
 
 
 def _group_size(group: ProcessGroup | None) -> int:
@@ -52,7 +63,7 @@ def _shifted_and_log_z(
     logits: torch.Tensor, tp_group: ProcessGroup | None, valid_vocab_size: int | None
 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tp_rank, x - m [..., V_l], exp(x - m) [..., V_l], log Z [...])`` of the local shard, fp32."""
-    tp_rank = 0 if _group_size(tp_group) == 1 else dist.get_rank(tp_group)
+    tp_rank = _tp_rank(tp_group)
     x = _masked_fp32(logits, tp_rank * logits.shape[-1], valid_vocab_size)  # [..., V_l] fp32
     m = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, tp_group)  # [...]
     shifted = x - m.unsqueeze(-1)  # new tensor: the input is never modified
@@ -61,41 +72,93 @@ def _shifted_and_log_z(
     return tp_rank, shifted, exp, log_z
 
 
+def _tp_rank(group: ProcessGroup | None) -> int:
+    return 0 if _group_size(group) == 1 else dist.get_rank(group)
+
+
+def _chunks(num_rows: int, vocab_local: int) -> list[slice]:
+    """Row slices whose fp32 ``[rows, V_l]`` temporaries stay near ``CHUNK_BYTES`` each."""
+    rows = max(1, CHUNK_BYTES // (4 * vocab_local))
+    return [slice(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
+
+
+class _Rows:
+    """Recomputes a row chunk's fp32 ``x - m`` and ``p`` from the saved input (forward and backward share it,
+    so both see the same bits as the unchunked formulas in the module docstring)."""
+
+    def __init__(self, logits: torch.Tensor, vocab_start: int, valid_vocab_size: int | None, m: torch.Tensor):
+        self.logits, self.vocab_start, self.valid, self.m = logits, vocab_start, valid_vocab_size, m
+
+    def shifted(self, rows: slice) -> torch.Tensor:
+        x = _masked_fp32(self.logits[rows], self.vocab_start, self.valid)  # [n, V_l] fp32
+        return x - self.m[rows].unsqueeze(-1)
+
+    def probs(self, shifted: torch.Tensor, rows: slice, log_z: torch.Tensor) -> torch.Tensor:
+        return shifted.exp().div_(log_z[rows].exp().unsqueeze(-1))  # p_j = exp(x_j - m) / exp(log Z)
+
+
 class _VocabParallelLogprobsEntropy(torch.autograd.Function):
+    """Chunked over rows; saves the input logits and three ``[N]`` fp32 vectors, never an fp32 ``[N, V_l]``."""
+
     @staticmethod
     def forward(ctx, logits, labels, tp_group, compute_entropy, valid_vocab_size):
         vocab_local = logits.shape[-1]
-        tp_rank, shifted, exp, log_z = _shifted_and_log_z(logits, tp_group, valid_vocab_size)
-
-        local_label = labels - tp_rank * vocab_local
+        flat = logits.reshape(-1, vocab_local)  # [N, V_l] (a view for contiguous logits)
+        tp_rank = _tp_rank(tp_group)
+        local_label = labels.reshape(-1) - tp_rank * vocab_local  # [N]
         in_shard = (local_label >= 0) & (local_label < vocab_local)
-        picked = shifted.gather(-1, local_label.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
+        index = local_label.clamp(0, vocab_local - 1).unsqueeze(-1)  # [N, 1]
+        chunks = _chunks(flat.shape[0], vocab_local)
+
+        m = flat.new_empty(flat.shape[0], dtype=torch.float32)
+        for rows in chunks:
+            m[rows] = _masked_fp32(flat[rows], tp_rank * vocab_local, valid_vocab_size).max(dim=-1).values
+        m = _all_reduce(m, dist.ReduceOp.MAX, tp_group)
+        rows_of = _Rows(flat, tp_rank * vocab_local, valid_vocab_size, m)
+
+        sum_exp, picked = torch.empty_like(m), torch.empty_like(m)
+        for rows in chunks:
+            shifted = rows_of.shifted(rows)
+            sum_exp[rows] = shifted.exp().sum(dim=-1)
+            picked[rows] = shifted.gather(-1, index[rows]).squeeze(-1)
+        log_z = _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group).log()  # [N]
         picked = _all_reduce(torch.where(in_shard, picked, 0.0), dist.ReduceOp.SUM, tp_group)
         logprobs = picked - log_z
 
-        probs = exp.div_(log_z.exp().unsqueeze(-1))  # p_j, in exp's storage
         mean_shifted = None
         entropy = logprobs.new_zeros(())
         if compute_entropy:
-            mean_shifted = _all_reduce((probs * shifted).sum(dim=-1), dist.ReduceOp.SUM, tp_group)  # E_p[x - m]
-            entropy = log_z - mean_shifted
-        ctx.save_for_backward(probs, shifted if compute_entropy else None, mean_shifted,
-                              local_label, in_shard)
-        ctx.input_dtype = logits.dtype
+            mean_shifted = torch.empty_like(m)  # E_p[x - m]
+            for rows in chunks:
+                shifted = rows_of.shifted(rows)
+                mean_shifted[rows] = (rows_of.probs(shifted, rows, log_z) * shifted).sum(dim=-1)
+            mean_shifted = _all_reduce(mean_shifted, dist.ReduceOp.SUM, tp_group)
+            entropy = (log_z - mean_shifted).view(labels.shape)
+        ctx.save_for_backward(logits, m, log_z, mean_shifted, index, in_shard)
+        ctx.meta = (tp_rank * vocab_local, valid_vocab_size)
         ctx.set_materialize_grads(False)
-        return logprobs, entropy
+        return logprobs.view(labels.shape), entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        probs, shifted, mean_shifted, local_label, in_shard = ctx.saved_tensors
-        grad = torch.zeros_like(probs)
-        if grad_logprobs is not None:
-            grad -= probs * grad_logprobs.unsqueeze(-1)
-            onehot_grad = torch.where(in_shard, grad_logprobs, 0.0).unsqueeze(-1)
-            grad.scatter_add_(-1, local_label.clamp(0, probs.shape[-1] - 1).unsqueeze(-1), onehot_grad)
-        if grad_entropy is not None and shifted is not None:
-            grad -= probs * (shifted - mean_shifted.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
-        return grad.to(ctx.input_dtype), None, None, None, None
+        logits, m, log_z, mean_shifted, index, in_shard = ctx.saved_tensors
+        vocab_local = logits.shape[-1]
+        rows_of = _Rows(logits.reshape(-1, vocab_local), *ctx.meta, m)
+        g_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1)  # [N]
+        g_ent = None if grad_entropy is None or mean_shifted is None else grad_entropy.reshape(-1)
+        grad_input = torch.empty_like(rows_of.logits)  # [N, V_l], the input's dtype
+        for rows in _chunks(grad_input.shape[0], vocab_local):
+            shifted = rows_of.shifted(rows)
+            probs = rows_of.probs(shifted, rows, log_z)
+            grad = torch.zeros_like(probs)
+            if g_lp is not None:
+                grad -= probs * g_lp[rows].unsqueeze(-1)
+                onehot_grad = torch.where(in_shard[rows], g_lp[rows], 0.0).unsqueeze(-1)
+                grad.scatter_add_(-1, index[rows], onehot_grad)
+            if g_ent is not None:
+                grad -= probs * (shifted - mean_shifted[rows].unsqueeze(-1)) * g_ent[rows].unsqueeze(-1)
+            grad_input[rows] = grad
+        return grad_input.view(logits.shape), None, None, None, None
 
 
 def vocab_parallel_logprobs_entropy(

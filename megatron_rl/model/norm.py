@@ -6,11 +6,17 @@ the sequence, so norm-weight gradients are partial sums that ``finalize_model_gr
 TP; it does so for params tagged ``.sequence_parallel = True`` (``distributed/finalize_model_grads.py:354``),
 which is what TransformerEngine's norm does too. This module is the same math as Hugging Face's Llama RMSNorm
 (normalize in fp32, cast back, then scale), and is used for the layer norms, the q/k norms and the final norm.
+
+Kernels by device: on CUDA the normalization is ``torch.nn.functional.rms_norm`` (one fused kernel that
+computes in fp32 and returns x's dtype; ~5x faster than the elementwise chain on an H100, GPU_NOTES.md),
+followed by the same ``weight *`` in the same order, so the rounding points are HF's; on CPU the explicit
+chain stays (bitwise what the CPU parity tests pin).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -26,6 +32,8 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # one fused kernel for the normalization (fp32 inside, output in x's dtype), then the scale
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
