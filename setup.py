@@ -18,7 +18,7 @@ setup(
         "megatron-core>=0.16.1,<0.20",  # the tested range; extend it with docs/MEGATRON_CORE.md
         "pyyaml",
         "numpy",
-        "psutil",  # megatron-core's checkpoint saver hangs without it (DIST_CKPT_NOTES.md)
+        "psutil",  # megatron-core's checkpoint saver hangs without it (docs/CHECKPOINTS.md section 5)
         "einops",
         "packaging",  # megatron_rl.patches compares the installed megatron-core with the supported range
     ],

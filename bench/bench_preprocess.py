@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_preprocess.py [--trajectories 512] [--turns 8] [--quick]
 
-Place in the data flow (DESIGN.md section 1): everything between the rollouts and the Megatron model, run on
+Place in the data flow (docs/DESIGN.md section 1): everything between the rollouts and the Megatron model, run on
 the host once per training batch. Two pipelines over the same rollouts (``trajectories * turns`` sequences):
 
     rows:    validate -> convert ([B, S] block) -> prompt mini-batch boundaries -> micro-batch plan + pack

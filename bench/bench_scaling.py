@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_scaling.py [--tokens 8192] [--trajectories 2] [--reps 2] [--out-dir bench/results]
 
-Place in the data flow (DESIGN.md sections 1-3, 6): the Megatron model stage, with the same tiny model and step
+Place in the data flow (docs/DESIGN.md sections 1-3, 6): the Megatron model stage, with the same tiny model and step
 as ``bench_throughput.py`` (forward + backward of the summed response log-likelihood, one micro-batch).
 
 1. Sequence length: a fixed budget of ``--tokens`` tokens per step, cut into ``tokens / L`` sequences of

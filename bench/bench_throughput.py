@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_throughput.py [--trajectories 8] [--turns 4] [--reps 5] [--quick]
 
-Place in the data flow (DESIGN.md sections 1-3): the "Megatron model" stage. One process, ``initialize_distributed``
-(gloo, one rank) then ``build_gpt_model`` (local layer spec with megatron_rl's THD attention). A *step* is one
+Place in the data flow (docs/DESIGN.md sections 1-3): the "Megatron model" stage. One process,
+``initialize_distributed`` (gloo, one rank) then ``build_gpt_model`` (local layer spec with megatron_rl's THD attention). A *step* is one
 forward + backward of the whole batch as one micro-batch: logits -> ``vocab_parallel_logprobs_entropy`` ->
 ``loss = -sum(logprob * loss_mask)`` over the response tokens -> backward (no optimizer, no DDP). Variants:
 
@@ -94,7 +94,7 @@ def build_model(model_cfg: ModelConfig, seed: int = 1234) -> torch.nn.Module:
 
 @dataclass
 class PaddedInput:
-    """Left-padded block (DESIGN.md section 2)."""
+    """Left-padded block (docs/DESIGN.md section 2)."""
 
     sequences: torch.Tensor
     """``[B, S]`` int64."""
@@ -110,7 +110,7 @@ class PaddedInput:
 
 @dataclass
 class PackedInput:
-    """One THD stream (DESIGN.md section 3)."""
+    """One THD stream (docs/DESIGN.md section 3)."""
 
     packed: PackedBatch
     """``[1, T]`` stream of the rows."""
@@ -147,7 +147,7 @@ def packed_input(
 
 
 def variant_inputs(out: GeneratorOutput) -> dict[str, ModelInput]:
-    """The three variants of DESIGN.md's layouts for the step-wise rollouts ``out``."""
+    """The three variants of docs/DESIGN.md's layouts for the step-wise rollouts ``out``."""
     tensors = batch_tensors(out)
     merged, _ = merge_stepwise_output(out)
     return {
@@ -170,7 +170,7 @@ def response_logprobs(model: torch.nn.Module, inp: ModelInput) -> torch.Tensor:
         positions = torch.arange(seq_len)[None].expand(rows, seq_len)  # RoPE is relative: left padding is harmless
         logits = model(inp.sequences, positions, inp.mask)  # [B, S, V]
         logprobs, _ = vocab_parallel_logprobs_entropy(logits[:, :-1], inp.sequences[:, 1:], None, False)
-        return logprobs[:, -width:]  # column t predicts token t+1 (DESIGN.md section 2)
+        return logprobs[:, -width:]  # column t predicts token t+1 (docs/DESIGN.md section 2)
     p = inp.packed
     logits = model(p.input_ids, p.position_ids, None, packed_seq_params=p.packed_seq_params())  # [1, T, V]
     logprobs, _ = vocab_parallel_logprobs_entropy(logits, p.labels, None, False)  # [1, T]

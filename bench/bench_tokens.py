@@ -2,12 +2,12 @@
 
     .venv/bin/python bench/bench_tokens.py [--trajectories 64] [--turns 8] [--quick]
 
-Place in the data flow (DESIGN.md sections 2, 3, 6): the batches are built with the library's own functions
+Place in the data flow (docs/DESIGN.md sections 2, 3, 6): the batches are built with the library's own functions
 (``merge_stepwise_output``, ``convert_prompts_responses_to_batch_tensors``, ``pack``); only the count of token
 slots is measured. Layouts, for B rows with prompt p_i and response r_i:
 
     two-segment   B * (max p + max r)          the old [prompt block | response block] layout
-    unified       B * max(p + r)               the left-padded block of DESIGN.md section 2 ([B, S])
+    unified       B * max(p + r)               the left-padded block of docs/DESIGN.md section 2 ([B, S])
     packed tp=a   sum_i ceil((p_i + r_i) / a) * a     THD stream, alignment a (1; tp=2 and tp=8 under SP)
     merged+packed the same after merge_stepwise_output (each trajectory's turns become one sequence)
 

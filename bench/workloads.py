@@ -1,6 +1,6 @@
 """Synthetic rollout workloads shared by the benchmarks in ``bench/`` (not a test, not part of the package).
 
-Place in the data flow (DESIGN.md section 1): these stand in for the generator; every workload is a valid
+Place in the data flow (docs/DESIGN.md section 1): these stand in for the generator; every workload is a valid
 ``GeneratorOutput`` (plain lists) that enters the pipeline at validation / ``merge_stepwise_output``.
 
 Step-wise workload (``stepwise_workload``): ``num_trajectories`` trajectories of ``turns`` turns each, grouped

@@ -1,6 +1,6 @@
 """megatron_rl: a Megatron-core training backend for RL post-training of LLMs.
 
-Data flow and design: see ``DESIGN.md`` in the team's shared folder and README.md. Subpackages are pipeline
+Data flow and design: see ``docs/DESIGN.md`` and README.md. Subpackages are pipeline
 stages: ``data`` (pure transforms), ``algorithms`` (pure math), ``model`` and ``distributed`` (the only
 places touching megatron-core or torch.distributed), ``trainer`` (the order of stages).
 """

@@ -1,6 +1,6 @@
 """Configuration schema of megatron_rl.
 
-Dataclasses are the single schema (DESIGN.md section 8). YAML files are serialized overrides of these defaults;
+Dataclasses are the single schema (docs/DESIGN.md section 8). YAML files are serialized overrides of these defaults;
 dotted ``key=value`` arguments override the YAML (``load_config``). Names passed to megatron-core keep
 megatron-core's spelling (``tensor_model_parallel_size``, not ``tp``).
 
@@ -291,7 +291,7 @@ class AlgorithmConfig(ConfigSection):
     importance_sampling."""
     loss_reduction: str = "token_mean"
     """Registered reduction (``algorithms.LOSS_REDUCTIONS``): token_mean, sequence_mean, seq_mean_token_sum_norm.
-    How the summed loss is normalized (through the advantages, per mini-batch; DESIGN.md section 5)."""
+    How the summed loss is normalized (through the advantages, per mini-batch; docs/DESIGN.md section 5)."""
     max_seq_len: int | None = field(default=None, metadata=AT_LEAST_1)
     """Longest prompt + response the run allows: batch conversion warns past it (never truncates), and it is
     the constant normalizer of seq_mean_token_sum_norm."""

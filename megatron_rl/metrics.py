@@ -1,4 +1,4 @@
-"""Metric partials that aggregate exactly across micro-batches and ranks (STYLE.md habit 5).
+"""Metric partials that aggregate exactly across micro-batches and ranks (docs/STYLE.md habit 5).
 
 A loss or stage returns ``dict[str, Metric]``. Each ``Metric`` is a *partial*: it says how it combines with
 other partials of the same name, so averaging over micro-batches of different sizes, or over ranks with

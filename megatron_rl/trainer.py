@@ -1,6 +1,6 @@
 """The RL step: rollouts in, optimizer steps out. The one module that knows the order of the stages.
 
-Place in the data flow (DESIGN.md section 1): everything between a ``GeneratorOutput`` and the optimizer::
+Place in the data flow (docs/DESIGN.md section 1): everything between a ``GeneratorOutput`` and the optimizer::
 
     GeneratorOutput
       -> validate (the one validation of the rollouts) -> merge (step-wise, optional) -> TrainingBatch [B, S] / [B, R]
@@ -123,7 +123,7 @@ class Trainer:
         return merged
 
     def to_training_batch(self, out: GeneratorOutput) -> TrainingBatch:
-        """The left-padded tensor block of DESIGN.md section 2 (``out`` validated by ``validate_and_merge``)."""
+        """The left-padded tensor block of docs/DESIGN.md section 2 (``out`` validated by ``validate_and_merge``)."""
         return TrainingBatch.from_generator_output(
             out, self.policy.pad_token_id, max_seq_len=self.config.algorithm.max_seq_len, step_wise=self.step_wise,
             validated=True,

@@ -1,4 +1,4 @@
-"""CPU adaptations of megatron-core (quarantined; docs/MEGATRON_CORE.md, STYLE.md habit 13).
+"""CPU adaptations of megatron-core (quarantined; docs/MEGATRON_CORE.md, docs/STYLE.md habit 13).
 
 megatron-core hard-codes CUDA in a handful of places (call sites P1-P6 and P9 in docs/MEGATRON_CORE.md).
 On a machine without CUDA, ``megatron_rl.distributed.bootstrap.initialize_distributed`` calls

@@ -1,4 +1,4 @@
-"""Hand-built left-padded batches for tests (the layout of DESIGN.md section 2, without the data layer).
+"""Hand-built left-padded batches for tests (the layout of docs/DESIGN.md section 2, without the data layer).
 
 Built row by row on purpose: tests of the model and checkpoint code should not depend on the conversion code
 they are not testing.

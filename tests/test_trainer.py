@@ -60,7 +60,7 @@ class BigramPolicy:
         R = batch["response_mask"].shape[1]
         logp = torch.log_softmax(self.model.table[seq[:, :-1]], dim=-1)  # [B, S-1, V]
         token_logprobs = logp.gather(-1, seq[:, 1:, None])[..., 0]  # [B, S-1]
-        return token_logprobs[:, -R:]  # DESIGN.md section 2
+        return token_logprobs[:, -R:]  # docs/DESIGN.md section 2
 
     def forward(self, batch: TrainingBatch, *, compute_entropy: bool = False) -> dict[str, torch.Tensor]:
         with torch.no_grad():

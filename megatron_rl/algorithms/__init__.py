@@ -1,4 +1,4 @@
-"""RL math of megatron_rl: pure functions over ``[B, R]`` right-aligned tensors (DESIGN.md sections 2, 5, 6).
+"""RL math of megatron_rl: pure functions over ``[B, R]`` right-aligned tensors (docs/DESIGN.md sections 2, 5, 6).
 
 Place in the data flow: batch tensors -> ``compute_advantages_and_returns`` (whole batch) -> optional
 ``whiten_advantages`` -> ``normalize_advantages_per_minibatch`` (policy only) -> per micro-batch

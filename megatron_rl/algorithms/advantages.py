@@ -1,6 +1,6 @@
-"""Advantage estimators (registry) and the step-wise broadcast (DESIGN.md sections 2 and 6).
+"""Advantage estimators (registry) and the step-wise broadcast (docs/DESIGN.md sections 2 and 6).
 
-Place in the data flow: batch tensors ``[B, R]`` (right-aligned, DESIGN.md section 2) -> here ->
+Place in the data flow: batch tensors ``[B, R]`` (right-aligned, docs/DESIGN.md section 2) -> here ->
 ``normalization.py`` (per mini-batch reduction weights) -> losses.
 
 Every estimator is ``fn(token_level_rewards [B, R], response_mask [B, R], uids: list (len B), config,

@@ -1,5 +1,5 @@
 """Policy losses (registry), off-policy correction, KL / entropy terms, the critic loss, and the loss callables
-the backend runs per micro-batch (DESIGN.md section 5, docs/INTERFACES.md "algorithms/").
+the backend runs per micro-batch (docs/DESIGN.md section 5, docs/INTERFACES.md "algorithms/").
 
 Place in the data flow: the backend computes ``logprobs [b, R]`` (and ``entropy``) of a micro-batch, then calls
 ``policy_loss_fn(logprobs, entropy, mb, ctx)`` (or ``value_loss_fn`` for the critic) and hands the returned

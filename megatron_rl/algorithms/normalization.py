@@ -1,4 +1,4 @@
-"""Loss reduction through the advantages (DESIGN.md section 5).
+"""Loss reduction through the advantages (docs/DESIGN.md section 5).
 
 Place in the data flow: after ``compute_advantages_and_returns`` (whole batch) and before the mini-batch is
 padded for data parallelism and cut into micro-batches:

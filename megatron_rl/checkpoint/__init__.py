@@ -1,4 +1,4 @@
-"""Atomic distributed checkpoints and resume (DESIGN.md section 1, last stage).
+"""Atomic distributed checkpoints and resume (docs/DESIGN.md section 1, last stage).
 
 ``save_checkpoint(policy, save_dir, trainer_state)`` / ``load_checkpoint(policy, path)`` (``dist.py``; ``policy`` is
 any ``CheckpointablePolicy``, e.g. a ``MegatronPolicy``), the on-disk layout and its crash safety

@@ -1,6 +1,6 @@
 """Save and resume a training run with megatron-core ``dist_checkpointing``, atomically.
 
-Place in the data flow: after an optimizer step (DESIGN.md section 1, "checkpoint"), and once at start-up to
+Place in the data flow: after an optimizer step (docs/DESIGN.md section 1, "checkpoint"), and once at start-up to
 resume. Callers use ``save_checkpoint(policy, ...)`` / ``load_checkpoint(policy, ...)``; ``policy`` is any
 ``CheckpointablePolicy`` (``MegatronPolicy`` is one; the model package does not import this one).
 

@@ -1,6 +1,6 @@
 """On-disk layout of megatron_rl checkpoints: atomic publication, the ``latest`` pointer, manifests, pruning.
 
-Place in the data flow: the last stage of a training step (DESIGN.md section 1, "checkpoint"). This module is
+Place in the data flow: the last stage of a training step (docs/DESIGN.md section 1, "checkpoint"). This module is
 pure filesystem code (no torch.distributed, no Megatron); ``checkpoint/dist.py`` drives it from every rank.
 
     save_dir/
@@ -13,7 +13,7 @@ pure filesystem code (no torch.distributed, no Megatron); ``checkpoint/dist.py``
         manifest.json           written last inside the temporary directory: size and CRC32 of every file
       .tmp.step_00000012/       a save in progress or a crashed one: never read, removed by the next save
 
-Crash safety (DIST_CKPT_NOTES.md "Atomicity"): a save writes into a fresh temporary directory, fsyncs every
+Crash safety (docs/CHECKPOINTS.md section 3): a save writes into a fresh temporary directory, fsyncs every
 file and the directory, renames it to ``step_<n>``, fsyncs the parent, and only then replaces ``latest``.
 A crash at any point leaves either the previous ``latest`` or the new one pointing at a complete directory.
 ``resolve_checkpoint`` never returns a directory without a manifest (written last, after every file is

@@ -5,7 +5,7 @@ load templates) and after ``dist_checkpointing.load``.
 
 The distributed optimizer is saved in the ``fully_reshardable`` format (loads under any TP/PP/DP layout; the
 default format fails in 0.16.1). Without Apex/TransformerEngine (native torch Adam) 0.16.1 has three defects
-on this path (DIST_CKPT_NOTES.md), plus two on the local optimizers, fixed here without touching
+on this path (docs/CHECKPOINTS.md section 6), plus two on the local optimizers, fixed here without touching
 megatron-core:
 
 1. ``DistributedOptimizer.state_dict()`` asserts a single Adam ``step`` over the inner state, which is empty

@@ -1,4 +1,4 @@
-"""Random-number-generator state of one rank, for exact resume (DIST_CKPT_NOTES.md "Exact resume").
+"""Random-number-generator state of one rank, for exact resume (docs/CHECKPOINTS.md section 4).
 
 Place in the data flow: saved per rank next to the distributed checkpoint by ``checkpoint/dist.py`` and
 restored on resume when the parallel layout is unchanged (a state belongs to one rank's position in the

@@ -1,4 +1,4 @@
-"""Pure data transforms (DESIGN.md sections 1-3, 6): rollouts -> validated lists -> left-padded tensor block ->
+"""Pure data transforms (docs/DESIGN.md sections 1-3, 6): rollouts -> validated lists -> left-padded tensor block ->
 prompt-based mini-batches -> THD packed micro-batches. No megatron-core import, no torch.distributed."""
 
 from megatron_rl.data.batch import (

@@ -1,7 +1,7 @@
 """Rollout lists -> the unified left-padded tensor block, and ``TrainingBatch``, the container every later stage uses.
 
-Place in the data flow (DESIGN.md section 1): after validation/merging, before advantages. The layout is the one
-of DESIGN.md section 2 (one left-padded block, width ``S = max_i(p_i + r_i)``, response tensors right-aligned
+Place in the data flow (docs/DESIGN.md section 1): after validation/merging, before advantages. The layout is the one
+of docs/DESIGN.md section 2 (one left-padded block, width ``S = max_i(p_i + r_i)``, response tensors right-aligned
 over ``R = max_i(r_i)`` columns):
 
     sequences[i]       [PAD .. PAD | prompt_i | response_i]      [B, S]
@@ -38,7 +38,7 @@ def convert_prompts_responses_to_batch_tensors(
     logprobs: Sequence[Sequence[float]] | None = None,
     max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Build the left-padded block of DESIGN.md section 2 from per-sequence lists.
+    """Build the left-padded block of docs/DESIGN.md section 2 from per-sequence lists.
 
     Returns ``(sequences [B,S] int64, attention_mask [B,S] int64, response_mask [B,R] int64,
     rewards [B,R] float32, loss_masks [B,R] float32, logprobs [B,R] float32 | None)``. A scalar reward lands
@@ -80,7 +80,7 @@ def _check_values(loss_mask: torch.Tensor, rewards: torch.Tensor, logprobs: torc
 
 def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-id lists -> ``(input_ids [n, S] int64, attention_mask [n, S] int64)``, each row right-aligned
-    after ``pad_token_id`` padding (DESIGN.md section 2), ``S`` the longest row. The one left-padding routine
+    after ``pad_token_id`` padding (docs/DESIGN.md section 2), ``S`` the longest row. The one left-padding routine
     for id lists (``convert_prompts_responses_to_batch_tensors`` uses the same block writer)."""
     lengths = _lengths(rows)  # [n]
     width = int(lengths.max())
@@ -209,7 +209,7 @@ class TrainingBatch:
     Standard keys: ``sequences [B,S] int64``, ``attention_mask [B,S] int64``, ``response_mask [B,R] int64``,
     ``loss_mask [B,R] float32``, ``rewards [B,R] float32``; optional ``rollout_logprobs``, ``old_logprobs``,
     ``ref_logprobs``, ``advantages``, ``returns``, ``values`` (``[B,R] float32``). Per-token tensors are
-    right-aligned (DESIGN.md section 2), so widening one means left-padding it.
+    right-aligned (docs/DESIGN.md section 2), so widening one means left-padding it.
     """
 
     def __init__(

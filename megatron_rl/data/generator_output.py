@@ -1,6 +1,6 @@
 """Rollouts as handed to the trainer: ``GeneratorOutput`` and its validation.
 
-Place in the data flow (DESIGN.md section 1): the very first stage. A generator (sampler, environment loop,
+Place in the data flow (docs/DESIGN.md section 1): the very first stage. A generator (sampler, environment loop,
 Tinker-style client) produces one ``GeneratorOutput`` per training batch; ``validate_generator_output`` checks it
 before anything is converted to tensors, so every later stage can rely on these invariants:
 
@@ -167,7 +167,7 @@ def _check_step_wise(trajectory_ids: list[Hashable], is_last_step: list[bool], u
 
 
 def _check_rewards_on_last_steps(rewards: list, is_last_step: list[bool]) -> None:
-    """Outcome estimators read each trajectory's last step only (DESIGN.md section 6): warn (once per call)
+    """Outcome estimators read each trajectory's last step only (docs/DESIGN.md section 6): warn (once per call)
     when a reward sits anywhere else, since it does not reach the advantages."""
     for i, (reward, last) in enumerate(zip(rewards, is_last_step)):
         if last:

@@ -1,6 +1,6 @@
-"""Prefix-aware merging of step-wise turns (DESIGN.md section 6).
+"""Prefix-aware merging of step-wise turns (docs/DESIGN.md section 6).
 
-Place in the data flow (DESIGN.md section 1): optional, step-wise only, between validation and conversion.
+Place in the data flow (docs/DESIGN.md section 1): optional, step-wise only, between validation and conversion.
 Within one trajectory, step ``i+1`` joins the current group when ``group_prompt + group_response`` is a prefix
 of ``prompt[i+1]``; the tokens between (the observation) are appended to the group response with loss_mask 0,
 logprob 0 and (per-token) reward 0, followed by ``response[i+1]``:

@@ -1,7 +1,7 @@
 """Micro-batch planning: which rows of a DP-padded global batch go into which micro-batch on which DP rank.
 
-Place in the data flow (DESIGN.md section 1): inside the policy (``model/plan.py``), after DP padding (the global batch has ``B`` rows, a multiple of
-``dp_size``) and before packing. Pure functions of ints; no torch.distributed. Every rank computes the plans of
+Place in the data flow (docs/DESIGN.md section 1): inside the policy (``model/plan.py``), after DP padding
+(the global batch has ``B`` rows, a multiple of ``dp_size``) and before packing. Pure functions of ints; no torch.distributed. Every rank computes the plans of
 *all* DP ranks from the same global batch, so micro-batch counts agree without a collective.
 
     global rows    0 .. B-1            DP rank d owns the contiguous shard [d*B/dp, (d+1)*B/dp)

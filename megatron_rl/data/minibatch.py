@@ -1,6 +1,6 @@
-"""Mini-batch boundaries counted in prompts (DESIGN.md section 6).
+"""Mini-batch boundaries counted in prompts (docs/DESIGN.md section 6).
 
-Place in the data flow (DESIGN.md section 1): after advantages, before DP padding. One mini-batch = one
+Place in the data flow (docs/DESIGN.md section 1): after advantages, before DP padding. One mini-batch = one
 optimizer step = exactly ``mini_batch_size`` prompts, however many sequences (samples x turns) each prompt
 produced. Prompts are the contiguous runs of equal ``uids``:
 

@@ -1,6 +1,6 @@
 """Padding removal: left-padded micro-batch rows -> one THD packed stream, and per-token outputs back.
 
-Place in the data flow (DESIGN.md sections 1 and 3): per micro-batch, right before the Megatron forward pass
+Place in the data flow (docs/DESIGN.md sections 1 and 3): per micro-batch, right before the Megatron forward pass
 (``pack``), and right after it (``unpack_response``). Pure tensor code; megatron-core is imported lazily and
 only by ``PackedBatch.packed_seq_params``.
 

@@ -12,7 +12,7 @@ The game, with ``offset`` k (default 1) and ``num_turns`` turns (default 3)::
     ...
 
 Each turn's prompt is the previous prompt + response + an observation (feedback and the next digit), so a
-trajectory's steps share prefixes: exactly what step-wise training and prefix merging (DESIGN.md section 6)
+trajectory's steps share prefixes: exactly what step-wise training and prefix merging (docs/DESIGN.md section 6)
 consume. The reward, given at the end of the episode, is the mean turn score in [0, 1]::
 
     turn score = 0.5 * [first response token is the right digit] + 0.5 * [response == (right digit, <eos>)]

@@ -5,7 +5,7 @@ go to the environment, its log-probs become ``GeneratorOutput`` rollout log-prob
 the policy's own log-probs: the rollout/old mismatch metrics).
 
 The model is reached through one function, ``next_token_logprobs(contexts) -> [n, V]``: log-softmax (temperature 1)
-of the next token after each context. ``demo/policy_adapter.py`` implements it with the Megatron policy (every
+of the next token after each context. ``demo/policy_sampling.py`` implements it with the Megatron policy (every
 rank takes part, results identical on every rank); tests implement it with plain torch. The sampler does repeated
 full forward passes over the growing contexts (no KV cache): the demo model is tiny.
 

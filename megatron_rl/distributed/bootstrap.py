@@ -1,4 +1,4 @@
-"""Process-group bootstrap: the first Megatron stage of a run (DESIGN.md section 7).
+"""Process-group bootstrap: the first Megatron stage of a run (docs/DESIGN.md section 7).
 
     torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), or nothing for one process
       -> torch.distributed process group (NCCL with CUDA, gloo without; CPU patches applied once without CUDA)

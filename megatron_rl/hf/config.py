@@ -3,7 +3,7 @@
 Place in the data flow: set-up, before the model is built (``model.builder.build_gpt_model`` reads the
 returned ``ModelConfig``); ``hf/weights.py`` then fills the built model with the checkpoint's tensors.
 
-Mapping (HF_BRIDGE_NOTES.md "Layout facts"):
+Mapping (docs/HF.md section 2):
 
     num_hidden_layers -> num_layers            intermediate_size -> ffn_hidden_size
     num_key_value_heads -> num_query_groups     head_dim -> kv_channels (else hidden_size // heads)

@@ -6,7 +6,7 @@ Place in the data flow: set-up (import: after ``model.builder.build_gpt_model``,
 We build the model ourselves (local or TE spec, ``model/builder.py``) and use mbridge 0.15.1 only to move
 tensors: ``load_weights`` (tensor-parallel rank 0 of each stage reads the safetensors, converts, scatters the
 TP shards) and ``export_weights`` (a collective generator: all-gathers TP shards, broadcasts over PP, yields HF
-names and full tensors; every rank must run it to the end). What mbridge needs here (HF_BRIDGE_NOTES.md):
+names and full tensors; every rank must run it to the end). What mbridge needs here (docs/HF.md section 3):
 
 - two names of the local layer spec it does not know: ``input_layernorm.weight`` and
   ``pre_mlp_layernorm.weight`` (mbridge maps only TE's fused ``layer_norm_weight`` names);

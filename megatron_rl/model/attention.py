@@ -1,4 +1,4 @@
-"""Portable core attention that accepts packed THD input (P8; DESIGN.md section 3).
+"""Portable core attention that accepts packed THD input (P8; docs/DESIGN.md section 3).
 
 megatron-core's local ``DotProductAttention`` rejects ``packed_seq_params``
 (``transformer/dot_product_attention.py:153``) and TransformerEngine needs a GPU. This module has the same

@@ -1,6 +1,6 @@
 """Model builder: ModelConfig + ParallelConfig -> megatron-core GPTModel for this rank's pipeline stage.
 
-Place in the data flow (DESIGN.md section 1): the "Megatron model (TP/PP)" box. Called once per model
+Place in the data flow (docs/DESIGN.md section 1): the "Megatron model (TP/PP)" box. Called once per model
 (policy, reference) after ``initialize_distributed``; the result is wrapped by the policy (DDP, optimizer).
 
 The model is Llama-style: RoPE, RMSNorm, SwiGLU MLP (``gated_linear_unit``: fc1 holds [gate; up]), GQA, no
@@ -11,11 +11,12 @@ on the last stage; feed them to ``megatron_rl.model.logprobs``.
 Layer spec:
     TransformerEngine spec   attention_backend="te" only: an explicit opt-in (it has never run on a machine
                              of ours; TE cannot be installed on the lent GPU), never picked silently
-    local spec               "local" and "auto" (the default; "auto" never means TE): megatron's ``get_gpt_layer_local_spec`` with the core attention
+    local spec               "local" and "auto" (the default; "auto" never means TE): megatron's
+                             ``get_gpt_layer_local_spec`` with the core attention
                              replaced by ``PackedDotProductAttention`` (accepts THD, P8) and every norm
                              (layer, q/k, final) by ``model.norm.RMSNorm`` (sequence-parallel aware, P7)
 
-Settings (MEGATRON_CPU_NOTES.md): ``use_cpu_initialization=True`` (identical full weights for every TP layout
+Settings (docs/CPU_ADAPTATION.md section 3): ``use_cpu_initialization=True`` (identical full weights for every TP layout
 under one seed; the model is moved to ``groups.device`` afterwards), ``perform_initialization=True``, all
 fusions off, and ``variable_seq_lengths=True`` so pipeline stages accept packed micro-batches of different
 lengths; 0.16.1 only allows that with ``moe_token_dispatcher_type="alltoall"``, which has no effect on a

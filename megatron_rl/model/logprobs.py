@@ -1,4 +1,4 @@
-"""Per-token log-probabilities and entropy from vocab-sharded logits (DESIGN.md section 4).
+"""Per-token log-probabilities and entropy from vocab-sharded logits (docs/DESIGN.md section 4).
 
 Place in the data flow: right after the model's last pipeline stage, before the loss. Logits arrive
 vocab-sharded over the tensor-parallel group: TP rank r holds columns ``[r*V_l, (r+1)*V_l)`` of the vocab.

@@ -8,7 +8,7 @@ which is what TransformerEngine's norm does too. This module is the same math as
 (normalize in fp32, cast back, then scale), and is used for the layer norms, the q/k norms and the final norm.
 
 Kernels by device: on CUDA the normalization is ``torch.nn.functional.rms_norm`` (one fused kernel that
-computes in fp32 and returns x's dtype; ~5x faster than the elementwise chain on an H100, GPU_NOTES.md),
+computes in fp32 and returns x's dtype; ~5x faster than the elementwise chain on an H100, docs/DESIGN.md section 12),
 followed by the same ``weight *`` in the same order, so the rounding points are HF's; on CPU the explicit
 chain stays (bitwise what the CPU parity tests pin).
 """

@@ -1,7 +1,7 @@
 """Construction of the trainable stage: Megatron DDP wrapper, optimizer, LR schedule, and the optimizer's
 refresh after the weights change underneath it.
 
-Place in the data flow (DESIGN.md section 1): built once by ``MegatronPolicy(role="policy")``; the policy's
+Place in the data flow (docs/DESIGN.md section 1): built once by ``MegatronPolicy(role="policy")``; the policy's
 ``optim_step`` drives them. DDP and the optimizer read megatron-core's ``parallel_state`` (initialized by
 ``distributed.bootstrap``).
 """

@@ -1,6 +1,6 @@
 """Call planning: a global ``TrainingBatch`` -> this rank's packed micro-batches, on the host, then the device.
 
-Place in the data flow (DESIGN.md section 1): the first stage of every ``MegatronPolicy`` call, before any
+Place in the data flow (docs/DESIGN.md section 1): the first stage of every ``MegatronPolicy`` call, before any
 collective. Everything that can fail for a user's input fails here, on every rank (no rank left waiting):
 
     global batch [B, ...]  (host)                     validate_batch: ValueError naming the key

@@ -1,6 +1,6 @@
 """MegatronPolicy: the training backend's public face (``forward``, ``forward_backward``, ``optim_step``).
 
-Place in the data flow (DESIGN.md section 1): takes a *global* mini-batch (``TrainingBatch``, identical on every
+Place in the data flow (docs/DESIGN.md section 1): takes a *global* mini-batch (``TrainingBatch``, identical on every
 rank), and runs it through megatron-core under TP/PP/DP:
 
     global batch [B, ...] (host)                       model/plan.py plan_call: validated, before any collective
@@ -135,7 +135,7 @@ class MegatronPolicy:
     def next_token_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Log-softmax over the vocabulary of the token after each row's last valid token: ``[n, V]`` fp32.
 
-        ``sequences`` ``[n, S]`` int64 left-padded contexts, ``attention_mask`` ``[n, S]`` (DESIGN.md section 2);
+        ``sequences`` ``[n, S]`` int64 left-padded contexts, ``attention_mask`` ``[n, S]`` (docs/DESIGN.md section 2);
         V = ``config.model.vocab_size`` (vocabulary padding excluded). The path of ``forward``: the rows are
         sharded over DP (every rank passes the same global contexts), run through the pipeline schedule
         (forward only), and the last stage's rows are broadcast over PP and all-gathered over DP, so every

@@ -1,11 +1,11 @@
-"""The gradient-scaling contract between our summed losses and megatron-core (DESIGN.md section 5).
+"""The gradient-scaling contract between our summed losses and megatron-core (docs/DESIGN.md section 5).
 
 Place in the data flow: ``loss_fn`` (algorithms/) returns a *summed* per-token loss for one micro-batch on one
 DP rank; this module turns it into the value handed to megatron-core's pipeline schedule, so that after
 ``finalize_model_grads`` every parameter's gradient equals the gradient of the single global sum over the
 whole mini-batch (all micro-batches, all DP ranks). This is the only place where that arithmetic lives.
 
-Derivation (megatron-core 0.16.1, measured in MEGATRON_CPU_NOTES.md):
+Derivation (megatron-core 0.16.1, measured in docs/CPU_ADAPTATION.md section 4):
 
     Let L = sum over DP ranks d and micro-batches m of L_{d,m}   (the global summed loss we want to train on).
     The schedule (forward_step_calc_loss, 2-tuple return) does, on the last PP stage, in place:

@@ -1,6 +1,6 @@
 """The Megatron stage: megatron-core's pipeline schedule over a ``CallPlan`` and the heads run on its output.
 
-Place in the data flow (DESIGN.md section 1): between ``model/plan.py`` (packed micro-batches on the device)
+Place in the data flow (docs/DESIGN.md section 1): between ``model/plan.py`` (packed micro-batches on the device)
 and the policy's results. Every function here is module-level and named for its stage:
 
     run_schedule(model, call, head)          get_forward_backward_func over call.microbatches

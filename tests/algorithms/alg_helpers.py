@@ -1,4 +1,4 @@
-"""Shared builders for the algorithms tests: random right-aligned batches (DESIGN.md section 2)."""
+"""Shared builders for the algorithms tests: random right-aligned batches (docs/DESIGN.md section 2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The invariance that justifies putting the reduction in the advantages (DESIGN.md section 5), in plain torch.
+"""The invariance that justifies putting the reduction in the advantages (docs/DESIGN.md section 5), in plain torch.
 
 For one mini-batch and each ``loss_reduction``: (a) the gradient of the summed loss on the whole mini-batch,
 (b) the summed gradients over random splits into simulated DP shards (with dummy padding rows) and uneven

@@ -28,7 +28,7 @@ def make_config(tp: int = 1, pp: int = 1, *, distributed: bool = False, optimize
 
 
 def make_batch(vocab: int = 128, seed: int = 0):
-    """4 left-padded rows [B, S] with right-aligned responses [B, R] (DESIGN.md section 2)."""
+    """4 left-padded rows [B, S] with right-aligned responses [B, R] (docs/DESIGN.md section 2)."""
     from batches import left_padded_tensors  # tests/ (on the path in pytest and its spawned ranks)
 
     from megatron_rl.data.batch import TrainingBatch

@@ -29,7 +29,7 @@ def rollouts(draw, max_rows: int = 6, max_len: int = 12, per_token_rewards: bool
 
 
 def reference_convert(pad_token_id, prompts, responses, rewards, loss_masks, logprobs=None):
-    """Loop version of convert_prompts_responses_to_batch_tensors (DESIGN.md section 2)."""
+    """Loop version of convert_prompts_responses_to_batch_tensors (docs/DESIGN.md section 2)."""
     num_rows = len(prompts)
     width = max(len(p) + len(r) for p, r in zip(prompts, responses))
     resp_width = max(len(r) for r in responses)

@@ -1,4 +1,4 @@
-"""Prompt-based mini-batch boundaries (DESIGN.md section 6)."""
+"""Prompt-based mini-batch boundaries (docs/DESIGN.md section 6)."""
 
 import pytest
 from hypothesis import given, settings

@@ -30,7 +30,7 @@ TOL = 1e-4  # fp32, same weights: only summation-order differences (measured <= 
 
 
 def _batch_tensors(vocab: int = 255, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Left-padded sequences [B, S] / right-aligned response mask [B, R] (DESIGN.md section 2)."""
+    """Left-padded sequences [B, S] / right-aligned response mask [B, R] (docs/DESIGN.md section 2)."""
     return left_padded_tensors(PROMPT_LENS, RESPONSE_LENS, vocab, torch.Generator().manual_seed(seed), low=3)
 
 
@@ -171,7 +171,7 @@ def test_logprobs_match_hf_bf16_gpu(hf_models):
     Tolerance: bf16 keeps 8 significant bits (relative rounding 2**-9 per operation). The tiny models' logits
     are O(1), so each layer adds errors of order 1e-3 to 1e-2 in the logits; log-softmax in fp32 passes them
     through roughly unchanged. Two layers plus embedding/output rounding stay well inside max |diff| 0.05 and a
-    mean of 0.01, while a wrong mapping moves log-probs by 0.06-0.4 (negative controls of HF_BRIDGE_NOTES.md).
+    mean of 0.01, while a wrong mapping moves log-probs by 0.06-0.4 (negative controls of docs/HF.md section 4).
     """
     tensors = _batch_tensors()
     mask = tensors["response_mask"].bool()

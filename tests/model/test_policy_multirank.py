@@ -42,7 +42,7 @@ def _config(tp: int = 1, pp: int = 1, *, optimizer: str = "sgd", distributed: bo
 
 
 def _batch_tensors(seed: int = 0, vocab: int = 128) -> dict[str, torch.Tensor]:
-    """Left-padded [B, S] / right-aligned [B, R] tensors (DESIGN.md section 2), built by hand."""
+    """Left-padded [B, S] / right-aligned [B, R] tensors (docs/DESIGN.md section 2), built by hand."""
     g = torch.Generator().manual_seed(seed)
     t = left_padded_tensors(PROMPT_LENS, RESPONSE_LENS, vocab, g, loss_drop=0.2, advantages=True)
     t["loss_mask"][1] = 0.0  # a row with no loss token
