@@ -1,8 +1,9 @@
 """Micro-batch planning: which rows of a DP-padded global batch go into which micro-batch on which DP rank.
 
 Place in the data flow (docs/DESIGN.md section 1): inside the policy (``model/plan.py``), after DP padding
-(the global batch has ``B`` rows, a multiple of ``dp_size``) and before packing. Pure functions of ints; no torch.distributed. Every rank computes the plans of
-*all* DP ranks from the same global batch, so micro-batch counts agree without a collective.
+(the global batch has ``B`` rows, a multiple of ``dp_size``) and before packing. Pure functions of ints; no
+torch.distributed. Every rank computes the plans of *all* DP ranks from the same global batch, so micro-batch
+counts agree without a collective.
 
     global rows    0 .. B-1            DP rank d owns the contiguous shard [d*B/dp, (d+1)*B/dp)
     plan[d]        list of micro-batches, each a list of *global* row indices (possibly empty)
