@@ -21,14 +21,19 @@ WORDS = (
 SPECIAL = ["<pad>", "<unk>", "<eos>"]
 
 
-def parse_args(doc: str | None) -> argparse.Namespace:
-    """``--hf-dir`` (a local HF folder; default: a tiny random Qwen3 in a temporary directory) and ``--tp``."""
+def parse_args(doc: str | None, *, out_dir: bool = False) -> argparse.Namespace:
+    """``--hf-dir`` (a local HF folder; default: a tiny random Qwen3 in a temporary directory), ``--tp``, and
+    with ``out_dir=True`` ``--out-dir`` (default: a temporary directory)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-dir", help="local Hugging Face checkpoint folder (default: a tiny random Qwen3)")
     parser.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size (launch with torchrun)")
+    if out_dir:
+        parser.add_argument("--out-dir", help="where to write the exported checkpoint (default: a temp dir)")
     args = parser.parse_args()
     if args.hf_dir is None:
         args.hf_dir = str(tiny_qwen3(_temporary_dir()))
+    if out_dir and args.out_dir is None:
+        args.out_dir = str(_temporary_dir())
     return args
 
 
@@ -72,6 +77,19 @@ def tiny_qwen3(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def setup_policy(args: argparse.Namespace, *overrides: str):
+    """``(groups, policy)``: config, process groups and a ``MegatronPolicy`` loaded from ``args.hf_dir``."""
+    from megatron_rl.config import load_config
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+    from megatron_rl.hf import policy_from_hf
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun; a plain `python` run is 1 process
+    cfg = load_config(None, [f"parallel.tensor_model_parallel_size={args.tp}", *overrides], world_size=world_size)
+    groups = initialize_distributed(cfg.parallel, cfg.seed)  # process groups (groups.tp_group, .dp_size, ...)
+    policy = policy_from_hf(cfg, groups, hf_dir=args.hf_dir)  # shapes, pad id (policy.pad_token_id), weights
+    return groups, policy
+
+
 def example_rollouts(tokenizer) -> dict:
     """Two prompts, two sampled answers each (GRPO groups of 2), as a ``GeneratorOutput`` of plain lists."""
     prompts = ["what is two plus two ?", "name a colour : the sky is"]
@@ -89,6 +107,21 @@ def example_rollouts(tokenizer) -> dict:
         "loss_masks": [[1] * len(response) for response in responses],  # 1 = train on this token
         "uids": [i for i, group in enumerate(answers) for _ in group],  # group id; a group's rows are contiguous
     }
+
+
+def hf_logprobs(hf_dir: str, sequences, attention_mask, width: int):
+    """``transformers``' log-probs of the same left-padded rows, right-aligned like ``forward``'s: ``[B, width]``.
+
+    Column k is ``log p(sequences[:, S-width+k] | earlier tokens)`` (fp32, the model in fp32).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=attention_mask).logits  # [B, S, V]
+    token_logprobs = torch.log_softmax(logits[:, :-1], -1).gather(-1, sequences[:, 1:, None])[..., 0]  # [B, S-1]
+    return token_logprobs[:, -width:]
 
 
 def print0(*args: object) -> None:

@@ -33,6 +33,12 @@ KNOWN_FALLBACK_WARNINGS: frozenset[str] = frozenset({
 })  # fmt: skip
 """Exact texts (UserWarning) of megatron-core 0.16.1 / mbridge 0.15.1 fallback warnings."""
 
+CPU_ONLY_WARNINGS: frozenset[str] = frozenset({
+    "When using async grad allreduce it is recommended to set the environment variable "
+    "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
+})
+"""Exact texts hidden only without CUDA, where they cannot apply (megatron-core's TP layers, each process)."""
+
 SUMMARY = (
     "megatron_rl: megatron-core/mbridge run without TransformerEngine/Apex (torch fallbacks); their "
     "fallback warnings are hidden, MEGATRON_RL_DEBUG=1 shows them"
@@ -43,8 +49,16 @@ _state = {"installed": False, "summarized": False}
 
 
 def is_known_fallback(message: Warning | str, category: type[Warning]) -> bool:
-    """True for a ``UserWarning`` whose text is exactly one of ``KNOWN_FALLBACK_WARNINGS``."""
-    return issubclass(category, UserWarning) and str(message) in KNOWN_FALLBACK_WARNINGS
+    """True for a ``UserWarning`` whose text is exactly one of ``KNOWN_FALLBACK_WARNINGS`` (or, without CUDA,
+    ``CPU_ONLY_WARNINGS``)."""
+    if not issubclass(category, UserWarning):
+        return False
+    text = str(message)
+    if text in KNOWN_FALLBACK_WARNINGS:
+        return True
+    import torch  # already imported by whoever emitted a megatron-core warning
+
+    return text in CPU_ONLY_WARNINGS and not torch.cuda.is_available()
 
 
 def _rank() -> int:
