@@ -74,3 +74,22 @@ def test_export_hf():
     output = run_example("examples/export_hf.py")
     assert numbers_after(output, "max |weight change| from the source") > 0  # the step moved the weights
     assert numbers_after(output, "max |logprob diff| vs the policy") < TOL
+
+
+def test_readme_library_use_runs_as_written(tmp_path):
+    """The README's "Library use" snippet, with only its ``hf_dir = ...`` line pointed at a tiny Qwen3."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from common import tiny_qwen3
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Library use"):]
+    start = section.index("```python\n") + len("```python\n")
+    snippet = section[start:section.index("\n```", start)]
+    hf_line = next(line for line in snippet.splitlines() if line.startswith("hf_dir = "))
+    hf_dir = tiny_qwen3(tmp_path / "qwen3")
+    script = tmp_path / "readme_snippet.py"
+    script.write_text(snippet.replace(hf_line, f"hf_dir = {str(hf_dir)!r}") + "\nprint('OK', metrics['policy/loss'])\n")
+    output = run_example(str(script))
+    assert "\nOK " in output
