@@ -56,6 +56,7 @@ def test_grpo_step(one_process_step):
     assert one_process_step.count("megatron_rl.hf:") == 1
 
 
+@pytest.mark.multirank
 def test_grpo_step_tp2_equals_one_process(one_process_step):
     output = run_example("examples/grpo_step.py", "--tp", "2", torchrun=2)
     assert "tp=2 dp=1" in output
