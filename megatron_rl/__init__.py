@@ -6,3 +6,7 @@ places touching megatron-core or torch.distributed), ``trainer`` (the order of s
 """
 
 __version__ = "0.1.0"
+
+from megatron_rl import warnings_filter as _warnings_filter
+
+_warnings_filter.install()  # before megatron-core is imported: its known fallback warnings -> one line

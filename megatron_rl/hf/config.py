@@ -110,3 +110,20 @@ def model_config_from_hf(hf_dir: str | os.PathLike, base: ModelConfig | None = N
         add_qkv_bias=hf_config.model_type == "qwen2",
         qk_layernorm=hf_config.model_type == "qwen3",
     )
+
+
+def checkpoint_dtype(hf_config: Any) -> str:
+    """The dtype ``config.json`` declares (transformers 5 ``dtype``, 4.x ``torch_dtype``), or 'unset'."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else "unset"
+
+
+def describe_hf_load(hf_dir: str | os.PathLike, model_cfg: ModelConfig, pad_id: int, pad_source: str) -> str:
+    """One line with every value a load takes from the checkpoint's config.json and tokenizer (printed once)."""
+    hf_config = load_hf_config(hf_dir)
+    return (
+        f"megatron_rl.hf: {str(hf_dir)} ({hf_config.model_type}): vocab {model_cfg.vocab_size}, "
+        f"pad id {pad_id} ({pad_source}), dtype {model_cfg.params_dtype} (model.params_dtype; checkpoint "
+        f"{checkpoint_dtype(hf_config)}), tied embeddings {model_cfg.share_embeddings_and_output_weights}, "
+        f"{model_cfg.num_layers} layers x hidden {model_cfg.hidden_size}"
+    )

@@ -37,8 +37,8 @@ import torch.distributed as dist
 from megatron_rl.checkpoint.dist import model_shape_mismatches
 from megatron_rl.config import MegatronRLConfig, ModelConfig
 from megatron_rl.distributed.bootstrap import ParallelGroups
-from megatron_rl.hf.config import load_hf_config, model_config_from_hf, rope_theta
-from megatron_rl.hf.tokenizer import load_tokenizer, pad_token_id
+from megatron_rl.hf.config import describe_hf_load, load_hf_config, model_config_from_hf, rope_theta
+from megatron_rl.hf.tokenizer import resolve_pad_token_id
 from megatron_rl.model.optimizer import follow_new_weights
 from megatron_rl.model.policy import MegatronPolicy
 
@@ -140,15 +140,19 @@ def load_hf_into_policy(policy: MegatronPolicy, hf_dir: str | os.PathLike | None
 
 
 def policy_from_hf(config: MegatronRLConfig, groups: ParallelGroups, *, role: Literal["policy", "reference"] = "policy", hf_dir: str | os.PathLike | None = None,
-                   **policy_kwargs: Any) -> MegatronPolicy:
+                   pad_token_id: int | None = None, **policy_kwargs: Any) -> MegatronPolicy:
     """A ``MegatronPolicy`` whose shapes (config.json), pad id (tokenizer) and weights come from the local HF
     checkpoint ``hf_dir`` (default ``config.model.hf_path``); the other model fields (dtype, attention backend)
-    are kept from ``config.model``. Collective: call on every rank."""
+    are kept from ``config.model``. ``pad_token_id`` overrides the tokenizer's (needed when ``hf_dir`` has no
+    tokenizer files: ValueError otherwise). Rank 0 prints one line with the values taken from the checkpoint.
+    The returned policy's ``config`` holds the HF model section. Collective: call on every rank."""
     hf_dir = hf_dir or config.model.hf_path
     if hf_dir is None:
         raise ValueError("model.hf_path is not set; set it to the local HF checkpoint directory")
     config = dataclasses.replace(config, model=model_config_from_hf(hf_dir, base=config.model))
-    pad_id = pad_token_id(load_tokenizer(hf_dir), hf_dir)
+    pad_id, pad_source = resolve_pad_token_id(hf_dir, pad_token_id)
+    if groups.rank == 0:
+        print(describe_hf_load(hf_dir, config.model, pad_id, pad_source), flush=True)
     policy = MegatronPolicy(config, groups, role=role, pad_token_id=pad_id, **policy_kwargs)
     load_hf_into_policy(policy)
     return policy

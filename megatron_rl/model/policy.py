@@ -116,8 +116,10 @@ class MegatronPolicy:
     def forward(self, batch: TrainingBatch, *, compute_entropy: bool = False) -> dict[str, torch.Tensor]:
         """Per-token log-probs (and entropy) of the responses: ``{"logprobs": [B,R], "entropy": [B,R]}``.
 
-        Same result on every rank, on the host; columns outside a row's response window are 0 (mask with
-        response_mask).
+        Same result on every rank, on the host. Column k of row i is ``log p(sequences[i, S-R+k] | the row's
+        earlier tokens)`` (DESIGN.md section 2), so columns left of a row's response window hold the log-probs
+        (and entropies) of its last prompt tokens, not 0; only columns where the row has no earlier token (a
+        row shorter than R + 1 valid tokens) are 0. Mask with ``response_mask`` (or ``loss_mask``).
         """
         call = self.plan_call(batch)
         head = partial(schedule.forward_head, **self._head_args(), compute_entropy=compute_entropy)

@@ -1,0 +1,86 @@
+"""Known fallback warnings of megatron-core 0.16.1 and mbridge 0.15.1, shown as one line instead of eight.
+
+Place in the data flow: none; installed once at package import (``megatron_rl/__init__.py``), before any
+megatron-core module is imported (most of these warnings fire at import time).
+
+Without TransformerEngine and Apex (every CPU run, and GPU runs with ``model.attention_backend='local'``)
+megatron-core and mbridge warn from eight places that they use their torch fallbacks, and megatron-core warns
+about its own default ``cuda_graph_scope="full"``. None of this is actionable for a megatron_rl user, so a
+warning whose category and *exact* text is listed in ``KNOWN_FALLBACK_WARNINGS`` is replaced by one line on
+rank 0 the first time one fires. Every other warning (including other texts from the same modules) passes
+through untouched. ``MEGATRON_RL_DEBUG=1`` shows them all, unfiltered.
+
+Implementation: a wrapper around ``warnings.showwarning`` (the one hook Python calls for a warning that its
+filters let through); the filters, and anything that records warnings (``catch_warnings(record=True)``,
+pytest), keep working as before.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any, TextIO
+
+KNOWN_FALLBACK_WARNINGS: frozenset[str] = frozenset({
+    "Transformer Engine and Apex are not installed. Falling back to local implementations of "
+    "multi_tensor_applier and multi_tensor_scale",
+    "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+    "Transformer Engine and Apex are not installed. Falling back to local implementations of "
+    "multi_tensor_applier, multi_tensor_l2norm, and multi_tensor_scale",
+    "Apex is not installed. Falling back to Torch Norm",
+    "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+})  # fmt: skip
+"""Exact texts (UserWarning) of megatron-core 0.16.1 / mbridge 0.15.1 fallback warnings."""
+
+CPU_ONLY_WARNINGS: frozenset[str] = frozenset({
+    "When using async grad allreduce it is recommended to set the environment variable "
+    "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
+})
+"""Exact texts hidden only without CUDA, where they cannot apply (megatron-core's TP layers, each process)."""
+
+SUMMARY = (
+    "megatron_rl: megatron-core/mbridge run without TransformerEngine/Apex (torch fallbacks); their "
+    "fallback warnings are hidden, MEGATRON_RL_DEBUG=1 shows them"
+)
+"""The one line printed (rank 0, stderr) instead of the known warnings."""
+
+_state = {"installed": False, "summarized": False}
+
+
+def is_known_fallback(message: Warning | str, category: type[Warning]) -> bool:
+    """True for a ``UserWarning`` whose text is exactly one of ``KNOWN_FALLBACK_WARNINGS`` (or, without CUDA,
+    ``CPU_ONLY_WARNINGS``)."""
+    if not issubclass(category, UserWarning):
+        return False
+    text = str(message)
+    if text in KNOWN_FALLBACK_WARNINGS:
+        return True
+    import torch  # already imported by whoever emitted a megatron-core warning
+
+    return text in CPU_ONLY_WARNINGS and not torch.cuda.is_available()
+
+
+def _rank() -> int:
+    value = os.environ.get("RANK", "")
+    return int(value) if value.isdigit() else 0
+
+
+def install() -> None:
+    """Route known fallback warnings to one summary line (idempotent; nothing with ``MEGATRON_RL_DEBUG=1``)."""
+    if _state["installed"] or os.environ.get("MEGATRON_RL_DEBUG", "") not in ("", "0"):
+        return
+    _state["installed"] = True
+    previous = warnings.showwarning
+
+    def showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    file: TextIO | None = None, line: str | None = None) -> Any:
+        if not is_known_fallback(message, category):
+            return previous(message, category, filename, lineno, file, line)
+        if not _state["summarized"]:
+            _state["summarized"] = True
+            if _rank() == 0:
+                print(SUMMARY, file=file or sys.stderr, flush=True)
+        return None
+
+    warnings.showwarning = showwarning
