@@ -18,8 +18,7 @@ from megatron_rl.hf import export_policy_to_hf, load_tokenizer
 from megatron_rl.trainer import Trainer
 
 args = parse_args(__doc__, out_dir=True)
-groups, policy = setup_policy(args, "batch.train_batch_size=2", "batch.policy_mini_batch_size=2",
-                              "batch.n_samples_per_prompt=2", "optimizer.lr=1e-3")
+groups, policy = setup_policy(args, "batch.train_batch_size=2", "batch.policy_mini_batch_size=2", "optimizer.lr=1e-3")
 rollouts = example_rollouts(load_tokenizer(args.hf_dir))
 Trainer(policy.config, policy).train_step(rollouts)  # the weights move away from the source checkpoint
 export_policy_to_hf(policy, args.out_dir)  # collective; rank 0 writes

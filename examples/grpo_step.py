@@ -20,7 +20,6 @@ groups, policy = setup_policy(
     args,
     "batch.train_batch_size=2",  # prompts per train_step
     "batch.policy_mini_batch_size=2",  # prompts per optimizer step
-    "batch.n_samples_per_prompt=2",  # GRPO group size
     "optimizer.lr=1e-4",
 )
 trainer = Trainer(policy.config, policy)  # policy.config: the config with the model section of config.json
