@@ -17,6 +17,7 @@ pytest), keep working as before.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -30,8 +31,20 @@ KNOWN_FALLBACK_WARNINGS: frozenset[str] = frozenset({
     "multi_tensor_applier, multi_tensor_l2norm, and multi_tensor_scale",
     "Apex is not installed. Falling back to Torch Norm",
     "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+    # megatron-core 0.19.2 (docs/MEGATRON_CORE.md W13): its own defaults, not actionable by a megatron_rl user
+    "full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer.",
+    "MimoModelConfig is experimental and still under active development. The API may change without notice "
+    "in future releases.",
 })  # fmt: skip
-"""Exact texts (UserWarning) of megatron-core 0.16.1 / mbridge 0.15.1 fallback warnings."""
+"""Exact texts (UserWarning) of megatron-core 0.16.1 / 0.19.2 and mbridge 0.15.1 fallback warnings."""
+
+KNOWN_LOG_PREFIXES: tuple[str, ...] = (
+    "GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes",
+    "MCore's async save is deprecated and will be removed in the future releases.",
+)
+"""Start of megatron-core 0.19.2 log records (``logging.WARNING``) about its own defaults: GPTModel is what
+megatron_rl builds (HybridModel migration: docs/MEGATRON_CORE.md), and we never ask for async saves. Dropped
+unless ``MEGATRON_RL_DEBUG=1``; removal condition: megatron_rl moves to HybridModel / the log goes away."""
 
 CPU_ONLY_WARNINGS: frozenset[str] = frozenset({
     "When using async grad allreduce it is recommended to set the environment variable "
@@ -61,6 +74,11 @@ def is_known_fallback(message: Warning | str, category: type[Warning]) -> bool:
     return text in CPU_ONLY_WARNINGS and not torch.cuda.is_available()
 
 
+class _KnownLogFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(KNOWN_LOG_PREFIXES)
+
+
 def _rank() -> int:
     value = os.environ.get("RANK", "")
     return int(value) if value.isdigit() else 0
@@ -84,3 +102,5 @@ def install() -> None:
         return None
 
     warnings.showwarning = showwarning
+    for name in ("megatron.core.models.gpt.gpt_model", "megatron.core.dist_checkpointing.strategies.torch"):
+        logging.getLogger(name).addFilter(_KnownLogFilter())  # the emitting loggers: filters do not inherit

@@ -26,7 +26,6 @@ import os
 import random
 import sys
 import time
-import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,20 +72,7 @@ class Job:
 # megatron-core announces at import, once per module and rank, that it falls back from TransformerEngine/Apex
 # (expected on CPU; the README says TE/Apex are optional) and that a cuda-graph default is deprecated (we use no
 # cuda graphs). Silenced so the job's own output stays readable; every other warning is kept.
-_EXPECTED_MEGATRON_WARNINGS = (
-    "Transformer Engine and Apex are not installed",
-    "Apex is not installed",
-    "full scope is deprecated",
-)
-
-
-def silence_expected_megatron_warnings() -> None:
-    for prefix in _EXPECTED_MEGATRON_WARNINGS:
-        warnings.filterwarnings("ignore", message=prefix, category=UserWarning)
-
-
 def main(argv: list[str] | None = None) -> int:
-    silence_expected_megatron_warnings()
     args = parse_args(argv)
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
