@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+# Workaround W6 (docs/MEGATRON_CORE.md; 0.16.1, kept for 0.19.2): remove when the default format reshards.
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 """``metadata`` passed to ``optimizer.sharded_state_dict`` (ignored by the non-distributed optimizers)."""
 
@@ -50,6 +51,7 @@ def optimizer_kind(optimizer: Any | None) -> str | None:
     return "distributed" if kinds.pop() else "local"
 
 
+# Workaround W7 (docs/MEGATRON_CORE.md; 0.16.1, 0.19.2): remove when DistributedOptimizer.state_dict() accepts an empty state.
 def populate_optimizer_state(optimizer: Any) -> None:
     """Create the per-parameter state torch would create at the first step (defects 1 and 5).
 
@@ -66,6 +68,7 @@ def populate_optimizer_state(optimizer: Any) -> None:
             _populate_sgd(inner)
 
 
+# Workaround W11 (docs/MEGATRON_CORE.md; 0.16.1, 0.19.2): remove when megatron-core passes an SGD state-init function.
 def _no_init(optimizer: torch.optim.Optimizer, config: Any = None) -> None:
     """Stand-in for the ``init_state_fn=None`` megatron gives SGD (its loading template would call None)."""
 
@@ -114,6 +117,7 @@ def load_optimizer_state(optimizer: Any, state: Any) -> None:
             _own_step_tensors(sub.optimizer)
 
 
+# Workaround W8 (docs/MEGATRON_CORE.md; 0.16.1, 0.19.2): remove when the fully-reshardable load skips `step` and runs under no_grad (0.19.2 fixed half).
 def _load_distributed(sub: Any, state: dict) -> None:
     state = dict(state)
     param_state = state.pop("param_state")
@@ -126,6 +130,7 @@ def _load_distributed(sub: Any, state: dict) -> None:
         sub.optimizer.state[param]["step"] = step
 
 
+# Workaround W10 (docs/MEGATRON_CORE.md; 0.16.1, 0.19.2): remove when local optimizers keep a step of 0 (`if step is not None`).
 def _restore_zero_step(torch_state: dict) -> None:
     """Give a local optimizer's loaded state its ``step`` back when it was 0 (defect 4).
 
@@ -140,6 +145,7 @@ def _restore_zero_step(torch_state: dict) -> None:
             state["step"] = torch.tensor(0.0)
 
 
+# Workaround W9 (docs/MEGATRON_CORE.md; 0.16.1, 0.19.2): remove when load_state_dict gives each parameter its own `step` tensor.
 def _own_step_tensors(inner: torch.optim.Optimizer) -> None:
     """One ``step`` tensor per parameter (defect 3); a state without one (saved before any step) gets 0."""
     if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):

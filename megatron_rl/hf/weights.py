@@ -45,6 +45,7 @@ from megatron_rl.model.policy import MegatronPolicy
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth")
 
 
+# Workaround W12 (docs/MEGATRON_CORE.md; mbridge 0.15.1): remove the name maps and state set-up when mbridge fixes them.
 def make_bridge(hf_dir: str | os.PathLike, groups: ParallelGroups, dtype: torch.dtype, padded_vocab_size: int) -> Any:
     """An mbridge ``Bridge`` for ``hf_dir`` that speaks our layer names and layout (module docstring)."""
     from mbridge import AutoBridge

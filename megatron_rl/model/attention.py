@@ -45,6 +45,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 logger = logging.getLogger(__name__)
 
 
+# Workaround W5 (docs/MEGATRON_CORE.md; 0.16.1, 0.19.2): remove when megatron's local attention accepts THD packing.
 class PackedDotProductAttention(MegatronModule):
     """Drop-in for megatron's ``DotProductAttention`` (same arguments) that also accepts THD input."""
 

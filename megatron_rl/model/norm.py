@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+# Workaround W4 (docs/MEGATRON_CORE.md; 0.16.1, 0.19.2): remove when megatron's torch norm supports sequence parallelism.
 class RMSNorm(torch.nn.Module):
     """``y = weight * (x / sqrt(mean(x**2, -1) + eps))`` over the last dim; x ``[..., hidden_size]``."""
 

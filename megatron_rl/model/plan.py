@@ -82,6 +82,7 @@ def plan_call(
     )  # fmt: skip
     aligned = packed_lengths(lengths, align)
     seq_length = max(sum(aligned[r] for r in mb) if mb else align for p in plans for mb in p)
+    # Workaround W2 (docs/MEGATRON_CORE.md): only without variable_seq_lengths; remove together with W1.
     target = seq_length if fixed_shapes else None
     plan = plans[groups.dp_rank]
     first_row, end_row = dp_shard_range(len(padded), groups.dp_size, groups.dp_rank)
