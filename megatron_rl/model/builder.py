@@ -116,8 +116,8 @@ def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfi
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        # Workarounds W1 and W3 (docs/MEGATRON_CORE.md; 0.16.1, still needed in 0.19.2): remove W1 when the variable-length
-        # check applies to MoE only, W3 when megatron-core initializes identically on every device.
+        # Workarounds W1 and W3 (docs/MEGATRON_CORE.md; 0.16.1, still needed in 0.19.2): remove W1 when the
+        # variable-length check applies to MoE only, W3 when megatron-core initializes identically on any device.
         use_cpu_initialization=True,
         perform_initialization=True,
         variable_seq_lengths=True,
