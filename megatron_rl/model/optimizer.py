@@ -14,16 +14,19 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_rl.config import MegatronRLConfig
+from megatron_rl.distributed.bootstrap import ParallelGroups
 
 
-def wrap_ddp(module: torch.nn.Module, config: MegatronRLConfig) -> DistributedDataParallel:
-    """Megatron DDP with fp32 grad buffers; grads are reduced once per optimizer step (no overlap)."""
+def wrap_ddp(module: torch.nn.Module, config: MegatronRLConfig, groups: ParallelGroups) -> DistributedDataParallel:
+    """Megatron DDP with fp32 grad buffers; grads are reduced once per optimizer step (no overlap); the process
+    groups are passed explicitly (megatron-core's newer API; no fallback to its globals)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=config.optimizer.use_distributed_optimizer,
     )
-    return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+    return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module,
+                                   pg_collection=groups.pg_collection)
 
 
 def build_optimizer(model: DistributedDataParallel, config: MegatronRLConfig) -> MegatronOptimizer:

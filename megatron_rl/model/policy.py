@@ -101,7 +101,7 @@ class MegatronPolicy:
                 param.requires_grad_(False)
             self.model = module.eval()
         else:
-            self.model = wrap_ddp(module, config)
+            self.model = wrap_ddp(module, config, groups)
             self.optimizer = build_optimizer(self.model, config)
             self.scheduler = build_scheduler(self.optimizer, config, total_optim_steps)
         self._grads_finalized = False
@@ -125,7 +125,7 @@ class MegatronPolicy:
         head = partial(schedule.forward_head, **self._head_args(), compute_entropy=compute_entropy)
         self.model.eval()
         with torch.no_grad():
-            stores = schedule.run_schedule(self.model, call, head, forward_only=True)
+            stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=True)
         names = ["logprobs"] + (["entropy"] if compute_entropy else [])
         stacked = None
         if self.groups.is_last_stage:
@@ -150,7 +150,7 @@ class MegatronPolicy:
         head = partial(schedule.next_token_head, **self._head_args())
         self.model.eval()
         with torch.no_grad():
-            stores = schedule.run_schedule(self.model, call, head, forward_only=True)
+            stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=True)
         stacked = None
         if self.groups.is_last_stage:
             stacked = restore_order([s["next_token_logprobs"] for s in stores], call.plan, call.first_row)  # [n/dp, V]
@@ -178,14 +178,14 @@ class MegatronPolicy:
             schedule.loss_head, **self._head_args(), loss_fn=loss_fn, loss_config=loss_config,
             compute_entropy=compute_entropy, num_microbatches=len(call.microbatches),
         )  # fmt: skip
-        stores = schedule.run_schedule(self.model, call, head, forward_only=False)
+        stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=False)
         local = merge_metrics(*stores) if self.groups.is_last_stage else {}
         return reduce_metrics(local, self.groups.dp_group, self.groups.pp_group)
 
     def finalize_grads(self) -> None:
         """DP average of the grad buffers, SP-norm and tied-embedding all-reduces; once per optimizer step."""
         if not self._grads_finalized:
-            finalize_model_grads([self.model])
+            finalize_model_grads([self.model], pg_collection=self.groups.pg_collection)
             self._grads_finalized = True
 
     def optim_step(self) -> dict[str, float]:

@@ -3,7 +3,7 @@
 Place in the data flow (docs/DESIGN.md section 1): between ``model/plan.py`` (packed micro-batches on the device)
 and the policy's results. Every function here is module-level and named for its stage:
 
-    run_schedule(model, call, head)          get_forward_backward_func over call.microbatches
+    run_schedule(model, call, head, groups)  get_forward_backward_func over call.microbatches
       forward_step(iterator, model, head)    GPTModel(input_ids, position_ids, packed_seq_params) -> logits
       last PP stage: head(item, logits)      [1, T, V/tp] ->
         forward_head      response logprobs / entropy [b, R]           (MegatronPolicy.forward)
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_rl.data.packing import unpack_response
 from megatron_rl.distributed.bootstrap import ParallelGroups
@@ -47,8 +48,13 @@ def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module, *,
     return output, partial(head, item)
 
 
-def run_schedule(model: torch.nn.Module, call: CallPlan, head: Head, *, forward_only: bool) -> list[dict]:
-    """megatron-core's schedule over this rank's micro-batches; returns what ``head`` reported (last stage)."""
+def run_schedule(
+    model: torch.nn.Module, call: CallPlan, head: Head, groups: ParallelGroups, *, forward_only: bool
+) -> list[dict]:
+    """megatron-core's schedule over this rank's micro-batches; returns what ``head`` reported (last stage).
+
+    Process groups are explicit (``pg_collection``), which megatron-core pairs with an explicit p2p communicator.
+    """
     return get_forward_backward_func()(
         forward_step_func=partial(forward_step, head=head),
         data_iterator=iter(call.microbatches),
@@ -57,6 +63,8 @@ def run_schedule(model: torch.nn.Module, call: CallPlan, head: Head, *, forward_
         seq_length=call.seq_length,
         micro_batch_size=1,
         forward_only=forward_only,
+        pg_collection=groups.pg_collection,
+        p2p_communicator=P2PCommunicator(pp_group=groups.pp_group, config=model.config),
     )
 
 
