@@ -8,7 +8,7 @@ the host once per training batch. Two pipelines over the same rollouts (``trajec
     rows:    validate -> convert ([B, S] block) -> prompt mini-batch boundaries -> micro-batch plan + pack
     merged:  merge_stepwise_output (validates) -> convert -> boundaries -> micro-batch plan + pack
 
-Micro-batches: a token budget (``--max-tokens``, first-fit-decreasing, ``model/microbatch.py``) per mini-batch
+Micro-batches: a token budget (``--max-tokens``, first-fit-decreasing, ``data/microbatch.py``) per mini-batch
 of ``--mini-batch-prompts`` prompts, packed with alignment 1 (``data.pack``). Each stage is timed (median of
 ``--reps`` runs).
 
