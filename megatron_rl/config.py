@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence, TypeVar
 import yaml
 
 from megatron_rl.algorithms.validation import validate_algorithm_settings, validate_step_wise_algorithm
+from megatron_rl.data.microbatch import check_microbatch_rule
 
 
 class ConfigError(ValueError):
@@ -133,7 +134,7 @@ class ConfigSection:
 
 @contextlib.contextmanager
 def _reported_as_config_error() -> Iterator[None]:
-    """The algorithms' validators raise plain ValueError (they cannot import ConfigError): re-raise as one."""
+    """The algorithms' and data's validators raise plain ValueError (they cannot import ConfigError): re-raise."""
     try:
         yield
     except ConfigError:
@@ -348,11 +349,8 @@ class BatchConfig(ConfigSection):
                 f"batch.policy_mini_batch_size={self.policy_mini_batch_size}; both count prompts and the batch "
                 "must split into whole mini-batches"
             )
-        if (self.micro_batch_size is None) == (self.max_tokens_per_micro_batch is None):
-            raise ConfigError(
-                f"set exactly one of batch.micro_batch_size ({self.micro_batch_size}) and "
-                f"batch.max_tokens_per_micro_batch ({self.max_tokens_per_micro_batch}); set the other to null"
-            )
+        with _reported_as_config_error():  # the rule's one home: data/microbatch.py (the planner checks it too)
+            check_microbatch_rule(self.micro_batch_size, self.max_tokens_per_micro_batch)
 
 
 @dataclass(kw_only=True)
