@@ -24,7 +24,7 @@ export PY PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1)
 case $gpus in '' | *[!0-9]*) gpus=0 ;; esac
 if [ "$gpus" -eq 0 ]; then
-  echo "gpu_check.sh: no CUDA: skipped (torch in $PY sees no GPU)"
+  echo "gpu_check.sh: no CUDA: skipped ($PY cannot import torch, or its torch sees no GPU)"
   exit "$require_gpu"
 fi
 # Without `pip install -e .` the package_dir mapping of setup.py (megatron_rl.patches -> patches/) is missing.
