@@ -1,17 +1,39 @@
 #!/usr/bin/env bash
 # Launch the megatron_rl main job with torchrun.
-#   NPROC        processes per node (default 2)
-#   CONFIG       YAML of config overrides (default configs/demo_cpu.yaml)
+#   NPROC        processes per node (default 2); with CUDA, at most one per visible GPU (else parallel.device=cpu)
+#   CONFIG       YAML of config overrides (default configs/demo_cpu.yaml; configs/demo_gpu.yaml: one GPU)
+#   PY           the Python to run (a path or a command on PATH, e.g. PY=python3; default: the venv that
+#                scripts/setup.sh --venv names)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   torchrun's multi-node settings (defaults: one node)
 #   RDZV_ENDPOINT  use c10d rendezvous at host:port instead of MASTER_ADDR/PORT
 #   extra arguments: dotted key=value overrides, e.g. optimizer.lr=1e-4 logging.output_dir=outputs/x
 # Set-up (the venv) is the README's job: this script installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PY:-.venv/bin/python}
-[ -x "$PY" ] || { echo "run_megatron.sh: $PY not found; run 'bash scripts/setup.sh' first (see README)"; exit 1; }
+PY=${PY:-$(bash scripts/setup.sh --venv)/bin/python}
+command -v "$PY" >/dev/null || {
+  echo "run_megatron.sh: $PY not found; run 'bash scripts/setup.sh' first, or name an interpreter: PY=python3 (see README)"
+  exit 1
+}
 NPROC=${NPROC:-2}
 CONFIG=${CONFIG:-configs/demo_cpu.yaml}
+# parallel.device (docs/DESIGN.md section 11): the last override wins, else the config's `device:` line (only
+# the parallel section has one). bootstrap.py applies and checks it in every rank; this is the early, friendly
+# stop: cpu hides the GPUs from the ranks, otherwise NCCL needs one visible GPU per rank.
+device=$(sed -n 's/^[[:space:]]*device:[[:space:]]*\([a-z]*\).*/\1/p' "$CONFIG" 2>/dev/null | tail -n 1 || true)
+for arg in "$@"; do case $arg in parallel.device=*) device=${arg#parallel.device=} ;; esac; done
+if [ "${device:-auto}" = cpu ]; then
+  export CUDA_VISIBLE_DEVICES=""
+else
+  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1 || echo 0)
+  case $gpus in '' | *[!0-9]*) gpus=0 ;; esac
+  if [ "$gpus" -gt 0 ] && [ "$NPROC" -gt "$gpus" ]; then
+    echo "run_megatron.sh: NPROC=$NPROC ranks but $gpus visible CUDA GPU(s), and NCCL needs one GPU per rank:" \
+      "use NPROC=$gpus (e.g. NPROC=1 CONFIG=configs/demo_gpu.yaml), or run the ranks on CPU with gloo by adding" \
+      "the override parallel.device=cpu" >&2
+    exit 2
+  fi
+fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}

@@ -107,6 +107,9 @@ class PaddedInput:
     def slots(self) -> int:
         return self.sequences.numel()
 
+    def to(self, device: torch.device) -> "PaddedInput":
+        return PaddedInput(self.sequences.to(device), self.mask.to(device), self.loss_mask.to(device))
+
 
 @dataclass
 class PackedInput:
@@ -120,6 +123,9 @@ class PackedInput:
     @property
     def slots(self) -> int:
         return self.packed.total_len
+
+    def to(self, device: torch.device) -> "PackedInput":
+        return PackedInput(self.packed.to(device), self.loss_mask.to(device))
 
 
 ModelInput = PaddedInput | PackedInput
@@ -167,7 +173,7 @@ def response_logprobs(model: torch.nn.Module, inp: ModelInput) -> torch.Tensor:
     width = inp.loss_mask.shape[1]
     if isinstance(inp, PaddedInput):
         rows, seq_len = inp.sequences.shape
-        positions = torch.arange(seq_len)[None].expand(rows, seq_len)  # RoPE is relative: left padding is harmless
+        positions = torch.arange(seq_len, device=inp.sequences.device)[None].expand(rows, seq_len)  # RoPE is relative: left padding is harmless
         logits = model(inp.sequences, positions, inp.mask)  # [B, S, V]
         logprobs, _ = vocab_parallel_logprobs_entropy(logits[:, :-1], inp.sequences[:, 1:], None, False)
         return logprobs[:, -width:]  # column t predicts token t+1 (docs/DESIGN.md section 2)
@@ -180,6 +186,7 @@ def response_logprobs(model: torch.nn.Module, inp: ModelInput) -> torch.Tensor:
 def train_step(model: torch.nn.Module, inp: ModelInput) -> tuple[float, float]:
     """Forward + backward of the summed response log-likelihood; returns ``(loss, gradient norm)``."""
     model.zero_grad(set_to_none=True)
+    inp = inp.to(next(model.parameters()).device)  # where the model is (a no-op on CPU)
     loss = -(response_logprobs(model, inp) * inp.loss_mask).sum()
     loss.backward()
     grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))

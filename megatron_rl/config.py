@@ -160,6 +160,10 @@ class ParallelConfig(ConfigSection):
     """Context-parallel group size. Only 1 is supported today; kept for the scaling contract."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """Where the ranks run: ``auto`` = one CUDA GPU per rank with NCCL when CUDA is visible, else CPU with gloo;
+    ``cuda`` requires a GPU per rank; ``cpu`` runs the ranks on CPU with gloo even when CUDA is present (e.g. more
+    ranks than GPUs). Applied by ``distributed.bootstrap.initialize_distributed`` (docs/DESIGN.md section 11)."""
 
     def _check_rules(self) -> None:
         if self.context_parallel_size != 1:

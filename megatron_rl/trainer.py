@@ -17,6 +17,11 @@ policy (``megatron_rl.model.policy.MegatronPolicy``, or anything with the same `
 every rank runs ``train_step`` on the same rollouts and gets the same metrics. The policy owns what depends on
 its layout: DP padding and ``pad_token_id`` (the trainer reads ``policy.pad_token_id``).
 
+Device contract (docs/DESIGN.md section 11): the batch and everything computed here live on the host, whatever
+the policy's device. A policy hands results back on the host; ``add_old_and_ref_logprobs`` still copies them
+there (a no-op for a host tensor), so no stage below can mix devices (the first CUDA run crashed exactly there,
+subtracting CUDA ``old_logprobs`` from host ``rollout_logprobs``).
+
 Metrics are ``Metric`` partials merged exactly (``megatron_rl.metrics``). Across the optimizer steps of one
 train step, token/sequence means stay exact means over the whole batch; losses (``reduce="sum"`` within a
 mini-batch, i.e. the mini-batch objective) become means over the optimizer steps.
@@ -132,9 +137,9 @@ class Trainer:
     @torch.no_grad()
     def add_old_and_ref_logprobs(self, batch: TrainingBatch) -> None:
         """``old_logprobs`` from the policy before any update; ``ref_logprobs`` when a reference model exists."""
-        batch["old_logprobs"] = self.policy.forward(batch)["logprobs"].float()
+        batch["old_logprobs"] = self.policy.forward(batch)["logprobs"].to("cpu", torch.float32)
         if self.reference is not None:
-            batch["ref_logprobs"] = self.reference.forward(batch)["logprobs"].float()
+            batch["ref_logprobs"] = self.reference.forward(batch)["logprobs"].to("cpu", torch.float32)
 
     def add_advantages(self, batch: TrainingBatch) -> Metrics:
         """Token rewards (minus the KL penalty when it goes into the reward) -> ``advantages``, ``returns``."""
@@ -216,9 +221,13 @@ def rollout_metrics(batch: TrainingBatch) -> Metrics:
 
 def logprob_mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,
                              loss_mask: torch.Tensor) -> Metrics:
-    """Mean and max of ``|rollout - old|`` over loss tokens (``[B, R]`` each): sampler vs trainer numerics."""
+    """Mean and max of ``|rollout - old|`` over loss tokens (``[B, R]`` each): sampler vs trainer numerics.
+
+    Computed on the host, whatever device the inputs come from."""
+    rollout_logprobs, old_logprobs, loss_mask = (x.to("cpu", torch.float32) for x in (rollout_logprobs,
+                                                                                     old_logprobs, loss_mask))
     valid = loss_mask > 0
-    diff = (rollout_logprobs.float() - old_logprobs.float()).abs()
+    diff = (rollout_logprobs - old_logprobs).abs()
     diff = torch.where(valid, diff, torch.zeros_like(diff))
     return {
         "rollout/logprob_abs_diff_mean": mean_metric(diff, loss_mask),

@@ -34,3 +34,20 @@ def test_nan_wins_in_max_and_min_whatever_the_order(reduce):
 def test_sum_and_finalize():
     out = finalize_metrics(merge_metrics({"s": Metric(2.0, 1.0, "sum")}, {"s": Metric(3.0, 1.0, "sum")}))
     assert out == {"s": 5.0}
+
+
+def test_metrics_to_host_keeps_order_and_values():
+    """Device partials (here CPU tensors set after construction, as a CUDA loss leaves them) become floats in
+    one copy, each back in its own place; float partials pass through."""
+    from megatron_rl.metrics import metrics_to_host
+
+    a, b = Metric(0.0, 1.0, "mean"), Metric(0.0, 1.0, "max")
+    a.value, a.count, b.value = torch.tensor(6.0), torch.tensor(3.0), torch.tensor(-1.5)
+    parts = [{"a": a, "b": b}, {"a": Metric(4.0, 1.0, "mean")}]
+    host = metrics_to_host(parts)
+    assert all(m.on_host() for part in host for m in part.values())
+    assert [(m.value, m.count) for part in host for m in part.values()] == [(6.0, 3.0), (-1.5, 1.0), (4.0, 1.0)]
+    assert finalize_metrics(merge_metrics(*host)) == {"a": 2.5, "b": -1.5}
+    plain = [{"a": Metric(1.0)}]
+    assert metrics_to_host(plain) is plain
+    assert isinstance(Metric(torch.tensor([1.0, 2.0])).value, float)  # CPU tensors convert at construction

@@ -278,3 +278,56 @@ def test_configs_built_in_code_are_validated() -> None:
     cfg.stepwise.merge_stepwise_output = True  # without step-wise: load_config would reject it
     with pytest.raises(ValueError, match="stepwise.merge_stepwise_output"):
         Trainer(cfg, BigramPolicy(Bigram(seed=2), 0.1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The same train step with MegatronPolicy on CUDA and on CPU (docs/DESIGN.md section 11)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _megatron_config(device: str) -> MegatronRLConfig:
+    from megatron_rl.config import ModelConfig, OptimizerConfig, ParallelConfig
+
+    cfg = make_config(merge=True)
+    cfg.parallel = ParallelConfig(device=device)
+    cfg.model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                            num_query_groups=2, vocab_size=V, max_position_embeddings=64, attention_backend="local")
+    cfg.optimizer = OptimizerConfig(optimizer="sgd", lr=0.1, clip_grad=0.0)  # linear in the gradient (see test)
+    return cfg
+
+
+def _megatron_train_step_child(rank: int, world_size: int, device: str, rollouts, initial) -> dict:
+    """One Trainer.train_step of a MegatronPolicy on ``device`` from the weights ``initial`` (None: its own)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # exact fp32 on CUDA
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+    from megatron_rl.model.policy import MegatronPolicy
+
+    cfg = _megatron_config(device)
+    groups = initialize_distributed(cfg.parallel, seed=5)
+    policy = MegatronPolicy(cfg, groups, pad_token_id=TOK.pad_token_id)
+    if initial is not None:
+        policy.load_full_state_dict(initial)
+    before = policy.full_state_dict()
+    metrics = Trainer(cfg, policy).train_step(rollouts)
+    return {"device": str(groups.device), "before": before, "metrics": metrics, "after": policy.full_state_dict()}
+
+
+@pytest.mark.gpu
+def test_megatron_train_step_on_cuda_equals_cpu() -> None:
+    """Tolerance: fp32 with TF32 off rounds every operation the same way (2**-24 relative); only the summation
+    order of cuBLAS vs the CPU BLAS and reductions differs, ~1e-7 relative per dot product of 64-128 terms, a few
+    1e-6 after two layers, log-softmax and the loss. Metrics get rel 1e-4; SGD (the update is lr x gradient, no
+    Adam normalization that amplifies near-zero gradients) keeps the weight differences at lr x 1e-6 << 1e-5."""
+    from multirank import run_ranks
+
+    rollouts = episodes_to_generator_output(play(Bigram()), step_wise=True)
+    assert "rollout_logprobs" in rollouts  # the mismatch metric that crashed on CUDA is computed
+    cpu = run_ranks(1, _megatron_train_step_child, "cpu", rollouts, None, timeout=300)[0]
+    gpu = run_ranks(1, _megatron_train_step_child, "cuda", rollouts, cpu["before"], timeout=300, cpu_only=False)[0]
+    assert cpu["device"] == "cpu" and gpu["device"].startswith("cuda")
+    assert gpu["metrics"].keys() == cpu["metrics"].keys()
+    for name, value in cpu["metrics"].items():
+        if not name.startswith("timing/"):
+            assert gpu["metrics"][name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+    for name, weight in cpu["after"].items():
+        assert gpu["after"][name].device.type == "cpu"
+        assert (gpu["after"][name] - weight).abs().max() < 1e-5, name

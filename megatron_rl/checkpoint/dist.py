@@ -300,7 +300,8 @@ def _restore_rng(ckpt: Path, manifest: dict, parts: CheckpointParts) -> None:
             warnings.warn(f"checkpoint {ckpt} was saved under layout {manifest['layout']}: RNG states not restored")
         return
     path = ckpt / layout.RNG_DIR / f"rank_{dist.get_rank():05d}.pt"
-    restore_rng_state(torch.load(path, weights_only=False))  # our own file, verified against the manifest
+    state = torch.load(path, map_location="cpu", weights_only=False)  # our own file, verified against the manifest
+    restore_rng_state(state)
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -1,7 +1,8 @@
 """Process-group bootstrap: the first Megatron stage of a run (docs/DESIGN.md section 7).
 
     torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), or nothing for one process
-      -> torch.distributed process group (NCCL with CUDA, gloo without; CPU patches applied once without CUDA)
+      -> the device (``parallel.device``: cuda:LOCAL_RANK, or CPU; ``select_device``)
+      -> torch.distributed process group (NCCL on CUDA, gloo on CPU; CPU patches applied once on CPU)
       -> megatron-core parallel_state (order tp-cp-ep-dp-pp: TP ranks are adjacent)
       -> seeds (python, numpy, torch, megatron's model-parallel RNG tracker)
       -> ParallelGroups, passed explicitly to everything after this point
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import ParallelConfig
+from megatron_rl.config import ConfigError, ParallelConfig
 
 ProcessGroup = dist.ProcessGroup
 
@@ -76,9 +77,45 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _init_process_group(timeout_minutes: int) -> None:
+def hide_cuda() -> None:
+    """Make CUDA invisible to this process (``parallel.device='cpu'``); must run before CUDA is first queried.
+
+    torch counts the devices once per process (on the first ``torch.cuda`` query) and keeps that count, so
+    hiding them afterwards has no effect: that case is a RuntimeError saying how to launch instead.
+    """
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if torch.cuda.is_available():
+        raise RuntimeError(
+            "parallel.device='cpu' but this process queried CUDA before initialize_distributed, so its GPUs can no "
+            "longer be hidden; start the process with CUDA_VISIBLE_DEVICES= (run_megatron.sh does for "
+            "parallel.device=cpu)"
+        )
+
+
+def select_device(parallel: ParallelConfig, local_world_size: int, local_rank: int) -> torch.device:
+    """This rank's device from ``parallel.device`` (``auto``: CUDA when visible); ConfigError before any
+    collective when CUDA is asked for but absent, or when more ranks share a node than it has GPUs (NCCL
+    refuses two ranks on one GPU)."""
+    if parallel.device == "cpu":
+        hide_cuda()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        if parallel.device == "cuda":
+            raise ConfigError("parallel.device='cuda' but no CUDA device is visible; set parallel.device=auto "
+                              "(CPU with gloo here) or run on a machine with a GPU")
+        return torch.device("cpu")
+    if local_world_size > gpus:
+        raise ConfigError(
+            f"{local_world_size} ranks on this node but {gpus} visible CUDA GPU(s) (parallel.device="
+            f"{parallel.device!r}; NCCL needs one GPU per rank): start at most {gpus} rank(s) per node (NPROC={gpus}), "
+            "or set parallel.device=cpu to run the ranks on CPU with gloo"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _init_process_group(device: torch.device, timeout_minutes: int) -> None:
     """Join the torchrun job described by the env, or start a one-rank group on a free local port."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if "WORLD_SIZE" in os.environ:  # torchrun (or run_ranks): env:// also needs MASTER_ADDR/PORT, RANK
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
@@ -103,41 +140,43 @@ def initialize_distributed(
     """Initialize torch.distributed (if needed) and megatron-core's parallel state; return the groups.
 
     Raises ValueError (before any collective) when the world size is not divisible by
-    tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size. A process group that
+    tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size, or when
+    ``parallel.device`` cannot be met (``select_device``). A process group that
     already exists (e.g. created by the caller) is reused; megatron's parallel state must not exist yet
     (call ``destroy_distributed`` first).
     """
     world_size = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
     parallel.check_world_size(world_size)  # the one place the world-size rule runs in a job
+    # Before megatron-core is imported: it may query CUDA, after which parallel.device='cpu' cannot hide it.
+    device = select_device(parallel, _env_int("LOCAL_WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0))
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron parallel state is already initialized; call destroy_distributed() first")
-    if not torch.cuda.is_available():
+    if device.type == "cpu":
         from megatron_rl.patches import apply_cpu_patches
 
         apply_cpu_patches()
     else:
-        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        _init_process_group(timeout_minutes)
+        _init_process_group(device, timeout_minutes)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
     )
-    groups = _collect_groups(parallel)
+    groups = _collect_groups(parallel, device)
     _seed_everything(seed, groups.pp_rank)
     return groups
 
 
-def _collect_groups(parallel: ParallelConfig) -> ParallelGroups:
+def _collect_groups(parallel: ParallelConfig, device: torch.device) -> ParallelGroups:
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return ParallelGroups(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

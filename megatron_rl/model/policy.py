@@ -54,7 +54,7 @@ from megatron_rl.data.microbatch import restore_order
 from megatron_rl.data.packing import packing_alignment
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.distributed.metrics import reduce_metrics
-from megatron_rl.metrics import Metric, merge_metrics
+from megatron_rl.metrics import Metric, merge_metrics, metrics_to_host
 from megatron_rl.model import schedule
 from megatron_rl.model.builder import build_gpt_model
 from megatron_rl.model.optimizer import build_optimizer, build_scheduler, follow_new_weights, wrap_ddp
@@ -179,7 +179,7 @@ class MegatronPolicy:
             compute_entropy=compute_entropy, num_microbatches=len(call.microbatches),
         )  # fmt: skip
         stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=False)
-        local = merge_metrics(*stores) if self.groups.is_last_stage else {}
+        local = merge_metrics(*metrics_to_host(stores)) if self.groups.is_last_stage else {}  # one device sync
         return reduce_metrics(local, self.groups.dp_group, self.groups.pp_group)
 
     def finalize_grads(self) -> None:

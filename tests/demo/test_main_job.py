@@ -1,11 +1,16 @@
 """The main job end to end, launched the way the README says (``run_megatron.sh`` -> torchrun -> main).
 
-Three launches, each a few RL steps of ``configs/demo_cpu.yaml`` on 2 gloo ranks:
+Three launches, each a few RL steps of ``configs/demo_cpu.yaml`` on 2 gloo ranks (``parallel.device=cpu``: on a
+machine with GPUs too, where NCCL could not put two ranks on one GPU):
 
 1. DP2 on one node for 2 steps, with the README's command (``bash scripts/setup.sh && bash run_megatron.sh``)
    plus overrides: exit 0, finite losses, every output file, a checkpoint at step 2;
 2. the same command with ``demo.num_steps=3``: resumes from that checkpoint (loads it) and runs step 3 only;
 3. TP2 as two single-process "nodes" (two torchrun invocations on localhost, ``NNODES=2``, ``NODE_RANK=0/1``).
+
+On CUDA (``gpu``): ``configs/demo_gpu.yaml`` on one GPU for a few steps, then a resume. Without CUDA, a launch
+that asks for more ranks than GPUs cannot be provoked: ``test_too_many_ranks_for_the_gpus_stops_early`` fakes
+the GPU count through ``PY``.
 """
 
 from __future__ import annotations
@@ -24,13 +29,21 @@ from multirank import free_port
 pytestmark = pytest.mark.multirank
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["demo.baseline_episodes=200", "logging.progress_bar=false", "checkpoint.save_interval=1"]
+FAST = ["demo.baseline_episodes=200", "logging.progress_bar=false", "checkpoint.save_interval=1",
+        "parallel.device=cpu"]
+
+
+def setup_is_offline() -> bool:
+    """``scripts/setup.sh`` is a quick no-op when the venv it names exists; otherwise it needs the registry
+    (e.g. on a lent GPU machine that has neither), and the README-form launch runs with ``PY`` instead."""
+    venv = subprocess.run(["bash", "scripts/setup.sh", "--venv"], cwd=ROOT, capture_output=True, text=True)
+    return venv.returncode == 0 and (ROOT / venv.stdout.strip() / "bin" / "python").exists()
 
 
 def launch(env_extra: dict[str, str], overrides: list[str], *, readme_form: bool = False) -> subprocess.Popen:
     """``bash run_megatron.sh <overrides>``; ``readme_form``: exactly the README's command line, overrides added."""
     env = {**os.environ, **env_extra}
-    if readme_form:
+    if readme_form and setup_is_offline():
         command = ["bash", "-c", 'bash scripts/setup.sh && bash run_megatron.sh "$@"', "main-job", *overrides]
     else:
         env["PY"] = sys.executable
@@ -99,7 +112,8 @@ def test_two_node_launch_tp2(tmp_path: Path) -> None:
     check_run(out_dir, 2)
 
 
-@pytest.mark.parametrize("path, world_size", [("configs/demo_cpu.yaml", 2), ("configs/demo_gpu_qwen3_0p6b.yaml", 4)])
+@pytest.mark.parametrize("path, world_size", [("configs/demo_cpu.yaml", 2), ("configs/demo_gpu_qwen3_0p6b.yaml", 4),
+                                              ("configs/demo_gpu.yaml", 1)])
 def test_shipped_configs_load_and_fit_the_demo(path: str, world_size: int) -> None:
     from megatron_rl.demo.config import check_demo_config, load_demo_config
     from megatron_rl.demo.tokenizer import DigitTokenizer
@@ -116,3 +130,37 @@ def test_demo_config_errors_name_the_key() -> None:
 
     with pytest.raises(ValueError, match="model.vocab_size=128"):
         check_demo_config(load_config(None), DigitTokenizer())
+
+
+def test_too_many_ranks_for_the_gpus_stops_early(tmp_path: Path) -> None:
+    """``NPROC`` above the visible GPU count stops before torchrun with what to do (never a raw NCCL error)."""
+    fake_py = tmp_path / "python"  # answers the GPU count query with 1; anything else would run the real job
+    fake_py.write_text(f"#!/bin/sh\ncase \"$2\" in *device_count*) echo 1; exit 0;; esac\nexec {sys.executable} \"$@\"\n")
+    fake_py.chmod(0o755)
+    env = {**os.environ, "PY": str(fake_py), "NPROC": "2", "CONFIG": "configs/demo_gpu.yaml"}
+    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "NPROC=2 ranks but 1 visible CUDA GPU(s)" in proc.stderr and "parallel.device=cpu" in proc.stderr
+    env["PY"] = "no-such-python"
+    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "PY=python3" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_main_job_on_one_gpu_then_resume(tmp_path: Path) -> None:
+    out_dir = tmp_path / "gpu"
+    env = {"NPROC": "1", "CONFIG": "configs/demo_gpu.yaml", "MASTER_PORT": str(free_port())}
+    common = ["demo.baseline_episodes=200", "logging.progress_bar=false", "checkpoint.save_interval=1",
+              f"logging.output_dir={out_dir}"]
+    out = finish(launch(env, [*common, "demo.num_steps=3"]))
+    assert "TP1 PP1 DP1" in out
+    first = metrics_rows(out_dir)
+    assert [r["step"] for r in first] == [1, 2, 3]
+    env["MASTER_PORT"] = str(free_port())
+    out = finish(launch(env, [*common, "demo.num_steps=4"]))
+    assert "resuming after step 3" in out
+    rows = metrics_rows(out_dir)
+    assert rows[:3] == first and [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert all(math.isfinite(row[k]) for k in ("reward/mean", "policy/loss", "optim/grad_norm")), row

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import ParallelConfig
-from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+from megatron_rl.config import ConfigError, ParallelConfig
+from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed, select_device
 from multirank import run_ranks
 
 
@@ -16,6 +16,28 @@ def test_world_size_not_divisible_raises_before_any_collective(monkeypatch):
     with pytest.raises(ValueError, match="world size 3 is not divisible"):
         initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=0)
     assert not dist.is_initialized()
+
+
+def test_parallel_device_choices_and_errors(monkeypatch):
+    """parallel.device: a bad value names the key; cuda without a GPU and more ranks than GPUs are ConfigErrors
+    that say what to do (before any collective); cpu hides CUDA, or refuses once CUDA was queried."""
+    with pytest.raises(ConfigError, match="parallel.device"):
+        ParallelConfig(device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="parallel.device='cuda' but no CUDA device is visible"):
+            select_device(ParallelConfig(device="cuda"), 1, 0)
+        assert select_device(ParallelConfig(), 1, 0) == torch.device("cpu")
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after the test
+        assert select_device(ParallelConfig(device="cpu"), 4, 0) == torch.device("cpu")
+    else:  # this process has queried CUDA (conftest): too late to hide it
+        with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES="):
+            select_device(ParallelConfig(device="cpu"), 1, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"2 ranks on this node but 1 visible CUDA GPU\(s\).*NPROC=1.*"
+                                          r"parallel.device=cpu"):
+        select_device(ParallelConfig(), 2, 0)
+    assert select_device(ParallelConfig(device="cuda"), 1, 0) == torch.device("cuda", 0)
 
 
 def test_single_process_without_env(monkeypatch):

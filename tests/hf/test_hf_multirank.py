@@ -150,18 +150,23 @@ def test_export_is_bitwise_and_loads_in_transformers(hf_run, hf_models, layout):
         assert torch.equal(hf_response_logprobs(out, tensors), _hf_reference(str(src)))
 
 
-def _gpu_child(rank: int, world_size: int, hf_dir: str, tensors) -> torch.Tensor:
+def _gpu_child(rank: int, world_size: int, hf_dirs: dict[str, str], tensors) -> dict[str, torch.Tensor]:
+    """Every variant in one CUDA process (one spawn and one CUDA start-up instead of one per variant)."""
     from megatron_rl.config import MegatronRLConfig, ModelConfig, ParallelConfig
     from megatron_rl.data.batch import TrainingBatch
     from megatron_rl.distributed.bootstrap import initialize_distributed
     from megatron_rl.hf.weights import policy_from_hf
 
-    groups = initialize_distributed(ParallelConfig(), seed=7)
+    groups = initialize_distributed(ParallelConfig(device="cuda"), seed=7)
     config = MegatronRLConfig(model=ModelConfig(params_dtype="bfloat16", attention_backend="auto"))
-    policy = policy_from_hf(config, groups, role="reference", hf_dir=hf_dir)
     n = tensors["sequences"].shape[0]
-    batch = TrainingBatch({k: v.to(groups.device) for k, v in tensors.items()}, list(range(n)), list(range(n)), [True] * n)
-    return policy.forward(batch)["logprobs"].float().cpu()
+    batch = TrainingBatch(dict(tensors), list(range(n)), list(range(n)), [True] * n)  # host: the policy moves it
+    out = {}
+    for variant, hf_dir in hf_dirs.items():
+        logprobs = policy_from_hf(config, groups, role="reference", hf_dir=hf_dir).forward(batch)["logprobs"]
+        assert logprobs.device.type == "cpu", logprobs.device  # results come back on the host
+        out[variant] = logprobs.float()
+    return out
 
 
 @pytest.mark.gpu
@@ -175,7 +180,8 @@ def test_logprobs_match_hf_bf16_gpu(hf_models):
     """
     tensors = _batch_tensors()
     mask = tensors["response_mask"].bool()
-    for variant, path in hf_models.items():
-        ours = run_ranks(1, _gpu_child, str(path), tensors, timeout=300, cpu_only=False)[0]
-        diff = (ours - _hf_reference(str(path)))[mask].abs()
+    dirs = {variant: str(path) for variant, path in hf_models.items()}
+    ours = run_ranks(1, _gpu_child, dirs, tensors, timeout=300, cpu_only=False)[0]
+    for variant, path in dirs.items():
+        diff = (ours[variant] - _hf_reference(path))[mask].abs()
         assert diff.max().item() < 0.05 and diff.mean().item() < 0.01, (variant, diff.max().item())

@@ -43,16 +43,23 @@ def _padded_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ~allowed[:, None]
 
 
+def _device(model):
+    """Where the model lives (groups.device: CUDA on a GPU machine); inputs go there, results come back."""
+    return next(model.parameters()).device
+
+
 def _padded_logits(model, ids, mask):
     positions = torch.arange(ids.shape[1]).expand_as(ids)
+    inputs = [x.to(_device(model)) for x in (ids, positions, _padded_mask(mask))]
     with torch.no_grad():
-        return model(ids, positions, _padded_mask(mask)).float()  # [b, S, V]
+        return model(*inputs).float().cpu()  # [b, S, V]
 
 
 def _packed_logits(model, packed):
+    packed = packed.to(_device(model))
     with torch.no_grad():
         return model(packed.input_ids, packed.position_ids, None,
-                     packed_seq_params=packed.packed_seq_params()).float()  # [1, T, V]
+                     packed_seq_params=packed.packed_seq_params()).float().cpu()  # [1, T, V]
 
 
 def _packed_to_padded_index(packed, width):
@@ -81,7 +88,7 @@ def _stock_model(model_cfg, groups, weights):
                      share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
                      position_embedding_type="rope", pg_collection=groups.pg_collection)
     stock.load_state_dict(weights, strict=True)
-    return stock.eval()
+    return stock.to(groups.device).eval()
 
 
 @pytest.mark.parametrize("model_cfg", [MODEL, TIED], ids=["untied_qkln_qkvbias", "tied"])
@@ -106,6 +113,7 @@ def test_packed_equals_padded_equals_stock_megatron(groups, model_cfg):
     ref_entropy = -(ref_log_p.exp() * ref_log_p).sum(-1)
     assert (entropy[pos] - ref_entropy).abs().max() < 1e-5
 
+    packed = packed.to(groups.device)
     whole_pack = dataclasses.replace(packed.packed_seq_params(), max_seqlen_q=packed.total_len,
                                      max_seqlen_kv=packed.total_len)
     with pytest.raises(ValueError, match="max_seqlen_q=23 equals the whole packed length"):
