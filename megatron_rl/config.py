@@ -29,7 +29,6 @@ import dataclasses
 import difflib
 import functools
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -386,6 +385,9 @@ class CheckpointConfig(ConfigSection):
     """Complete checkpoints kept on disk."""
     resume: bool = True
     """Resume from the latest complete checkpoint in save_dir if there is one."""
+    resume_fallback: bool = True
+    """When the newest checkpoint fails verification, move it aside (``.corrupt.step_N``) with a warning and
+    resume from the newest one that verifies; False = strict: stop with the error instead."""
     save_timeout_s: float = field(default=600.0, metadata=POSITIVE)
     """Abort a save that takes longer (the previous checkpoint stays)."""
 
@@ -719,11 +721,11 @@ def config_from_dict(data: Mapping[str, Any]) -> MegatronRLConfig:
 
 def write_yaml(data: Mapping[str, Any], path: str | Path) -> None:
     """Write ``data`` as YAML, atomically (temp file + rename: a reader never sees half a file)."""
+    from megatron_rl.atomic import atomic_write_text
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(dict(data), sort_keys=False))
-    os.replace(tmp, path)
+    atomic_write_text(path, yaml.safe_dump(dict(data), sort_keys=False))
 
 
 def dump_config(cfg: MegatronRLConfig, path: str | Path) -> None:

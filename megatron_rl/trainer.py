@@ -120,7 +120,7 @@ class Trainer:
     def validate_and_merge(self, out: GeneratorOutput, metrics: Metrics) -> GeneratorOutput:
         """Check the rollouts (once, here: later stages get ``validated=True``); merge consecutive turns whose
         prompts extend each other (step-wise, optional)."""
-        validate_generator_output(out, step_wise=self.step_wise)
+        out = validate_generator_output(out, step_wise=self.step_wise)  # plain lists (tensors detached)
         if not (self.step_wise and self.config.stepwise.merge_stepwise_output):
             return out
         merged, counts = merge_stepwise_output(out, validated=True)

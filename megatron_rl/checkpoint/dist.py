@@ -27,14 +27,23 @@ TimeoutError here instead of hanging; a hung collective is left to the process-g
 Load: rank 0 resolves the directory (``latest``, else the newest complete one) and every rank uses its
 answer; the manifest, the model shape and the optimizer kind are checked and the files verified against the
 manifest (sizes and CRC32, strided over ranks) *before* anything is read into the model, so a missing,
-corrupt or mismatched checkpoint raises ValueError on every rank and overwrites nothing.
+corrupt or mismatched checkpoint raises ValueError on every rank and overwrites nothing. Resuming from a
+save_dir with ``checkpoint.resume_fallback`` (the default): a newest checkpoint that fails verification (a
+flipped or truncated shard, a damaged ``common.pt``, ``.metadata``, RNG file, trainer state or manifest) is
+skipped with one warning naming it and the failure, and renamed ``.corrupt.step_N`` once an older one
+verifies; a damaged ``latest`` pointer falls back to scanning the ``step_*`` directories.
+
+A save that hits a full disk or a read-only filesystem (ENOSPC, EDQUOT, EROFS, EACCES) raises one
+RuntimeError on every rank naming the directory and the previous checkpoint, which stays intact.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
+import os
 import signal
 import threading
 import warnings
@@ -131,13 +140,23 @@ def save_checkpoint(policy: CheckpointablePolicy, save_dir: str | Path, trainer_
 
 
 def load_checkpoint(
-    policy: CheckpointablePolicy, path: str | Path, *, load_optimizer: bool = True, verify_checksums: bool = True
+    policy: CheckpointablePolicy,
+    path: str | Path,
+    *,
+    load_optimizer: bool = True,
+    verify_checksums: bool = True,
+    fallback: bool | None = None,
 ) -> TrainerState:
     """Restore ``policy`` from ``path`` (a checkpoint directory, or a save_dir: its latest complete
     checkpoint); returns the trainer state. ``verify_checksums=False`` checks file sizes only (reading a very
-    large checkpoint twice costs time). Collective."""
+    large checkpoint twice costs time). ``fallback`` (default ``config.checkpoint.resume_fallback``): a save_dir
+    whose newest checkpoint fails verification resumes from the newest one that verifies (module docstring).
+    Collective."""
     load_optimizer = load_optimizer and policy.optimizer is not None  # a frozen model has none to load
-    return load_parts(parts_of(policy), path, load_optimizer=load_optimizer, verify_checksums=verify_checksums)
+    if fallback is None:
+        fallback = policy.config.checkpoint.resume_fallback
+    return load_parts(parts_of(policy), path, load_optimizer=load_optimizer, verify_checksums=verify_checksums,
+                      fallback=fallback)
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -157,7 +176,7 @@ def save_parts(
     state_json = _trainer_state_json(trainer_state)
     if keep_last < 1:
         raise ValueError(f"checkpoint.keep_last={keep_last} must be >= 1")
-    with _deadline(timeout_s, f"saving checkpoint step {step} to {save_dir}"):
+    with _deadline(timeout_s, f"saving checkpoint step {step} to {save_dir}"), _storage_errors(save_dir, step):
         tmp = _make_tmp_dir(save_dir, step)
         layout.fault_point("tmp_created")
         dist_checkpointing.save(_sharded_state(parts, is_loading=False), str(tmp))
@@ -234,14 +253,17 @@ def _publish(save_dir: Path, tmp: Path, final: Path, keep_last: int) -> None:
 
 
 def load_parts(
-    parts: CheckpointParts, path: str | Path, *, load_optimizer: bool = True, verify_checksums: bool = True
+    parts: CheckpointParts,
+    path: str | Path,
+    *,
+    load_optimizer: bool = True,
+    verify_checksums: bool = True,
+    fallback: bool = False,
 ) -> TrainerState:
     """Restore ``parts`` from ``path``; returns the trainer state (module docstring for the checks)."""
 
-    ckpt = Path(_broadcast_from_rank0(lambda: str(layout.resolve_checkpoint(path))))
-    manifest = _broadcast_from_rank0(lambda: layout.read_manifest(ckpt))
+    ckpt, manifest = _choose_checkpoint(Path(path), verify_checksums, fallback)
     _check_compatible(manifest, parts, load_optimizer, ckpt)
-    _verify_files(ckpt, manifest, verify_checksums)
     template_parts = parts if load_optimizer else dataclasses.replace(parts, optimizer=None, scheduler=None)
     loaded = dist_checkpointing.load(_sharded_state(template_parts, is_loading=True), str(ckpt))
     for key, chunk in _chunk_keys(parts.model_chunks):
@@ -282,14 +304,51 @@ def _check_compatible(manifest: dict, parts: CheckpointParts, load_optimizer: bo
         )
 
 
-def _verify_files(ckpt: Path, manifest: dict, checksums: bool) -> None:
+def _choose_checkpoint(path: Path, checksums: bool, fallback: bool) -> tuple[Path, dict]:
+    """The checkpoint to load and its manifest: the first of ``layout.resume_candidates`` that verifies.
+
+    Every rank walks the same candidates (listed on rank 0) and reaches the same verdict on each (manifest
+    from rank 0, file problems all-gathered), so no rank can pick another checkpoint. Strict (``fallback``
+    False, or ``path`` is one checkpoint directory): the first failure is the error. With fallback, the
+    failed newer ones are moved aside with one warning each once an older one verifies; when none does,
+    one ValueError lists each and why (nothing is moved).
+    """
+    candidates = _broadcast_from_rank0(lambda: [str(p) for p in layout.resume_candidates(path, fallback)])
+    strict = not fallback or (path / layout.MANIFEST_FILE).is_file()
+    failed: list[tuple[Path, list[str]]] = []
+    for ckpt in map(Path, candidates):
+        manifest, why = _broadcast_from_rank0(lambda: layout.manifest_or_problem(ckpt))
+        if manifest is not None:
+            problems = _file_problems(ckpt, manifest, checksums)
+            if not problems:
+                _move_aside(failed)
+                return ckpt, manifest
+            why = f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}"
+        if strict:
+            hint = "" if manifest is None else "; use an older checkpoint (checkpoint.resume_fallback=true finds one)"
+            raise ValueError(why + hint)
+        failed.append((ckpt, why))
+    listed = "; ".join(f"{ckpt.name}: {why}" for ckpt, why in failed)
+    raise ValueError(f"no complete checkpoint in {str(path)!r} verifies ({listed}); restore one from a backup, or "
+                     "move the save_dir aside (or set checkpoint.resume=false) to start from scratch")
+
+
+def _file_problems(ckpt: Path, manifest: dict, checksums: bool) -> list[str]:
+    """Missing, truncated or changed files of ``ckpt`` (checked strided over ranks; the same list on all)."""
     names = sorted(manifest["files"])
     mine = layout.verify_files(ckpt, manifest, names[dist.get_rank() :: dist.get_world_size()], checksums)
     gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
-    problems = [p for part in gathered for p in part]
-    if problems:
-        raise ValueError(f"checkpoint {ckpt} is corrupt: {'; '.join(problems[:5])}; use an older checkpoint")
+    return [p for part in gathered for p in part]
+
+
+def _move_aside(failed: list[tuple[Path, str]]) -> None:
+    """Rank 0 renames each checkpoint that failed verification (never deletes it) and warns once for each."""
+    if dist.get_rank() != 0:
+        return
+    for ckpt, why in failed:
+        outcome = layout.move_aside(ckpt)
+        warnings.warn(f"skipping checkpoint {ckpt} on resume: {why}; {outcome}", stacklevel=4)
 
 
 def _restore_rng(ckpt: Path, manifest: dict, parts: CheckpointParts) -> None:
@@ -351,13 +410,16 @@ def _together(fn: Callable[[], T], *, rank0_only: bool = False) -> T | None:
             result = fn()
         except Exception as err:  # noqa: BLE001 - every error must reach the other ranks
             error = err
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    errors: list[tuple[str, int | None] | None] = [None] * dist.get_world_size()
+    mine = None if error is None else (f"{type(error).__name__}: {error}", getattr(error, "errno", None))
+    dist.all_gather_object(errors, mine)
     if error is not None:
         raise error
-    failed = [(rank, msg) for rank, msg in enumerate(errors) if msg is not None]
+    failed = [(rank, entry) for rank, entry in enumerate(errors) if entry is not None]
     if failed:
-        rank, msg = failed[0]
+        rank, (msg, code) = failed[0]
+        if code in STORAGE_ERRNOS:  # the same storage error on every rank (``_storage_errors`` reports it)
+            raise OSError(code, f"on rank {rank}: {msg}")
         raise RuntimeError(f"checkpoint step failed on rank {rank}: {msg}")
     return result
 
@@ -384,6 +446,29 @@ def _broadcast_from_rank0(fn: Callable[[], T]) -> T:
     if is_value_error:
         raise ValueError(message.removeprefix("ValueError: "))
     raise RuntimeError(f"checkpoint step failed on rank 0: {message}")
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+"""Filesystem errors that are the storage's, not a bug: reported in one line naming the directory."""
+
+
+@contextlib.contextmanager
+def _storage_errors(save_dir: Path, step: int) -> Iterator[None]:
+    """A full disk / read-only or unwritable save_dir (on this rank, or on another: ``_together`` keeps its
+    errno) becomes one RuntimeError naming the directory and the intact previous checkpoint."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in STORAGE_ERRNOS:
+            raise
+        previous = layout.read_latest(save_dir)
+        kept = (f"the previous checkpoint {previous} is intact" if previous is not None and previous.is_dir()
+                else "no earlier checkpoint exists")
+        raise RuntimeError(
+            f"saving checkpoint step {step} to {save_dir} failed: {os.strerror(err.errno)} ({err}); {kept}. Free "
+            "space on or fix permissions of that directory (checkpoint.save_dir), then run the same command again "
+            "to resume"
+        ) from err
 
 
 @contextlib.contextmanager

@@ -37,6 +37,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.atomic import atomic_write_text, fsync_dir, fsync_file  # noqa: F401 - re-exported
+
 CHECKPOINT_FORMAT_VERSION = 1
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
@@ -46,6 +48,8 @@ RNG_DIR = "rng"
 _NAME_RE = re.compile(r"^step_(\d{8,})$")
 _TMP_PREFIX = ".tmp."
 _TRASH_PREFIX = ".trash."
+CORRUPT_PREFIX = ".corrupt."
+"""A checkpoint that failed verification on resume is renamed ``.corrupt.step_N`` (kept for inspection)."""
 
 FAULT_ENV = "MEGATRON_RL_CKPT_FAULT"
 FAULT_MARK_ENV = "MEGATRON_RL_CKPT_FAULT_MARK"
@@ -74,34 +78,6 @@ def step_of(path: Path) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------------- durability
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename/creation inside ``path`` durable (POSIX: fsync the directory)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old or the new content, never a torn file."""
-    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def remove_tree(path: Path) -> None:
@@ -175,7 +151,7 @@ def read_latest(save_dir: Path) -> Path | None:
     """The directory named by ``save_dir/latest`` if the pointer exists and names a checkpoint directory."""
     try:
         name = (save_dir / LATEST_FILE).read_text().strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # missing, or damaged (random bytes): callers scan instead
         return None
     if _NAME_RE.match(name) is None:
         return None
@@ -188,6 +164,51 @@ def complete_checkpoints(save_dir: Path) -> list[Path]:
         return []
     found = [p for p in save_dir.iterdir() if p.is_dir() and step_of(p) is not None]
     return sorted((p for p in found if (p / MANIFEST_FILE).is_file()), key=lambda p: step_of(p))
+
+
+def checkpoint_dirs(save_dir: Path) -> list[Path]:
+    """Every ``step_*`` directory of ``save_dir`` (complete or not), by increasing step."""
+    if not save_dir.is_dir():
+        return []
+    return sorted((p for p in save_dir.iterdir() if p.is_dir() and step_of(p) is not None), key=lambda p: step_of(p))
+
+
+def resume_candidates(path: str | os.PathLike, fallback: bool) -> list[Path]:
+    """Checkpoint directories to try, in order, when resuming from ``path``.
+
+    A checkpoint directory itself, or strict mode (``fallback=False``): ``[resolve_checkpoint(path)]``. A save_dir
+    with fallback: the target of ``latest`` first (when it is a directory), then every other ``step_*``
+    directory, newest first, complete or not (a damaged one fails verification and is reported).
+    """
+    path = Path(path)
+    if not fallback or (path / MANIFEST_FILE).is_file() or not checkpoint_dirs(path):
+        return [resolve_checkpoint(path)]
+    latest = read_latest(path)
+    ordered = [latest] if latest is not None and latest.is_dir() else []
+    return ordered + [p for p in reversed(checkpoint_dirs(path)) if p not in ordered]
+
+
+def manifest_or_problem(ckpt_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(manifest, None)``, or ``(None, why)`` when the manifest is missing or unreadable."""
+    try:
+        return read_manifest(ckpt_dir), None
+    except ValueError as err:
+        return None, str(err)
+
+
+def move_aside(ckpt_dir: Path) -> str:
+    """Rename a checkpoint that failed verification to ``.corrupt.<name>`` (a new suffix if taken); returns
+    what happened, for the warning. Never deletes: the files stay for inspection."""
+    target = ckpt_dir.with_name(f"{CORRUPT_PREFIX}{ckpt_dir.name}")
+    n = 1
+    while target.exists():
+        target, n = ckpt_dir.with_name(f"{CORRUPT_PREFIX}{ckpt_dir.name}.{n}"), n + 1
+    try:
+        os.rename(ckpt_dir, target)
+        fsync_dir(ckpt_dir.parent)
+    except OSError as err:
+        return f"left in place (could not rename it: {err})"
+    return f"moved to {target}"
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

@@ -327,7 +327,7 @@ class TrainingBatch:
         Trainer), or ``out`` comes from ``merge_stepwise_output`` of validated rollouts (valid by construction).
         """
         if not validated:
-            validate_generator_output(out, step_wise)
+            out = validate_generator_output(out, step_wise)
         sequences, attention_mask, response_mask, rewards, loss_mask, logprobs = (
             convert_prompts_responses_to_batch_tensors(
                 pad_token_id,

@@ -13,17 +13,31 @@ before anything is converted to tensors, so every later stage can rely on these 
 - ``rewards[i]`` is a number (one reward per sequence, placed on its last response token) or a list of
   per-token rewards; both kinds may appear in one batch;
 - step-wise: the steps of one trajectory are contiguous, share one uid, and ``is_last_step`` is true exactly on
-  each trajectory's final step (hence also on the final entry).
+  each trajectory's final step (hence also on the final entry);
+- values: every reward is finite (wherever it sits, also on a step whose reward is not used), every rollout
+  log-prob is finite and ``<= LOGPROB_TOLERANCE`` (a log-probability is <= 0; float rounding aside), uids are
+  hashable;
+- keys: ``out`` is a mapping holding only ``REQUIRED_FIELDS`` and ``OPTIONAL_FIELDS`` (an unknown key, e.g.
+  ``advantages``, would be silently unused, so it is rejected).
 
-Every violation raises ``ValueError`` naming the field and the sequence index.
+Tensors and NumPy arrays holding valid data are accepted wherever a list or a number is: a field, a row, a
+0-d reward. ``validate_generator_output`` returns the rollouts as plain Python lists and numbers (tensors
+detached, copied to the host); ``out`` itself is never modified, and is returned as is when it is plain.
+
+This module is the one owner of these rules: the Trainer validates once at its entry; ``merge_stepwise_output``
+and ``TrainingBatch.from_generator_output`` call it for library users. Every violation raises ``ValueError``
+naming the field and the sequence index, before any state changes.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any, NotRequired, TypedDict
+
+import numpy as np
 
 
 class GeneratorOutput(TypedDict):
@@ -63,7 +77,13 @@ PER_SEQUENCE_FIELDS = (
 """Fields holding one entry per sequence (all must have the same length when present)."""
 
 REQUIRED_FIELDS = ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "uids")
+OPTIONAL_FIELDS = ("rollout_logprobs", "trajectory_ids", "is_last_step", "stop_reasons")
+"""The only other keys a ``GeneratorOutput`` may hold (``None`` = absent). Anything else is rejected."""
 STEP_WISE_FIELDS = ("trajectory_ids", "is_last_step")
+TOKEN_FIELDS = ("prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs")
+"""Fields whose rows are lists of per-token values."""
+LOGPROB_TOLERANCE = 1e-6
+"""A rollout log-prob above this is not a log-probability (float rounding of log(1) stays far below it)."""
 
 
 def is_scalar_reward(reward: Any) -> bool:
@@ -71,18 +91,57 @@ def is_scalar_reward(reward: Any) -> bool:
     return isinstance(reward, numbers.Real)
 
 
-def validate_generator_output(out: GeneratorOutput, step_wise: bool) -> None:
+def validate_generator_output(out: GeneratorOutput, step_wise: bool) -> GeneratorOutput:
     """Check the invariants listed in the module docstring; raise ``ValueError`` on the first violation.
 
-    Cost: O(number of sequences); token lists are only measured, never scanned.
+    Returns ``out`` as plain lists and numbers (the same object when it already is). Cost: O(number of
+    sequences) in Python, plus one vectorized pass over rewards and rollout log-probs.
     """
+    if not isinstance(out, Mapping):
+        raise ValueError(f"GeneratorOutput must be a mapping (a dict of per-sequence lists), got a "
+                         f"{type(out).__name__}; build it as dict(prompt_token_ids=..., response_ids=..., ...).")
+    _check_known_keys(out)
+    out = _as_plain(out)
     _check_fields_present(out, step_wise)
     num_seqs = _check_list_lengths(out)
     for i in range(num_seqs):
         _check_sequence(out, i)
+    _check_values(out)
     if step_wise:
         _check_step_wise(out["trajectory_ids"], out["is_last_step"], out["uids"])
         _check_rewards_on_last_steps(out["rewards"], out["is_last_step"])
+    return out
+
+
+def _check_known_keys(out: Mapping) -> None:
+    unknown = sorted(str(k) for k in out if k not in REQUIRED_FIELDS + OPTIONAL_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"GeneratorOutput has unknown key(s) {unknown}: they would be silently unused (the trainer computes "
+            f"advantages, returns, old/ref log-probs itself). Known keys: required {list(REQUIRED_FIELDS)}, "
+            f"optional {list(OPTIONAL_FIELDS)}; remove the others."
+        )
+
+
+def _plain(value: Any) -> Any:
+    """A tensor (detached, on the host) or NumPy array/scalar as Python lists/numbers; anything else as is."""
+    if hasattr(value, "detach"):  # torch.Tensor (this module does not import torch)
+        value = value.detach().cpu()
+    return value.tolist() if isinstance(value, (np.ndarray, np.generic)) or hasattr(value, "detach") else value
+
+
+def _as_plain(out: Mapping) -> dict:
+    """``out`` with every tensor/array field, row or uid converted by ``_plain`` (copies only what changes)."""
+    plain = dict(out)
+    changed = False
+    for name in PER_SEQUENCE_FIELDS:
+        values = plain.get(name)
+        converted = _plain(values)
+        if isinstance(converted, (list, tuple)):
+            rows = [_plain(v) for v in converted]
+            if converted is not values or any(r is not v for r, v in zip(rows, converted)):
+                plain[name], changed = rows, True
+    return plain if changed else out
 
 
 def _check_fields_present(out: GeneratorOutput, step_wise: bool) -> None:
@@ -94,6 +153,11 @@ def _check_fields_present(out: GeneratorOutput, step_wise: bool) -> None:
 
 
 def _check_list_lengths(out: GeneratorOutput) -> int:
+    for name in PER_SEQUENCE_FIELDS:
+        values = out.get(name)
+        if values is not None and not isinstance(values, (list, tuple)):
+            raise ValueError(f"GeneratorOutput[{name!r}] is a {type(values).__name__}, expected a list with one "
+                             "entry per sequence.")
     num_seqs = len(out["prompt_token_ids"])
     for name in PER_SEQUENCE_FIELDS:
         values = out.get(name)
@@ -106,6 +170,9 @@ def _check_list_lengths(out: GeneratorOutput) -> int:
 
 
 def _check_sequence(out: GeneratorOutput, i: int) -> None:
+    for name in ("prompt_token_ids", "response_ids"):
+        _check_row_is_list(out, name, i)
+    _check_hashable(out["uids"][i], i, "uids")
     if len(out["prompt_token_ids"][i]) == 0:
         raise ValueError(
             f"GeneratorOutput['prompt_token_ids'][{i}] is empty: the first response token's log-prob needs a "
@@ -124,9 +191,15 @@ def _check_sequence(out: GeneratorOutput, i: int) -> None:
         _check_token_aligned(out, "rewards", i, num_response)
 
 
+def _check_row_is_list(out: GeneratorOutput, name: str, i: int, what: str = "token ids") -> None:
+    value = out[name][i]
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"GeneratorOutput[{name!r}][{i}] is a {type(value).__name__}, expected a list of {what}.")
+
+
 def _check_token_aligned(out: GeneratorOutput, name: str, i: int, num_response: int) -> None:
     value = out[name][i]
-    if not hasattr(value, "__len__") or isinstance(value, str):  # lists; arrays are tolerated
+    if not isinstance(value, (list, tuple)):  # tensors and arrays were converted to lists by _as_plain
         raise ValueError(
             f"GeneratorOutput[{name!r}][{i}] is a {type(value).__name__}, expected a list with one value per "
             f"response token ({num_response})."
@@ -138,12 +211,64 @@ def _check_token_aligned(out: GeneratorOutput, name: str, i: int, num_response: 
         )
 
 
+def _check_values(out: GeneratorOutput) -> None:
+    """Finite rewards (every row, last step or not); finite rollout log-probs ``<= LOGPROB_TOLERANCE``."""
+    _check_numbers(out["rewards"], "rewards", "fix the reward function (every reward must be finite)")
+    if out.get("rollout_logprobs") is not None:
+        values = _check_numbers(out["rollout_logprobs"], "rollout_logprobs", "fix the sampler's log-probs")
+        above = np.flatnonzero(values > LOGPROB_TOLERANCE)
+        if len(above):
+            i, j = _row_and_column(out["rollout_logprobs"], int(above[0]))
+            raise ValueError(
+                f"GeneratorOutput['rollout_logprobs'][{i}][{j}] = {values[above[0]]!r} is above 0: a log-probability "
+                f"is <= 0 (tolerance {LOGPROB_TOLERANCE}); pass log-probs (log_softmax), not logits or probabilities."
+            )
+
+
+def _check_numbers(rows: list, name: str, fix: str) -> np.ndarray:
+    """All values of ``rows`` (numbers or lists of numbers) as one float64 vector; ValueError naming the row
+    of the first non-number or non-finite value."""
+    try:
+        values = np.concatenate([_numeric(row) for row in rows] or [np.empty(0)])
+    except (TypeError, ValueError):
+        for i, row in enumerate(rows):
+            for v in row if isinstance(row, (list, tuple)) else (row,):
+                if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                    raise ValueError(f"GeneratorOutput[{name!r}][{i}] holds a {type(v).__name__} ({v!r}), expected "
+                                     f"numbers; {fix}.") from None
+        raise
+    bad = np.flatnonzero(~np.isfinite(values))
+    if len(bad):
+        i, _ = _row_and_column(rows, int(bad[0]))
+        raise ValueError(f"GeneratorOutput field {name!r}: {name}[{i}] holds a NaN or infinite value "
+                         f"({values[bad[0]]!r}); {fix}.")
+    return values
+
+
+def _numeric(row: Any) -> np.ndarray:
+    """``row`` as a float64 vector; TypeError for anything but numbers (``None`` would become NaN silently)."""
+    array = np.asarray(row)
+    if array.dtype.kind not in "biuf":
+        raise TypeError(array.dtype)
+    return array.astype(np.float64).reshape(-1)
+
+
+def _row_and_column(rows: list, flat_index: int) -> tuple[int, int]:
+    """(row, column) of the ``flat_index``-th value of ``rows`` flattened (a scalar row counts as one value)."""
+    for i, row in enumerate(rows):
+        n = len(row) if isinstance(row, (list, tuple)) else 1
+        if flat_index < n:
+            return i, flat_index
+        flat_index -= n
+    raise AssertionError("flat index beyond the rows")
+
+
 def _check_step_wise(trajectory_ids: list[Hashable], is_last_step: list[bool], uids: list[Hashable]) -> None:
     """Steps of a trajectory contiguous and sharing a uid; ``is_last_step`` exactly at trajectory ends."""
     finished: set[Hashable] = set()
     num_seqs = len(trajectory_ids)
     for i, tid in enumerate(trajectory_ids):
-        _check_hashable(tid, i)
+        _check_hashable(tid, i, "trajectory_ids")
         ends_here = i == num_seqs - 1 or trajectory_ids[i + 1] != tid
         if tid in finished:
             raise ValueError(
@@ -182,10 +307,10 @@ def _check_rewards_on_last_steps(rewards: list, is_last_step: list[bool]) -> Non
             return
 
 
-def _check_hashable(tid: Any, i: int) -> None:
+def _check_hashable(value: Any, i: int, name: str) -> None:
     try:
-        hash(tid)
+        hash(value)
     except TypeError:
         raise ValueError(
-            f"GeneratorOutput['trajectory_ids'][{i}] = {tid!r} is not hashable: use a string, int or tuple."
+            f"GeneratorOutput[{name!r}][{i}] = {value!r} is not hashable: use a string, int or tuple."
         ) from None

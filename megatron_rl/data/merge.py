@@ -53,7 +53,7 @@ def merge_stepwise_output(
     (the Trainer does, once, at its entry); library callers leave it False and get the same ValueErrors.
     """
     if not validated:
-        validate_generator_output(out, step_wise=True)
+        out = validate_generator_output(out, step_wise=True)
     groups: list[_Group] = []
     for i in range(len(out["prompt_token_ids"])):
         starts_trajectory = i == 0 or out["trajectory_ids"][i] != out["trajectory_ids"][i - 1]

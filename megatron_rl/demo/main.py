@@ -15,7 +15,10 @@ same command again resumes from it.
     python -m megatron_rl.demo.main --config configs/demo_cpu.yaml [section.key=value ...]
 
 A configuration mistake (``ConfigError``: a bad key or value, a world size the parallel sizes do not divide) is
-printed once, by rank 0, without a traceback, and every rank exits with code 2.
+printed once, by rank 0, without a traceback, and every rank exits with code 2. So is a resume that finds no
+checkpoint that verifies (a ``ValueError`` naming each one; a damaged newest one alone is skipped with a
+warning, see ``megatron_rl/checkpoint/dist.py``) and a save that hits a full or read-only disk (one line naming
+the directory and the intact previous checkpoint; exit code 1). Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -83,15 +86,31 @@ def main(argv: list[str] | None = None) -> int:
         return report_config_error(err)
     try:
         return run(build_job(config, groups))
+    except CheckpointProblem as err:
+        return report_error(str(err), kind="checkpoint error", code=err.code)
     finally:
         destroy_distributed()
 
 
 def report_config_error(err: ConfigError) -> int:
     """Rank 0 prints the mistake (one line, no traceback); every rank exits with 2 (usage error)."""
+    return report_error(str(err), kind="config error", code=2)
+
+
+def report_error(message: str, *, kind: str, code: int) -> int:
+    """Rank 0 prints ``message`` once (no traceback: every rank raised the same error); returns ``code``."""
     if os.environ.get("RANK", "0") == "0":
-        print(f"megatron_rl: config error: {err}", file=sys.stderr, flush=True)
-    return 2
+        print(f"megatron_rl: {kind}: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+class CheckpointProblem(Exception):
+    """A resume or save failed for a reason that is the user's or the storage's (not a bug); the same message
+    on every rank. ``code``: the exit code (2 bad checkpoints, 1 storage)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def build_job(config: DemoJobConfig, groups: ParallelGroups) -> Job:
@@ -222,18 +241,31 @@ def checkpoint_due(rl: MegatronRLConfig, demo: DemoConfig, step: int) -> bool:
 def save(job: Job, step: int) -> None:
     """Atomic distributed checkpoint of the policy (model, optimizer, LR schedule, RNG) and the loop state."""
     from megatron_rl.checkpoint import save_checkpoint
+    from megatron_rl.checkpoint.dist import STORAGE_ERRNOS
 
-    save_checkpoint(job.policy, job.save_dir, {"step": step, "optimizer_steps": job.trainer.optimizer_steps})
+    try:
+        save_checkpoint(job.policy, job.save_dir, {"step": step, "optimizer_steps": job.trainer.optimizer_steps})
+    except RuntimeError as err:
+        if isinstance(err.__cause__, OSError) and err.__cause__.errno in STORAGE_ERRNOS:
+            raise CheckpointProblem(str(err), code=1) from err
+        raise
 
 
 def resume(job: Job) -> int:
-    """Load the latest complete checkpoint of ``save_dir`` if ``checkpoint.resume``; returns its step (or 0)."""
-    from megatron_rl.checkpoint import load_checkpoint
-    from megatron_rl.checkpoint.layout import complete_checkpoints
+    """Load the newest checkpoint of ``save_dir`` that verifies if ``checkpoint.resume``; returns its step (or 0).
 
-    if not job.config.rl.checkpoint.resume or not complete_checkpoints(job.save_dir):
+    Any ``step_*`` directory means "resume": when none of them verifies, the job stops (exit code 2) instead
+    of starting over and truncating the history in ``metrics.jsonl``.
+    """
+    from megatron_rl.checkpoint import load_checkpoint
+    from megatron_rl.checkpoint.layout import checkpoint_dirs
+
+    if not job.config.rl.checkpoint.resume or not checkpoint_dirs(job.save_dir):
         return 0
-    state = load_checkpoint(job.policy, job.save_dir)
+    try:
+        state = load_checkpoint(job.policy, job.save_dir)
+    except ValueError as err:
+        raise CheckpointProblem(str(err), code=2) from err
     job.trainer.optimizer_steps = int(state.get("optimizer_steps", 0))
     return int(state["step"])
 

@@ -9,7 +9,10 @@ of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
     summary.txt          one paragraph: start reward, end reward, random baseline, wall time
 
 Resuming appends to ``metrics.jsonl``; lines of steps after the resume point (a crashed tail) are dropped first,
-so the file holds each step once.
+so the file holds each step once. Every file rewritten here (the truncated ``metrics.jsonl``, ``summary.txt``,
+``reward_loss.png``) is replaced atomically (``megatron_rl/atomic.py``): a kill at any instant leaves the old
+or the new version, so a resume keeps every row up to its checkpoint. TensorBoard resumes with
+``purge_step=start_step + 1``: events of steps after the checkpoint (the crashed tail) are hidden, none twice.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_rl.atomic import atomic_replace, atomic_write_text
 
 REWARD_KEY = "reward/mean"
 LOSS_KEY = "policy/loss"
@@ -39,8 +44,18 @@ def read_metrics(path: Path) -> list[dict[str, float]]:
 
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Keep only rows with ``step <= last_step`` (called when resuming from the checkpoint of ``last_step``)."""
-    rows = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of_line(line) <= last_step]
+    atomic_write_text(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
+
+
+def _step_of_line(line: str) -> float:
+    """The step of one JSONL row; an unreadable line (a killed writer's torn tail) counts as after every step."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
 
 
 def plot_reward_and_loss(rows: list[dict[str, float]], png_path: Path, *, baseline: float | None = None) -> None:
@@ -62,7 +77,8 @@ def plot_reward_and_loss(rows: list[dict[str, float]], png_path: Path, *, baseli
         ax_reward.axhline(baseline, linestyle="--", color="gray", label=f"random policy {baseline:.3f}")
         ax_reward.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
+    with atomic_replace(png_path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -111,7 +127,9 @@ class RunReporter:
         except ImportError:
             print("reporting: tensorboard is not installed; metrics go to metrics.jsonl only")
             return None
-        return SummaryWriter(str(self.output_dir / "tensorboard"))
+        # purge_step: on resume, events at steps > start_step (written after the checkpoint) are discarded
+        purge_step = self.start_step + 1 if self.start_step > 0 else None
+        return SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=purge_step)
 
     def _open_progress_bar(self):
         from tqdm import tqdm
@@ -148,7 +166,7 @@ class RunReporter:
         rows = read_metrics(self.metrics_path)
         plot_reward_and_loss(rows, self.output_dir / "reward_loss.png", baseline=baseline)
         summary = summary_paragraph(rows, baseline=baseline, wall_time_s=wall_time_s)
-        (self.output_dir / "summary.txt").write_text(summary + "\n")
+        atomic_write_text(self.output_dir / "summary.txt", summary + "\n")
         return summary
 
     def close(self) -> None:

@@ -23,7 +23,8 @@ def rollouts(draw, max_rows: int = 6, max_len: int = 12, per_token_rewards: bool
         out["response_ids"].append(response)
         out["rewards"].append(draw(st.lists(floats, min_size=r, max_size=r)) if per_token else draw(floats))
         out["loss_masks"].append(draw(st.lists(st.integers(0, 1), min_size=r, max_size=r)))
-        out["rollout_logprobs"].append(draw(st.lists(floats, min_size=r, max_size=r)))
+        logprobs = st.floats(-3, 0, width=32)  # log-probabilities are <= 0 (validate_generator_output)
+        out["rollout_logprobs"].append(draw(st.lists(logprobs, min_size=r, max_size=r)))
         out["uids"].append(i)
     return out
 

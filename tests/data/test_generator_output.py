@@ -128,3 +128,58 @@ def test_without_step_wise_every_sequence_is_its_own_trajectory():
     out["is_last_step"] = [False, False, False]
     batch = TrainingBatch.from_generator_output(out, pad_token_id=0, step_wise=False)
     assert batch.is_last_step == [True, True, True] and batch.trajectory_ids == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------- library inputs: types, keys, values
+
+
+def _plain_output() -> dict:
+    out = step_wise_output()
+    out["is_last_step"], out["trajectory_ids"] = [True] * 3, [0, 1, 2]
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda out: ["not", "a", "mapping"], "must be a mapping"),
+        (lambda out: {**out, "advantages": [[0.0]] * 3}, r"unknown key\(s\) \['advantages'\].*optional"),
+        (_set(["prompt_token_ids", 1], None), r"\['prompt_token_ids'\]\[1\] is a NoneType"),
+        (_set(["loss_masks", 0], None), r"\['loss_masks'\]\[0\] is a NoneType"),
+        (_set(["uids"], 7), r"\['uids'\] is a int"),
+        (_set(["uids", 1], ["unhashable"]), r"\['uids'\]\[1\] = \['unhashable'\] is not hashable"),
+        (_set(["rollout_logprobs", 1], [-0.2, 0.5]), r"\['rollout_logprobs'\]\[1\]\[1\] = .* is above 0"),
+        (_set(["rewards", 1], "high"), r"\['rewards'\]\[1\] is a str"),
+        (_set(["rewards", 2], [None]), r"\['rewards'\]\[2\] holds a NoneType"),
+    ],
+)
+def test_malformed_library_inputs_name_the_field(change, needle):
+    out = copy.deepcopy(_plain_output())
+    out = change(out) or out  # _set mutates in place; the lambdas return a new object
+    with pytest.raises(ValueError, match=needle):
+        validate_generator_output(out, step_wise=False)
+
+
+def test_nan_reward_on_a_non_last_step_is_rejected():
+    out = step_wise_output()
+    out["rewards"][0] = float("nan")  # its step's reward is unused, but a NaN means a broken reward function
+    with pytest.raises(ValueError, match=r"rewards\[0\] holds a NaN"):
+        validate_generator_output(out, step_wise=True)
+
+
+def test_tensors_and_arrays_are_accepted_as_plain_values():
+    import numpy as np
+    import torch
+
+    out = _plain_output()
+    expected = validate_generator_output(copy.deepcopy(out), step_wise=False)
+    assert expected == out  # plain input comes back unchanged
+    out["rewards"] = [torch.tensor(0.0, requires_grad=True), np.float32(1.0), torch.zeros(1, requires_grad=True)]
+    out["rollout_logprobs"][1] = torch.tensor([-0.2, -0.3], requires_grad=True)
+    out["response_ids"] = [np.array([3]), torch.tensor([5, 6]), [7]]
+    out["uids"] = torch.tensor([0, 0, 0])
+    plain = validate_generator_output(out, step_wise=False)
+    assert plain is not out and isinstance(out["uids"], torch.Tensor)  # the caller's dict is not modified
+    assert plain["rewards"] == [0.0, 1.0, [0.0]] and plain["response_ids"] == [[3], [5, 6], [7]]
+    assert plain["uids"] == [0, 0, 0] and all(isinstance(v, float) for v in plain["rollout_logprobs"][1])
+    assert plain["rollout_logprobs"][1] == [torch.tensor(-0.2).item(), torch.tensor(-0.3).item()]

@@ -1,0 +1,133 @@
+"""Pre-flight: the checks that need no model and no process group, run before any rank starts.
+
+Place in the data flow: before everything (``run_megatron.sh`` runs ``python -m megatron_rl.demo.preflight`` before
+torchrun; library users call ``check_run(config, world_size)`` before ``initialize_distributed``). A mistake
+found here costs a second instead of a rank start-up, a model build, or ``save_interval`` train steps:
+
+- the config validates for this world size (``MegatronRLConfig.validate``: the one owner of every rule);
+- ``logging.output_dir`` and the checkpoint directory are created and proven writable (a probe file is
+  written, renamed and deleted: a read-only mount or a missing permission fails here, not at the first save);
+- the free space of the checkpoint filesystem is compared with ``checkpoint.keep_last + 1`` checkpoints of
+  the estimated size (``estimate_checkpoint_bytes``): a warning when it is lower.
+
+Failures raise ``ValueError`` (a ``ConfigError`` for config values) naming the key or directory, the value and
+the fix; the command line (``main``) prints it once, without a traceback, and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable, Sequence
+
+from megatron_rl.config import ConfigError, MegatronRLConfig, ModelConfig, load_config
+
+BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2}
+OPTIMIZER_BYTES_PER_PARAM = {"adam": 8, "sgd": 4}
+"""fp32 optimizer state per parameter: Adam's two moments, SGD's momentum. Low-precision params add a 4-byte
+fp32 main copy (megatron's mixed-precision optimizer)."""
+
+
+def checkpoint_dir(config: MegatronRLConfig) -> Path:
+    """``checkpoint.save_dir``, or ``<logging.output_dir>/checkpoints`` when unset (CheckpointConfig)."""
+    save_dir = config.checkpoint.save_dir
+    return Path(save_dir) if save_dir else Path(config.logging.output_dir) / "checkpoints"
+
+
+def count_parameters(model: ModelConfig) -> int:
+    """Parameters of the Llama-style GPT of ``model/builder.py`` (RMSNorm, SwiGLU, GQA, no linear biases)."""
+    h, layers = model.hidden_size, model.num_layers
+    kv = model.kv_channels or h // model.num_attention_heads
+    q_width, kv_width = model.num_attention_heads * kv, model.num_query_groups * kv
+    attention = h * (q_width + 2 * kv_width) + q_width * h + (q_width + 2 * kv_width) * model.add_qkv_bias
+    mlp = h * 2 * model.ffn_hidden_size + model.ffn_hidden_size * h
+    norms = 2 * h + (2 * kv if model.qk_layernorm else 0)
+    embeddings = model.vocab_size * h * (1 if model.share_embeddings_and_output_weights else 2)
+    return layers * (attention + mlp + norms) + embeddings + h
+
+
+def estimate_checkpoint_bytes(config: MegatronRLConfig) -> int:
+    """params x (bytes per param + optimizer bytes per param): one checkpoint with its optimizer state."""
+    param_bytes = BYTES_PER_PARAM[config.model.params_dtype]
+    optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM[config.optimizer.optimizer] + (4 if param_bytes < 4 else 0)
+    return count_parameters(config.model) * (param_bytes + optimizer_bytes)
+
+
+def check_writable(directory: Path, key: str) -> None:
+    """Create ``directory`` and prove it writable (write + rename + delete a probe file); ValueError naming
+    ``key`` otherwise."""
+    probe = directory / f".preflight.{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.write_text("megatron_rl pre-flight probe\n")
+        probe.replace(probe.with_name(probe.name + ".renamed"))
+        probe.with_name(probe.name + ".renamed").unlink()
+    except OSError as err:
+        raise ValueError(
+            f"{key}={str(directory)!r} is not writable ({err.strerror or err}); choose a directory this user "
+            f"can write (set {key}=...), or fix its permissions / free space"
+        ) from None
+
+
+def check_free_space(directory: Path, config: MegatronRLConfig) -> str | None:
+    """A warning (returned and issued) when ``directory`` has less free space than ``keep_last + 1`` estimated
+    checkpoints (one more is written before the oldest is pruned)."""
+    needed = estimate_checkpoint_bytes(config) * (config.checkpoint.keep_last + 1)
+    free = shutil.disk_usage(directory).free
+    if free >= needed:
+        return None
+    message = (f"checkpoint directory {directory} has {free / 2**30:.2f} GiB free, less than the ~"
+               f"{needed / 2**30:.2f} GiB that checkpoint.keep_last={config.checkpoint.keep_last} + 1 checkpoints of "
+               "this model need; free space, choose another checkpoint.save_dir, or lower checkpoint.keep_last")
+    warnings.warn(message, stacklevel=2)
+    return message
+
+
+def check_run(config: MegatronRLConfig, world_size: int | None = None) -> list[str]:
+    """Every pre-flight check (module docstring) for ``config`` on ``world_size`` ranks; returns the warnings.
+
+    Raises ``ConfigError`` for a config value, ``ValueError`` for a directory; creates the output and
+    checkpoint directories as a side effect (the run creates them anyway).
+    """
+    config.validate(world_size=world_size)
+    check_writable(Path(config.logging.output_dir), "logging.output_dir")
+    save_dir = checkpoint_dir(config)
+    check_writable(save_dir, "checkpoint.save_dir")
+    low_space = check_free_space(save_dir, config)
+    return [low_space] if low_space else []
+
+
+def main(argv: Sequence[str] | None = None,
+         load: Callable[[str, Sequence[str]], MegatronRLConfig] = load_config) -> int:
+    """``python -m megatron_rl.preflight --config X [--world-size N] [key=value ...]``: 0 when the run can start,
+    2 (after one line on stderr, no traceback) when it cannot. ``load`` reads an application's config (the
+    main job passes its own, ``megatron_rl/demo/preflight.py``)."""
+    parser = argparse.ArgumentParser(description="megatron_rl pre-flight checks (no model, no process group)")
+    parser.add_argument("--config", required=True, help="YAML of config overrides")
+    parser.add_argument("--world-size", type=int, default=None, help="total number of ranks (NPROC x NNODES)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-3")
+    args = parser.parse_args(argv)
+    if args.world_size is not None and args.world_size < 1:
+        print(f"megatron_rl pre-flight: --world-size={args.world_size} must be >= 1 (NPROC x NNODES)", file=sys.stderr)
+        return 2
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # warnings are printed below, once, in one line each
+            found = check_run(load(args.config, args.overrides), args.world_size)
+    except ConfigError as err:
+        print(f"megatron_rl pre-flight: config error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except ValueError as err:
+        print(f"megatron_rl pre-flight: {err}", file=sys.stderr, flush=True)
+        return 2
+    for message in found:
+        print(f"megatron_rl pre-flight: warning: {message}", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
