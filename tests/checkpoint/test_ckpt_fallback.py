@@ -22,12 +22,19 @@ from multirank import run_ranks
 DAMAGE = {
     "flipped_shard": lambda d: _flip(sorted(d.glob("*.distcp"))[0]),
     "truncated_shard": lambda d: _cut(sorted(d.glob("*.distcp"))[0]),
-    "common_pt": lambda d: _flip(d / "common.pt"),
+    "common_pt": lambda d: _flip(_common_state_file(d)),
     "metadata": lambda d: _cut(d / ".metadata"),
     "rng": lambda d: _flip(d / "rng" / "rank_00000.pt"),
     "trainer_state": lambda d: (d / "trainer_state.json").write_text('{"step": 99}'),
     "manifest": lambda d: _cut(d / "manifest.json"),
 }
+
+
+def _common_state_file(ckpt: Path) -> Path:
+    """``common.pt`` (megatron-core 0.16.1); 0.19.x keeps common state in the shards and writes none, so its
+    ``metadata.json`` (dist_checkpointing's own small file) stands in: any damaged file must be caught."""
+    common = ckpt / "common.pt"
+    return common if common.exists() else ckpt / "metadata.json"
 
 
 def _flip(path: Path) -> None:
