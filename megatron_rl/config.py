@@ -156,7 +156,8 @@ class ParallelConfig(ConfigSection):
     pipeline_model_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
     """Pipeline-parallel stages (megatron-core name)."""
     context_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
-    """Context-parallel group size. Only 1 is supported today; kept for the scaling contract."""
+    """Context-parallel group size (megatron-core name): each packed sequence is split into 2*cp chunks and
+    CP rank r runs chunks r and 2*cp-1-r (docs/DESIGN.md "Context parallelism")."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
@@ -165,10 +166,6 @@ class ParallelConfig(ConfigSection):
     ranks than GPUs). Applied by ``distributed.bootstrap.initialize_distributed`` (docs/DESIGN.md section 11)."""
 
     def _check_rules(self) -> None:
-        if self.context_parallel_size != 1:
-            raise ConfigError(
-                f"parallel.context_parallel_size={self.context_parallel_size} is not supported yet; set it to 1"
-            )
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ConfigError(
                 "parallel.sequence_parallel=True has no effect with parallel.tensor_model_parallel_size=1; "

@@ -14,6 +14,15 @@ only by ``PackedBatch.packed_seq_params``.
 Labels are built per sequence, never by rolling the flat stream, so no label crosses a boundary. With
 ``target_len`` (pipeline parallelism with equal micro-batch lengths) the pack is extended by one final dummy
 sequence (label_mask 0) that appears in ``cu_seqlens`` (then ``b+2`` entries) but not in ``seq_lens``.
+
+Context parallelism (docs/DESIGN.md "Context parallelism"): ``split_for_cp`` cuts every packed sequence (each
+a multiple of ``2*cp``, see ``packing_alignment``) into ``2*cp`` equal chunks; CP rank r keeps chunks r and
+``2*cp-1-r`` of every sequence, in pack order (load-balanced causal work, megatron-core's THD layout):
+
+    sequence of n tokens, cp=2, c = n/4:   | c0 | c1 | c2 | c3 |      rank 0: c0 c3    rank 1: c1 c2
+    local pack (T/cp tokens)               ids, labels, label_mask of those tokens; position_ids = their
+                                           GLOBAL positions in their sequence; cu_seqlens, seq_lens and
+                                           max_seqlen stay GLOBAL (megatron's convention under CP)
 """
 
 from __future__ import annotations
@@ -69,6 +78,81 @@ class PackedBatch:
             for name in ("input_ids", "position_ids", "labels", "label_mask", "cu_seqlens", "seq_lens")
         }
         return replace(self, **tensors)
+
+
+@dataclass
+class CPLocalPack(PackedBatch):
+    """CP rank ``cp_rank``'s part of a pack (``split_for_cp``): ``input_ids``, ``position_ids``, ``labels``,
+    ``label_mask`` are ``[1, T/cp]`` local tokens; ``cu_seqlens``, ``seq_lens``, ``max_seqlen`` describe the GLOBAL
+    pack (so ``total_len`` is the local length, ``cu_seqlens[-1]`` the global one)."""
+
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_index: torch.Tensor | None = None
+    """``[cp, T/cp]`` int64: row r holds the global pack positions of CP rank r's tokens, in local order."""
+
+    def packed_seq_params(self) -> Any:
+        """The pack's ``PackedSeqParams`` with ``cu_seqlens_*_padded`` set to the (global, padded) cu_seqlens:
+        TransformerEngine's CP attention reads the chunk layout from them; the local attention and RoPE
+        accept them (the same tensor object, so no comparison is needed)."""
+        params = super().packed_seq_params()
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = self.cu_seqlens
+        return params
+
+    def to(self, device: torch.device | str) -> CPLocalPack:
+        moved = super().to(device)
+        return replace(moved, cp_index=self.cp_index.to(device, non_blocking=True))
+
+
+def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``[cp, T/cp]`` int64: the global pack positions each CP rank holds (module diagram), in local order.
+
+    Row r lists, sequence by sequence, chunk r then chunk ``2*cp-1-r`` (each sequence's ``2*cp`` chunks are
+    equal). ValueError for a sequence whose length is not a multiple of ``2*cp``."""
+    if cp_size < 1:
+        raise ValueError(f"cp_token_index: cp_size={cp_size} must be >= 1.")
+    cu = cu_seqlens.to("cpu", torch.int64)
+    lengths = cu[1:] - cu[:-1]  # [b]
+    bad = torch.nonzero(lengths % (2 * cp_size)).flatten()
+    if len(bad) > 0:
+        raise ValueError(
+            f"cp_token_index: packed sequence {int(bad[0])} has {int(lengths[bad[0]])} tokens, not a multiple of "
+            f"2*context_parallel_size={2 * cp_size}; pack with align=packing_alignment(tp, cp, sp)."
+        )
+    total = int(cu[-1])
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [T] sequence of each position
+    offset = torch.arange(total) - cu[:-1][seq]  # position within its sequence
+    chunk = offset // (lengths[seq] // (2 * cp_size))  # 0 .. 2cp-1
+    owner = torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk)  # [T] CP rank holding the position
+    return torch.argsort(owner, stable=True).view(cp_size, total // cp_size)
+
+
+def split_for_cp(packed: PackedBatch, cp_size: int, cp_rank: int) -> CPLocalPack:
+    """CP rank ``cp_rank``'s local pack of ``packed`` (module diagram); host or device, pure indexing.
+
+    Labels were built per global sequence before the split, so every local token keeps the label of its
+    global successor. ValueError for a pack not aligned to ``2*cp_size``."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"split_for_cp: cp_rank={cp_rank} must be in [0, cp_size={cp_size}).")
+    if int(packed.cu_seqlens[-1]) != packed.total_len:
+        raise ValueError(
+            f"split_for_cp: cu_seqlens[-1]={int(packed.cu_seqlens[-1])} must equal the pack length "
+            f"{packed.total_len} (a whole pack from pack(), not a local one)."
+        )
+    index = cp_token_index(packed.cu_seqlens, cp_size).to(packed.input_ids.device)  # [cp, T/cp]
+    mine = index[cp_rank]
+    return CPLocalPack(
+        input_ids=packed.input_ids[:, mine],
+        position_ids=packed.position_ids[:, mine],
+        labels=packed.labels[:, mine],
+        label_mask=packed.label_mask[:, mine],
+        cu_seqlens=packed.cu_seqlens,
+        seq_lens=packed.seq_lens,
+        max_seqlen=packed.max_seqlen,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        cp_index=index,
+    )
 
 
 def packing_alignment(tp_size: int, cp_size: int, sequence_parallel: bool) -> int:

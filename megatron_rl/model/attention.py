@@ -22,6 +22,14 @@ Kernels, chosen by device in ``_thd`` (the CPU result is unchanged by the CUDA p
     otherwise (CPU, fp32)         torch's scaled_dot_product_attention (GQA via ``enable_gqa``), one call per
                                   packed sequence over host bounds (``cu.tolist()``, free on CPU).
 
+Context parallelism (``context_parallel_size`` cp > 1; docs/DESIGN.md "Context parallelism"): q/k/v hold this
+CP rank's local tokens (``T/cp`` rows: chunks r and 2cp-1-r of every sequence, ``data.packing.split_for_cp``)
+and ``cu_seqlens`` is the GLOBAL padded one. Keys and values are all-gathered over the CP group
+(``model.context_parallel.all_gather_cp``, backward = sum over CP ranks, i.e. a reduce-scatter), put back in
+global order, and each local query attends causally within its own sequence by GLOBAL position: one SDPA call
+per sequence with a boolean mask ``key_pos <= query_pos`` built from host bounds (on every device and dtype;
+exactness first, no flash path under CP).
+
 Either way the cost is ``sum_i n_i**2`` rather than ``T**2``. Masked-out logits get the dtype's most negative
 value rather than -inf, so a fully masked (padding) query row yields a finite, ignored output instead of NaN.
 """
@@ -41,6 +49,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_rl.data.packing import cp_token_index
+from megatron_rl.model.context_parallel import all_gather_cp, to_global_order
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +74,15 @@ class PackedDotProductAttention(MegatronModule):
         super().__init__(config=config)
         _check_supported(config)
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp_size = pg_collection.tp.size()
+        self.cp_group = getattr(pg_collection, "cp", None)
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        if self.cp_size != config.context_parallel_size:
+            raise ValueError(
+                f"context_parallel_size={config.context_parallel_size} but the attention's CP group has "
+                f"{self.cp_size} ranks; pass the pg_collection of initialize_distributed"
+            )
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.num_heads = config.num_attention_heads // tp_size  # np
@@ -89,6 +107,11 @@ class PackedDotProductAttention(MegatronModule):
             if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
                 return self._thd(query, key, value, packed_seq_params)
             assert packed_seq_params is None or packed_seq_params.qkv_format == "sbhd", packed_seq_params
+            if self.cp_size > 1:
+                raise ValueError(
+                    f"context_parallel_size={self.cp_size} needs THD packed input (packed_seq_params with "
+                    "qkv_format='thd', as MegatronPolicy passes); padded input is not split over CP"
+                )
             causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
             return self._padded(query, key, value, attention_mask, causal)
 
@@ -98,6 +121,8 @@ class PackedDotProductAttention(MegatronModule):
         cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         if cu_q is not cu_kv:  # PackedBatch passes one tensor for both: no comparison (a device sync) needed
             assert torch.equal(cu_q.cpu(), cu_kv.cpu()), "self-attention expects cu_seqlens_q == cu_seqlens_kv"
+        if self.cp_size > 1:
+            return self._thd_cp(query, key, value, cu_q, params.max_seqlen_q)
         if self._use_varlen(query):
             return self._thd_varlen(query, key, value, cu_q, params.max_seqlen_q)
         bounds = cu_q.tolist()
@@ -111,6 +136,37 @@ class PackedDotProductAttention(MegatronModule):
         ]
         if bounds[-1] < total:
             outs.append(query.new_zeros(total - bounds[-1], self.num_heads * query.shape[-1]))
+        return torch.cat(outs, dim=0)
+
+    def _thd_cp(self, query, key, value, cu: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
+        """CP branch of ``_thd`` (module docstring): local q [T/cp, np, hn], k/v [T/cp, ng, hn], GLOBAL ``cu``
+        -> [T/cp, np*hn]."""
+        cp = self.cp_size
+        bounds = cu.tolist()
+        local_len = query.shape[0]
+        if bounds[0] != 0 or bounds[-1] != local_len * cp:
+            raise ValueError(
+                f"context parallel attention: cu_seqlens ends at {bounds[-1]} but {local_len} local tokens x "
+                f"context_parallel_size={cp} = {local_len * cp}; pass the GLOBAL padded cu_seqlens of the pack "
+                "split by data.packing.split_for_cp"
+            )
+        _check_max_seqlen(max_seqlen, bounds)
+        groups = key.shape[1]
+        kv = all_gather_cp(torch.cat([key, value], dim=1), self.cp_group, grad="reduce")  # [T, 2ng, hn]
+        kv = to_global_order(kv, cp_token_index(cu, cp).to(kv.device))
+        key_all, value_all = kv[:, :groups], kv[:, groups:]
+        rank = self.cp_group.rank()
+        outs, start = [], 0
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            chunk = (e - s) // (2 * cp)
+            q_pos = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                               torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])  # fmt: skip
+            keys = (2 * cp - rank) * chunk  # the last local query sees keys 0 .. keys-1 of its sequence
+            mask = (torch.arange(keys)[None, :] <= q_pos[:, None]).to(query.device)  # [2c, keys] True = attend
+            q = query[start : start + 2 * chunk, None]
+            outs.append(self._sdpa(q, key_all[s : s + keys, None], value_all[s : s + keys, None], mask,
+                                   causal=False)[:, 0])  # fmt: skip
+            start += 2 * chunk
         return torch.cat(outs, dim=0)
 
     def _use_varlen(self, query: torch.Tensor) -> bool:
@@ -148,7 +204,8 @@ class PackedDotProductAttention(MegatronModule):
         return self._sdpa(query, key, value, mask, causal=False)
 
     def _sdpa(self, query, key, value, mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """[s, b, h, hn] inputs -> [s, b, np*hn] (additive float ``mask`` or ``causal``)."""
+        """[s, b, h, hn] inputs -> [s, b, np*hn] (``mask``: additive float or boolean True = attend; or
+        ``causal``)."""
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, hn]
         out = F.scaled_dot_product_attention(
             q,
@@ -207,11 +264,6 @@ _VARLEN = _find_varlen()
 
 
 def _check_supported(config: TransformerConfig) -> None:
-    if config.context_parallel_size != 1:
-        raise ValueError(
-            f"context_parallel_size={config.context_parallel_size} is not supported by the local attention; "
-            "use attention_backend='te' on GPU or context_parallel_size=1"
-        )
     if config.window_size is not None:
         raise ValueError(f"window_size={config.window_size} is not supported by the local attention; unset it")
     if config.softmax_type != "vanilla":

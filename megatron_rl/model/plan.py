@@ -7,6 +7,7 @@ collective. Everything that can fail for a user's input fails here, on every ran
       | pad_to_multiple(dp_size)                      dummy rows: loss_mask 0 (the one place that pads for DP)
       | plan_microbatches (data/microbatch.py)        every rank computes every DP rank's plan: equal counts
       | this DP rank's micro-batches -> pack (THD)    [1, T] per micro-batch, computed on the host
+      | context parallel: split_for_cp               [1, T/cp] local tokens (chunks r, 2cp-1-r of each sequence)
       v
     build_microbatch: one ``.to(device, non_blocking=True)`` per tensor, once per micro-batch
 
@@ -22,7 +23,7 @@ import torch
 from megatron_rl.config import MegatronRLConfig
 from megatron_rl.data.batch import TrainingBatch, dummy_rows
 from megatron_rl.data.microbatch import MicroBatchPlan, dp_shard_range, packed_lengths, plan_microbatches
-from megatron_rl.data.packing import PackedBatch, pack
+from megatron_rl.data.packing import CPLocalPack, PackedBatch, pack, split_for_cp
 from megatron_rl.distributed.bootstrap import ParallelGroups
 
 PER_TOKEN_KEYS = (
@@ -39,7 +40,15 @@ class MicroBatch:
     """``[b, ...]`` slices of every batch tensor, on the device (one all-masked row for a dummy)."""
     packed: PackedBatch
     """THD pack of ``tensors["sequences"]`` (``[1, T]``, T the call's common length under fixed PP shapes),
-    computed on the host; its tensors are on the device, ``max_seqlen`` a Python int."""
+    computed on the host; its tensors are on the device, ``max_seqlen`` a Python int. Under context
+    parallelism this is still the WHOLE pack (unpacking and labels are global)."""
+    cp_local: CPLocalPack | None = None
+    """Context parallelism (cp > 1): this CP rank's ``[1, T/cp]`` part of ``packed`` (``split_for_cp``)."""
+
+    @property
+    def model_pack(self) -> PackedBatch:
+        """What the model of this rank runs on: ``cp_local`` under context parallelism, else ``packed``."""
+        return self.cp_local if self.cp_local is not None else self.packed
 
 
 @dataclass
@@ -55,7 +64,8 @@ class CallPlan:
     shard_rows: int
     microbatches: list[MicroBatch]
     seq_length: int
-    """The largest pack of the call (all DP ranks): the p2p shape when packs are extended to one length."""
+    """The largest pack of the call (all DP ranks), per CP rank (``/cp``): the p2p shape when packs are
+    extended to one length."""
 
 
 def plan_call(
@@ -93,26 +103,29 @@ def plan_call(
         first_row=first_row,
         shard_rows=end_row - first_row,
         microbatches=[
-            build_microbatch(padded, rows, align=align, pad_token_id=pad_token_id, target_len=target, device=device)
+            build_microbatch(padded, rows, align=align, pad_token_id=pad_token_id, target_len=target, device=device,
+                             cp_size=groups.cp_size, cp_rank=groups.cp_rank)
             for rows in plan
         ],
-        seq_length=seq_length,
+        seq_length=seq_length // groups.cp_size,
     )
 
 
 def build_microbatch(
     padded: TrainingBatch, rows: list[int], *, align: int, pad_token_id: int, target_len: int | None,
-    device: torch.device,
+    device: torch.device, cp_size: int = 1, cp_rank: int = 0,
 ) -> MicroBatch:  # fmt: skip
-    """Rows ``rows`` of the (host) DP-padded batch, packed on the host, then moved to ``device`` once."""
+    """Rows ``rows`` of the (host) DP-padded batch, packed (and split for CP) on the host, then moved to
+    ``device`` once."""
     if rows:
         index = torch.tensor(rows, dtype=torch.long)
         tensors = {k: v[index] for k, v in padded.tensors.items()}
     else:
         tensors = {k: dummy_rows(k, v, 1, pad_token_id) for k, v in padded.tensors.items()}
     packed = pack(tensors["sequences"], tensors["attention_mask"], align, target_len=target_len)
+    local = split_for_cp(packed, cp_size, cp_rank).to(device) if cp_size > 1 else None
     tensors = {k: v.to(device, non_blocking=True) for k, v in tensors.items()}
-    return MicroBatch(rows=rows, tensors=tensors, packed=packed.to(device))
+    return MicroBatch(rows=rows, tensors=tensors, packed=packed.to(device), cp_local=local)
 
 
 def validate_batch(batch: TrainingBatch, config: MegatronRLConfig) -> None:

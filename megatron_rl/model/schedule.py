@@ -29,6 +29,7 @@ from megatron_rl.data.packing import unpack_response
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.metrics import Metric
 from megatron_rl.model import scaling
+from megatron_rl.model.context_parallel import gather_tokens, select_positions
 from megatron_rl.model.logprobs import vocab_parallel_log_softmax, vocab_parallel_logprobs_entropy
 from megatron_rl.model.plan import CallPlan, MicroBatch
 
@@ -43,7 +44,7 @@ Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module, *, head: Head):
     """megatron-core's ``forward_step_func``: one packed micro-batch through this rank's model chunk."""
     item = next(data_iterator)
-    p = item.packed
+    p = item.model_pack  # this CP rank's tokens under context parallelism
     output = model(p.input_ids, p.position_ids, None, packed_seq_params=p.packed_seq_params())
     return output, partial(head, item)
 
@@ -71,11 +72,17 @@ def run_schedule(
 def token_outputs(
     item: MicroBatch, logits: torch.Tensor, groups: ParallelGroups, vocab_size: int, compute_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Last stage: logits ``[1, T, V/tp]`` -> response logprobs / entropy ``[b, R]`` (fp32)."""
+    """Last stage: logits ``[1, T, V/tp]`` -> response logprobs / entropy ``[b, R]`` (fp32).
+
+    Context parallelism: logits are ``[1, T/cp, V/tp]``; the per-token values are gathered over CP to the whole
+    pack (backward: this rank's slice), so every CP rank unpacks and computes the same micro-batch loss."""
     width = item.tensors["response_mask"].shape[1]
     logprobs, entropy = vocab_parallel_logprobs_entropy(
-        logits, item.packed.labels, groups.tp_group, compute_entropy, valid_vocab_size=vocab_size
+        logits, item.model_pack.labels, groups.tp_group, compute_entropy, valid_vocab_size=vocab_size
     )
+    if item.cp_local is not None:
+        logprobs = gather_tokens(logprobs, item.cp_local, groups.cp_group)
+        entropy = gather_tokens(entropy, item.cp_local, groups.cp_group) if entropy is not None else None
     logprobs = unpack_response(logprobs, item.packed, width)
     entropy = unpack_response(entropy, item.packed, width) if entropy is not None else None
     return logprobs, entropy
@@ -99,7 +106,11 @@ def next_token_head(
     """Last stage: logits ``[1, T, V/tp]`` -> full-vocab log-probs after each row's last token ``[b, V]``."""
     packed = item.packed
     last = (packed.cu_seqlens[: packed.num_rows] + packed.seq_lens - 1).long()  # [b] last valid token
-    logprobs = vocab_parallel_log_softmax(logits[0, last], groups.tp_group, valid_vocab_size=vocab_size)  # [b, V]
+    if item.cp_local is None:
+        rows = logits[0, last]
+    else:  # the rank holding each row's last token contributes it
+        rows = select_positions(logits[0], last, item.cp_local, groups.cp_group)
+    logprobs = vocab_parallel_log_softmax(rows, groups.tp_group, valid_vocab_size=vocab_size)  # [b, V]
     return logits.new_zeros(()), {"next_token_logprobs": logprobs[: len(item.rows)]}  # dummy: 0 rows
 
 
