@@ -15,15 +15,10 @@ are summation order only: ~1e-7 measured).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from cp_helpers import (
-    batch_tensors, fresh_policy, grad_of, init, make_batch, make_config, max_rel_err, micro_batch_size,
-    summed_pg_loss,
-)  # fmt: skip
+from cp_helpers import batch_tensors, fresh_policy, grad_of, init, make_batch, make_config, max_rel_err
 from multirank import run_ranks
 
 pytestmark = pytest.mark.multirank

@@ -146,3 +146,57 @@ def test_packed_seq_params():
     assert params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 2, 6]
     assert params.cu_seqlens_q.dtype == torch.int32
     assert params.max_seqlen_q == params.max_seqlen_kv == 4  # longest sequence, not the pack (6)
+
+
+# ---------------------------------------------------------------------- context parallelism: split_for_cp
+
+
+def test_split_for_cp_exact_small_pack():
+    """cp=2: sequences of 4 and 8 tokens -> chunks of 1 and 2; rank r holds chunks r and 3-r of each."""
+    from megatron_rl.data.packing import cp_token_index, split_for_cp
+
+    p = pack(torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 8]]), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]), 4)
+    assert cp_token_index(p.cu_seqlens, 2).tolist() == [[0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]]
+    local = split_for_cp(p, 2, 1)
+    assert local.input_ids.tolist() == [[6, 7, 3, 4, 8, 0]]
+    assert local.position_ids.tolist() == [[1, 2, 2, 3, 4, 5]]  # global positions within each sequence
+    assert local.labels.tolist() == [[7, 0, 4, 8, 0, 0]] and local.label_mask.tolist() == [[1, 0, 1, 1, 0, 0]]
+    assert local.cu_seqlens is p.cu_seqlens and local.max_seqlen == p.max_seqlen and local.total_len == 6
+    params = local.packed_seq_params()  # TE's CP attention reads the padded cu_seqlens
+    assert params.cu_seqlens_q_padded is params.cu_seqlens_kv_padded is p.cu_seqlens
+
+
+@settings(max_examples=30, deadline=None)
+@given(left_padded_rows(), st.sampled_from([2, 4]), st.sampled_from([1, 2]))
+def test_split_for_cp_partitions_the_pack(rows, cp, tp):
+    """The CP ranks' local packs hold every token exactly once, each rank the same count, in the chunk layout
+    (each sequence's chunk r then chunk 2cp-1-r), with labels and positions of the whole pack."""
+    from megatron_rl.data.packing import split_for_cp
+
+    input_ids, attention_mask, _ = rows
+    p = pack(input_ids, attention_mask, packing_alignment(tp, cp, False))
+    locals_ = [split_for_cp(p, cp, r) for r in range(cp)]
+    seen = torch.cat([loc.cp_index[r] for r, loc in enumerate(locals_)])
+    assert sorted(seen.tolist()) == list(range(p.total_len))
+    bounds = p.cu_seqlens.tolist()
+    for r, loc in enumerate(locals_):
+        expected = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            c = (e - s) // (2 * cp)
+            mirror = 2 * cp - 1 - r
+            expected += list(range(s + r * c, s + (r + 1) * c)) + list(range(s + mirror * c, s + (mirror + 1) * c))
+        assert loc.cp_index[r].tolist() == expected
+        for name in ("input_ids", "position_ids", "labels", "label_mask"):
+            assert torch.equal(getattr(loc, name)[0], getattr(p, name)[0, expected]), name
+
+
+def test_split_for_cp_bad_input():
+    from megatron_rl.data.packing import cp_token_index, split_for_cp
+
+    p = pack(torch.tensor([[1, 2, 3]]), torch.tensor([[1, 1, 1]]), align=3)
+    with pytest.raises(ValueError, match="not a multiple of 2\\*context_parallel_size=4"):
+        split_for_cp(p, 2, 0)
+    with pytest.raises(ValueError, match="cp_rank=2"):
+        split_for_cp(p, 2, 2)
+    with pytest.raises(ValueError, match="cp_size=0"):
+        cp_token_index(p.cu_seqlens, 0)

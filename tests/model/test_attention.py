@@ -161,3 +161,59 @@ def test_cuda_rms_norm_matches_chain_bf16(groups):
     # both normalize in fp32 and round once to bf16 before the scale: at most 1 bf16 ulp apart (2**-8 relative)
     torch.testing.assert_close(norm(x).float(), _chain_rms_norm(x, norm.weight, 1e-6).float(),
                                rtol=2**-7, atol=1e-6)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- context parallelism (2 gloo ranks)
+
+CP_LENGTHS = [8, 4, 12, 4]  # padded to multiples of 2*cp = 4: chunks of 2, 1, 3, 1 tokens
+
+
+def _cp_inputs():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    gen = torch.Generator().manual_seed(3)
+    total = sum(CP_LENGTHS)
+    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(total, GROUPS, HEAD_DIM, generator=gen) for _ in range(2))
+    weight = torch.randn(total, HEADS * HEAD_DIM, generator=gen)  # loss = sum(out * weight)
+    cu = torch.tensor([0] + torch.tensor(CP_LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(CP_LENGTHS),
+                             max_seqlen_kv=max(CP_LENGTHS))  # fmt: skip
+    return q, k, v, weight, params
+
+
+def _cp_attention_rank(rank, world_size):
+    """CP rank ``rank`` of 2: its chunks of q/k/v -> output and q/k/v gradients of its part of the loss."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_rl.data.packing import cp_token_index
+
+    parallel = ParallelConfig(context_parallel_size=2)
+    groups = initialize_distributed(parallel, seed=1)
+    cfg = ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                      ffn_hidden_size=32)  # fmt: skip
+    attn = attention_module.PackedDotProductAttention(build_transformer_config(cfg, parallel), 1, AttnMaskType.causal,
+                                                      "self", pg_collection=groups.pg_collection)  # fmt: skip
+    q, k, v, weight, params = _cp_inputs()
+    mine = cp_token_index(params.cu_seqlens_q, 2)[groups.cp_rank]
+    local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+    out = attn(*local, None, packed_seq_params=params)
+    (out * weight[mine]).sum().backward()
+    return {"index": mine, "out": out.detach(), "grads": [t.grad for t in local]}
+
+
+@pytest.mark.multirank
+def test_cp_attention_matches_single_process(groups):
+    """CP2 attention (K/V all-gather, causal by global position) == the single-process packed attention, for
+    the outputs and for the q/k/v gradients (the K/V gather's backward sums the ranks' contributions)."""
+    from multirank import run_ranks
+
+    q, k, v, weight, params = _cp_inputs()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    reference = _attention(groups)(q, k, v, None, packed_seq_params=params)
+    (reference * weight).sum().backward()
+    for res in run_ranks(2, _cp_attention_rank, timeout=180):
+        idx = res["index"]
+        torch.testing.assert_close(res["out"], reference.detach()[idx], rtol=0, atol=1e-6)
+        for got, full in zip(res["grads"], (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(got, full[idx], rtol=0, atol=1e-5)
