@@ -26,9 +26,9 @@ Context parallelism (``context_parallel_size`` cp > 1; docs/DESIGN.md "Context p
 CP rank's local tokens (``T/cp`` rows: chunks r and 2cp-1-r of every sequence, ``data.packing.split_for_cp``)
 and ``cu_seqlens`` is the GLOBAL padded one. Keys and values are all-gathered over the CP group
 (``model.context_parallel.all_gather_cp``, backward = sum over CP ranks, i.e. a reduce-scatter), put back in
-global order, and each local query attends causally within its own sequence by GLOBAL position: one SDPA call
-per sequence with a boolean mask ``key_pos <= query_pos`` built from host bounds (on every device and dtype;
-exactness first, no flash path under CP).
+global order, and each local query attends causally within its own sequence by GLOBAL position
+(``_offset_causal``, per sequence and chunk: on CPU two mask-free flash calls merged by log-sum-exp, O(n)
+memory; on CUDA or with dropout SDPA with a boolean mask ``key_pos <= query_pos``; no varlen path under CP).
 
 Either way the cost is ``sum_i n_i**2`` rather than ``T**2``. Masked-out logits get the dtype's most negative
 value rather than -inf, so a fully masked (padding) query row yields a finite, ignored output instead of NaN.
@@ -154,20 +154,41 @@ class PackedDotProductAttention(MegatronModule):
         groups = key.shape[1]
         kv = all_gather_cp(torch.cat([key, value], dim=1), self.cp_group, grad="reduce")  # [T, 2ng, hn]
         kv = to_global_order(kv, cp_token_index(cu, cp).to(kv.device))
-        key_all, value_all = kv[:, :groups], kv[:, groups:]
+        key_all, value_all = kv[:, :groups], kv[:, groups:]  # [T, ng, hn] each, global order
         rank = self.cp_group.rank()
         outs, start = [], 0
         for s, e in zip(bounds[:-1], bounds[1:]):
             chunk = (e - s) // (2 * cp)
-            q_pos = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                               torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])  # fmt: skip
-            keys = (2 * cp - rank) * chunk  # the last local query sees keys 0 .. keys-1 of its sequence
-            mask = (torch.arange(keys)[None, :] <= q_pos[:, None]).to(query.device)  # [2c, keys] True = attend
-            q = query[start : start + 2 * chunk, None]
-            outs.append(self._sdpa(q, key_all[s : s + keys, None], value_all[s : s + keys, None], mask,
-                                   causal=False)[:, 0])  # fmt: skip
-            start += 2 * chunk
+            for index in (rank, 2 * cp - 1 - rank):  # the rank's two chunks of this sequence, in local order
+                offset = index * chunk  # global position of the chunk's first query within the sequence
+                keys = slice(s, s + offset + chunk)  # every key a query of the chunk may see
+                outs.append(self._offset_causal(query[start : start + chunk], key_all[keys], value_all[keys], offset))
+                start += chunk
         return torch.cat(outs, dim=0)
+
+    def _offset_causal(self, query, key, value, offset: int) -> torch.Tensor:
+        """q [c, np, hn] at positions offset..offset+c-1 of a sequence, k/v [offset+c, ng, hn] at positions
+        0..offset+c-1 -> [c, np*hn]; query i sees keys 0..offset+i.
+
+        offset 0 is plain causal SDPA. Otherwise, on CPU without dropout: the prefix keys (all visible) and the
+        diagonal block (causal) in two mask-free flash calls merged by their log-sum-exp (``_PrefixDiagonal``):
+        O(c) memory, where an explicit mask would hold c x (offset + c) entries and be saved for backward.
+        Elsewhere (CUDA, dropout): SDPA with the boolean mask ``key_pos <= query_pos`` (exact, O(c * n)
+        memory)."""
+        if offset == 0:
+            return self._sdpa(query[:, None], key[:, None], value[:, None], None, causal=True)[:, 0]
+        chunk = query.shape[0]
+        if _CPU_FLASH is not None and not query.is_cuda and not (self.dropout_p > 0 and self.training):
+            if self.num_heads != self.num_groups:
+                key = key.repeat_interleave(self.num_heads // self.num_groups, dim=1)
+                value = value.repeat_interleave(self.num_heads // self.num_groups, dim=1)
+            q, k, v = (t.permute(1, 0, 2)[None] for t in (query, key, value))  # [1, h, s, hn]
+            out = _PrefixDiagonal.apply(q, k[:, :, :offset], v[:, :, :offset], k[:, :, offset:], v[:, :, offset:],
+                                        self.softmax_scale)  # fmt: skip
+            return out[0].permute(1, 0, 2).reshape(chunk, -1)
+        q_pos = torch.arange(offset, offset + chunk, device=query.device)
+        mask = torch.arange(offset + chunk, device=query.device)[None, :] <= q_pos[:, None]  # True = attend
+        return self._sdpa(query[:, None], key[:, None], value[:, None], mask, causal=False)[:, 0]
 
     def _use_varlen(self, query: torch.Tensor) -> bool:
         """The flash kernel: CUDA, fp16/bf16, no attention dropout, and a causal form of varlen_attn."""
@@ -225,6 +246,45 @@ class PackedDotProductAttention(MegatronModule):
         if self.dropout_p > 0 and self.training and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+class _PrefixDiagonal(torch.autograd.Function):
+    """Attention of queries [1, h, c, hn] over prefix keys (all visible) and a diagonal block (causal), exactly
+    as one softmax over both: two flash calls whose outputs are merged by their log-sum-exps, and whose
+    backward passes run with the MERGED output and log-sum-exp (so each block's gradient is that of the joint
+    softmax; the blockwise form of ring attention). CPU flash kernel (``_CPU_FLASH``), no dropout."""
+
+    @staticmethod
+    def forward(ctx, q, k_pre, v_pre, k_diag, v_diag, scale: float):
+        fwd = _CPU_FLASH[0]
+        out_pre, lse_pre = fwd(q, k_pre, v_pre, 0.0, False, scale=scale)
+        out_diag, lse_diag = fwd(q, k_diag, v_diag, 0.0, True, scale=scale)
+        lse = torch.logaddexp(lse_pre, lse_diag)  # [1, h, c]
+        out = (lse_pre - lse).exp().unsqueeze(-1) * out_pre + (lse_diag - lse).exp().unsqueeze(-1) * out_diag
+        ctx.save_for_backward(q, k_pre, v_pre, k_diag, v_diag, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_pre, v_pre, k_diag, v_diag, out, lse = ctx.saved_tensors
+        bwd, grad = _CPU_FLASH[1], grad.contiguous()
+        dq_pre, dk_pre, dv_pre = bwd(grad, q, k_pre, v_pre, out, lse, 0.0, False, scale=ctx.scale)
+        dq_diag, dk_diag, dv_diag = bwd(grad, q, k_diag, v_diag, out, lse, 0.0, True, scale=ctx.scale)
+        return dq_pre + dq_diag, dk_pre, dv_pre, dk_diag, dv_diag, None
+
+
+def _find_cpu_flash():
+    """torch's CPU flash-attention op pair (output and log-sum-exp; its backward), or None (then the masked
+    SDPA path). Private torch ops: Workaround row in docs/MEGATRON_CORE.md."""
+    try:
+        ops = torch.ops.aten
+        return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_CPU_FLASH = _find_cpu_flash()
 
 
 class _VarlenAttn:

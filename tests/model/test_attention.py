@@ -182,14 +182,17 @@ def _cp_inputs():
     return q, k, v, weight, params
 
 
-def _cp_attention_rank(rank, world_size):
-    """CP rank ``rank`` of 2: its chunks of q/k/v -> output and q/k/v gradients of its part of the loss."""
+def _cp_attention_rank(rank, world_size, cpu_flash: bool):
+    """CP rank ``rank`` of 2: its chunks of q/k/v -> output and q/k/v gradients of its part of the loss.
+    ``cpu_flash=False``: the masked-SDPA path (CUDA's) instead of the log-sum-exp merge of two flash calls."""
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_rl.data.packing import cp_token_index
 
     parallel = ParallelConfig(context_parallel_size=2)
     groups = initialize_distributed(parallel, seed=1)
+    if not cpu_flash:
+        attention_module._CPU_FLASH = None
     cfg = ModelConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=GROUPS,
                       ffn_hidden_size=32)  # fmt: skip
     attn = attention_module.PackedDotProductAttention(build_transformer_config(cfg, parallel), 1, AttnMaskType.causal,
@@ -203,7 +206,8 @@ def _cp_attention_rank(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_cp_attention_matches_single_process(groups):
+@pytest.mark.parametrize("cpu_flash", [True, False])
+def test_cp_attention_matches_single_process(groups, cpu_flash):
     """CP2 attention (K/V all-gather, causal by global position) == the single-process packed attention, for
     the outputs and for the q/k/v gradients (the K/V gather's backward sums the ranks' contributions)."""
     from multirank import run_ranks
@@ -212,7 +216,7 @@ def test_cp_attention_matches_single_process(groups):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     reference = _attention(groups)(q, k, v, None, packed_seq_params=params)
     (reference * weight).sum().backward()
-    for res in run_ranks(2, _cp_attention_rank, timeout=180):
+    for res in run_ranks(2, _cp_attention_rank, cpu_flash, timeout=180):
         idx = res["index"]
         torch.testing.assert_close(res["out"], reference.detach()[idx], rtol=0, atol=1e-6)
         for got, full in zip(res["grads"], (q.grad, k.grad, v.grad)):
