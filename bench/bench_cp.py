@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_cp.py [--lengths 2048 4096 8192 16384 32768] [--cps 1 2 4] [--quick]
 
-Place in the data flow (docs/DESIGN.md section 13): the whole ``MegatronPolicy.forward_backward`` path (host
+Place in the data flow (docs/DESIGN.md section 14): the whole ``MegatronPolicy.forward_backward`` path (host
 planning and ``split_for_cp``, megatron-core's schedule, the CP attention, the output gather, the loss), no
 optimizer step. One packed sequence of L tokens (a long merged trajectory: prompt L - 64, response 64, loss on
 the response) per step, tiny model (2 layers, hidden 64, 4 heads / 2 KV groups, vocab 128, fp32).

@@ -31,6 +31,7 @@ import functools
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence, TypeVar
@@ -404,6 +405,53 @@ class LoggingConfig(ConfigSection):
 
 
 @dataclass(kw_only=True)
+class CriticConfig(ConfigSection):
+    """The value model of PPO with a critic (docs/DESIGN.md section 13): the policy's trunk shape with a scalar
+    head, trained beside the policy with its own learning rate, mini-batches and epochs. The value clip range is
+    ``algorithm.value_clip`` and the loss reduction ``algorithm.loss_reduction`` (shared with the policy)."""
+
+    SECTION: ClassVar[str] = "critic"
+
+    enabled: bool | None = None
+    """Train a critic; None = exactly when ``algorithm.advantage_estimator`` is 'gae' (which needs one)."""
+    lr: float | None = field(default=None, metadata=POSITIVE)
+    """Peak learning rate of the critic's optimizer (the rest of ``optimizer.*`` is shared); required when
+    the critic is enabled."""
+    mini_batch_size: int | None = field(default=None, metadata=AT_LEAST_1)
+    """Prompts per critic mini-batch (one critic optimizer step each); None = batch.policy_mini_batch_size."""
+    update_epochs_per_batch: int | None = field(default=None, metadata=AT_LEAST_1)
+    """Critic passes over each training batch; None = batch.update_epochs_per_batch."""
+    init_from_policy: bool = False
+    """Start the critic's trunk from the policy's initial weights (e.g. an HF checkpoint; the head is always
+    fresh); False = a random trunk (its own draw, not the policy's)."""
+
+    def active(self, algorithm: "AlgorithmConfig") -> bool:
+        """Whether a critic runs with this ``algorithm`` section (``enabled``, or implied by 'gae')."""
+        return self.enabled if self.enabled is not None else algorithm.advantage_estimator == "gae"
+
+
+def check_critic_rules(critic: CriticConfig, algorithm: AlgorithmConfig, batch: BatchConfig) -> None:
+    """The ``critic`` section against ``algorithm`` and ``batch`` (called by ``MegatronRLConfig``)."""
+    if algorithm.advantage_estimator == "gae" and critic.enabled is False:
+        raise ConfigError("critic.enabled=false but algorithm.advantage_estimator='gae' needs critic values; set "
+                          "critic.enabled=true (and critic.lr) or use an estimator without a critic ('grpo', 'rloo')")
+    if not critic.active(algorithm):
+        return
+    if algorithm.advantage_estimator != "gae":
+        warnings.warn(f"critic.enabled=true has no effect on the advantages with algorithm.advantage_estimator="
+                      f"{algorithm.advantage_estimator!r} (only 'gae' reads values); the critic is trained anyway",
+                      stacklevel=4)
+    if critic.lr is None:
+        raise ConfigError("critic.lr is not set; the critic (algorithm.advantage_estimator='gae' or "
+                          "critic.enabled=true) needs its own learning rate, e.g. critic.lr=1e-3")
+    size = critic.mini_batch_size
+    if size is not None and batch.train_batch_size % size != 0:
+        raise ConfigError(f"critic.mini_batch_size={size} does not divide batch.train_batch_size="
+                          f"{batch.train_batch_size}; both count prompts and the batch must split into whole "
+                          "critic mini-batches")
+
+
+@dataclass(kw_only=True)
 class MegatronRLConfig:
     """The library's configuration: the sections below plus ``seed`` (no application's fields)."""
 
@@ -415,6 +463,7 @@ class MegatronRLConfig:
     stepwise: StepWiseConfig = field(default_factory=StepWiseConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     seed: int = field(default=1234, metadata=valid(0, 2**32, high_open=True))
     """Global seed (weights, sampling, data order)."""
 
@@ -426,6 +475,7 @@ class MegatronRLConfig:
         check_fields(self, "")
         with _reported_as_config_error():
             validate_step_wise_algorithm(self.algorithm, self.stepwise.step_wise_trajectories)
+        check_critic_rules(self.critic, self.algorithm, self.batch)
 
     def sections(self) -> list[ConfigSection]:
         values = [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -475,6 +525,9 @@ KEY_ALIASES: dict[str, tuple[str, ...]] = {
     "rms_norm_eps": ("model.layernorm_epsilon",),
     **dict.fromkeys(("dtype", "precision"), ("model.params_dtype",)),
     **dict.fromkeys(("save_freq", "save_steps"), ("checkpoint.save_interval",)),
+    **dict.fromkeys(("cliprange_value", "value_clip_range", "vf_clip"), ("algorithm.value_clip",)),
+    **dict.fromkeys(("critic_lr", "value_lr"), ("critic.lr",)),
+    **dict.fromkeys(("critic_mini_batch_size", "ppo_critic_mini_batch_size"), ("critic.mini_batch_size",)),
 }
 """Common names from other frameworks -> our dotted keys (the first in the key's own section is suggested)."""
 

@@ -5,11 +5,20 @@ Place in the data flow (docs/DESIGN.md section 1): everything between a ``Genera
     GeneratorOutput
       -> validate (the one validation of the rollouts) -> merge (step-wise, optional) -> TrainingBatch [B, S] / [B, R]
       -> old log-probs (policy) and reference log-probs (reference model), no grad      [B, R]
-      -> token rewards (- KL, optional) -> advantages (step-wise aware) -> whitening (optional)
+      -> old values (critic, PPO with a critic), no grad                               [B, R]
+      -> token rewards (- KL, optional) -> advantages (step-wise aware; GAE over action tokens) -> whitening
       -> for each epoch, for each prompt-based mini-batch:
              normalize advantages over the mini-batch's rows (loss_reduction)
              -> policy.forward_backward(policy_loss_fn) -> policy.optim_step()     (the policy pads for DP)
+      -> critic (when there is one): for each critic epoch, for each critic mini-batch:
+             critic.forward_backward(value_loss_fn) -> critic.optim_step()         (own reduction weights)
       -> metrics
+
+PPO with a critic (docs/DESIGN.md section 13): the critic's updates read only the old values and the returns,
+both fixed before any update, so running them after the policy's (with their own mini-batch size and epochs)
+is the same math as interleaving them mini-batch by mini-batch. The value loss takes its reduction weights
+from ``LossContext`` (``loss_reduction`` of the policy) and never touches the advantages, which carry the
+policy's normalization: nothing is normalized twice.
 
 The trainer itself is pure orchestration: it touches no Megatron internal and no ``torch.distributed``. The
 policy (``megatron_rl.model.policy.MegatronPolicy``, or anything with the same ``forward`` /
@@ -39,7 +48,7 @@ import torch
 
 from megatron_rl.algorithms.advantages import compute_advantages_and_returns
 from megatron_rl.algorithms.kl import apply_kl_to_rewards
-from megatron_rl.algorithms.losses import LossContext, policy_loss_fn
+from megatron_rl.algorithms.losses import LossContext, policy_loss_fn, value_loss_fn
 from megatron_rl.algorithms.normalization import normalize_minibatch_advantages, whiten_advantages
 from megatron_rl.config import MegatronRLConfig
 from megatron_rl.data.batch import TrainingBatch
@@ -74,7 +83,8 @@ class Trainer:
     on every rank.
     """
 
-    def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, reference: PolicyLike | None = None) -> None:
+    def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, reference: PolicyLike | None = None,
+                 critic: PolicyLike | None = None) -> None:
         config.validate()  # re-checks a config changed after construction (tests and library users mutate fields)
         algo = config.algorithm
         if (algo.use_kl_loss or algo.use_kl_in_reward) and reference is None:
@@ -82,12 +92,18 @@ class Trainer:
                 "algorithm.use_kl_loss / use_kl_in_reward need a reference model: pass reference=MegatronPolicy("
                 "config, groups, role='reference') to Trainer, or set both to false"
             )
-        if algo.advantage_estimator == "gae":
-            raise ValueError("algorithm.advantage_estimator='gae' needs a critic, which the Trainer does not run "
-                             "yet; use 'grpo', 'rloo' or 'reinforce++'")
+        if config.critic.active(algo) and critic is None:
+            raise ValueError(
+                f"algorithm.advantage_estimator={algo.advantage_estimator!r} / critic.enabled need a critic: pass "
+                "critic=MegatronCritic(config, groups) (megatron_rl.model.critic) to Trainer"
+            )
+        if critic is not None and not config.critic.active(algo):
+            raise ValueError("Trainer got a critic but the config runs none; set critic.enabled=true (or "
+                             "algorithm.advantage_estimator='gae'), or drop critic=")
         self.config = config
         self.policy = policy
         self.reference = reference
+        self.critic = critic
         self.optimizer_steps = 0
         """Optimizer steps taken by this trainer (all train steps)."""
 
@@ -103,10 +119,17 @@ class Trainer:
             batch = self.to_training_batch(rollouts)  # [B, S] / [B, R]
         with timed(metrics, "timing/old_logprobs_s"):
             self.add_old_and_ref_logprobs(batch)  # old_logprobs (+ ref_logprobs) [B, R]
+        if self.critic is not None:
+            with timed(metrics, "timing/old_values_s"):
+                self.add_old_values(batch)  # values [B, R]
         metrics.update(rollout_metrics(batch))
         metrics.update(self.add_advantages(batch))  # advantages, returns [B, R]
         with timed(metrics, "timing/update_s"):
             metrics.update(self.update_policy(batch))
+        if self.critic is not None:
+            metrics.update(value_metrics(batch))
+            with timed(metrics, "timing/critic_update_s"):
+                metrics.update(self.update_critic(batch))
         return finalize_metrics(metrics)
 
     # ----------------------------------------------------------------------------------------------------------
@@ -141,6 +164,11 @@ class Trainer:
         if self.reference is not None:
             batch["ref_logprobs"] = self.reference.forward(batch)["logprobs"].to("cpu", torch.float32)
 
+    @torch.no_grad()
+    def add_old_values(self, batch: TrainingBatch) -> None:
+        """``values`` from the critic before any update (column k: V of the state before response token k)."""
+        batch["values"] = self.critic.forward(batch)["values"].to("cpu", torch.float32)
+
     def add_advantages(self, batch: TrainingBatch) -> Metrics:
         """Token rewards (minus the KL penalty when it goes into the reward) -> ``advantages``, ``returns``."""
         algo = self.config.algorithm
@@ -148,8 +176,11 @@ class Trainer:
         if algo.use_kl_in_reward:  # over loss tokens only: observation tokens were not sampled by the policy
             rewards, metrics = apply_kl_to_rewards(rewards, batch["old_logprobs"], batch["ref_logprobs"],
                                                    batch["loss_mask"], algo.kl_loss_coef, algo.kl_estimator_type)
+        # GAE runs over action tokens: observation tokens inside a response (loss mask 0) are skipped
+        mask = batch["loss_mask"] if algo.advantage_estimator == "gae" else batch["response_mask"]
         advantages, returns = compute_advantages_and_returns(
-            rewards, batch["response_mask"], batch.uids, algo.advantage_estimator, algo,
+            rewards, mask, batch.uids, algo.advantage_estimator, algo,
+            values=batch["values"] if "values" in batch else None,
             is_last_step=batch.is_last_step if self.step_wise else None,
         )
         if algo.advantage_whitening:
@@ -193,6 +224,24 @@ class Trainer:
         return {**per_optimizer_step(loss_metrics), **optimizer_metrics(step_metrics)}
 
 
+    def update_critic(self, batch: TrainingBatch) -> Metrics:
+        """``critic.update_epochs_per_batch`` passes over prompt-based critic mini-batches, one step each."""
+        critic_cfg, batch_cfg = self.config.critic, self.config.batch
+        size = critic_cfg.mini_batch_size or batch_cfg.policy_mini_batch_size
+        epochs = critic_cfg.update_epochs_per_batch or batch_cfg.update_epochs_per_batch
+        boundaries = compute_prompt_mini_batch_boundaries(batch.uids, size)
+        return merge_metrics(*(self.train_critic_mini_batch(batch.slice(start, end))
+                               for _ in range(epochs) for start, end in boundaries))
+
+    def train_critic_mini_batch(self, mini_batch: TrainingBatch) -> Metrics:
+        """Clipped value loss on this mini-batch (its own reduction weights, from ``LossContext``), one step."""
+        loss_context = LossContext.for_minibatch(self.config.algorithm, mini_batch["loss_mask"])
+        loss_metrics = self.critic.forward_backward(mini_batch, value_loss_fn, loss_context)
+        step_metrics = self.critic.optim_step()
+        return {**per_optimizer_step(loss_metrics),
+                **{f"critic/{k}": v for k, v in optimizer_metrics(step_metrics).items()}}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Metric helpers (pure)
 # --------------------------------------------------------------------------------------------------------------
@@ -217,6 +266,22 @@ def rollout_metrics(batch: TrainingBatch) -> Metrics:
     if "rollout_logprobs" in batch and "old_logprobs" in batch:
         metrics.update(logprob_mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["loss_mask"]))
     return metrics
+
+
+def value_metrics(batch: TrainingBatch) -> Metrics:
+    """The critic's fit before this step's update, over loss tokens: means of the old values and the returns,
+    and the explained variance ``1 - Var(G - V) / Var(G)`` (1 = perfect, 0 = no better than the mean)."""
+    mask = batch["loss_mask"]
+    values, returns = batch["values"], batch["returns"]
+    valid = mask > 0
+    g, residual = returns[valid], (returns - values)[valid]
+    var_g = float(g.var(unbiased=False)) if g.numel() > 1 else 0.0
+    var_r = float(residual.var(unbiased=False)) if g.numel() > 1 else 0.0
+    return {
+        "critic/values_mean": mean_metric(values, mask),
+        "critic/returns_mean": mean_metric(returns, mask),
+        "critic/explained_variance": Metric(1.0 - var_r / var_g if var_g > 0 else 0.0, 1.0, "mean"),
+    }
 
 
 def logprob_mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch.Tensor,

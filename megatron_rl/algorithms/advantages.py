@@ -12,7 +12,10 @@ values [B, R] | None) -> (advantages [B, R], returns [B, R])``, zero outside ``r
 - ``rloo``: ``A_i = s_i - mean_{j != i in g} s_j``; a singleton group gets ``A_i = s_i``.
 - ``reinforce++``: discounted returns ``G_t = r_t + gamma G_{t+1}`` then whole-batch whitening over the mask.
 - ``gae``: needs ``values``; ``delta_t = r_t + gamma V_{t+1} - V_t``, ``A_t = delta_t + gamma lambda A_{t+1}``
-  over response tokens (masked columns are skipped); returns ``A + V``; advantages whitened over the batch.
+  over ACTION tokens (its mask argument is the action mask: the Trainer passes ``loss_mask``); masked columns
+  (observation tokens inside a response) are skipped, so ``t + 1`` is the next action token and its value
+  bootstraps across the observation; returns ``A + V``; advantages whitened over the batch
+  (docs/DESIGN.md section 13).
 
 Step-wise (``is_last_step`` given): outcome estimators run on the last steps only with an all-ones mask;
 each trajectory's scalar (column R-1 of its last step) is broadcast to every step of the trajectory times that
@@ -146,23 +149,37 @@ def reinforce_pp_advantages(token_level_rewards: torch.Tensor, response_mask: to
 def gae_advantages(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, uids: Sequence[Hashable],
                    config: AlgorithmSettings, values: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over response tokens; the value after the last response token (column R-1) is 0.
+    """GAE over the action tokens of each row; returns ``(whiten(A), A + V)`` as ``[B, R]``, zero off the mask.
 
-    Returns ``(whiten(A), A + V)`` as ``[B, R]``, zero outside ``response_mask``.
+    ``response_mask [B, R]`` here is the ACTION mask (pass ``loss_mask``: 1 on tokens the policy sampled).
+    ``values [B, R]``: column k is V of the state before token k (docs/DESIGN.md section 13), the convention
+    of the log-probs. Holes in the mask (observation tokens inside a response, after merging turns) are not
+    time steps: they are skipped, so for an action token t the "next" state is the next action token's, and
+    ``V_{t+1}`` bootstraps across the observation (no discount is applied to the skipped tokens). A reward on a
+    skipped column belongs to the transition of the last action token before it and is added to that token's
+    reward (a reward left of a row's first action token has no action to credit and is dropped). After a
+    row's last action token the value is 0 (the episode ends with the response).
     """
     if values is None:
         raise ValueError("advantage_estimator='gae' needs critic values [B, R]; pass values= (train a critic)")
+    if values.shape != response_mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} must have the [B, R] shape of the mask "
+                         f"{tuple(response_mask.shape)} (right-aligned, docs/DESIGN.md section 2)")
     mask = response_mask.float()
     rewards, values = token_level_rewards.float(), values.detach().float()
     adv = torch.zeros_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])
     last_gae = torch.zeros_like(rewards[:, 0])
+    pending = torch.zeros_like(rewards[:, 0])  # rewards of skipped columns right of the current one
     for t in reversed(range(rewards.shape[1])):
         valid = mask[:, t] > 0
-        delta = rewards[:, t] + config.gamma * next_value - values[:, t]
+        reward = rewards[:, t] + pending
+        delta = reward + config.gamma * next_value - values[:, t]
         last_gae = torch.where(valid, delta + config.gamma * config.lambd * last_gae, last_gae)
         next_value = torch.where(valid, values[:, t], next_value)
+        pending = torch.where(valid, torch.zeros_like(pending), reward)
         adv[:, t] = last_gae
+    adv = adv * mask
     returns = (adv + values) * mask
     return whiten_advantages(adv, mask), returns
 

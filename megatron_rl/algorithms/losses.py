@@ -128,7 +128,8 @@ def off_policy_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     weights = raw.clamp(max=config.tis_cap)
     return weights, {
         "off_policy/tis_ratio_mean": mean_metric(raw, units),
-        "off_policy/tis_ratio_max": Metric(float(_masked(raw, units).max()) if units.any() else 0.0, 1.0, "max"),
+        # raw > 0, so the masked max is 0 when no unit is valid; kept on the device (no host sync per micro-batch)
+        "off_policy/tis_ratio_max": Metric(_masked(raw, units).max().detach() if raw.numel() else 0.0, 1.0, "max"),
         "off_policy/tis_clipfrac": mean_metric((raw > config.tis_cap).float(), units),
     }
 

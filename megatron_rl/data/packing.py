@@ -61,15 +61,17 @@ class PackedBatch:
         return int(self.input_ids.shape[1])
 
     def packed_seq_params(self) -> Any:
-        """megatron-core ``PackedSeqParams(qkv_format="thd", ...)`` for this pack (lazy import)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        """megatron-core ``PackedSeqParams(qkv_format="thd", ...)`` for this pack, as the subclass
+        ``model.rotary.PackedRopeParams`` that also carries ``position_ids`` for RoPE (lazy import)."""
+        from megatron_rl.model.rotary import PackedRopeParams
 
-        return PackedSeqParams(
+        return PackedRopeParams(
             qkv_format="thd",
             cu_seqlens_q=self.cu_seqlens,
             cu_seqlens_kv=self.cu_seqlens,
             max_seqlen_q=self.max_seqlen,
             max_seqlen_kv=self.max_seqlen,
+            position_ids=self.position_ids.reshape(-1),
         )
 
     def to(self, device: torch.device | str) -> PackedBatch:

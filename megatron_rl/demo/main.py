@@ -46,6 +46,7 @@ from megatron_rl.metrics import Metric
 
 if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are imported where the job starts
     from megatron_rl.distributed.bootstrap import ParallelGroups
+    from megatron_rl.model.critic import MegatronCritic
     from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
 
@@ -67,6 +68,8 @@ class Job:
     game: NextDigitGame
     sampling: SamplingParams
     policy: MegatronPolicy
+    critic: MegatronCritic | None
+    """The value model (PPO with a critic: ``algorithm.advantage_estimator: gae``), else None."""
     trainer: Trainer
     save_dir: Path
     is_rank0: bool
@@ -115,6 +118,7 @@ class CheckpointProblem(Exception):
 
 def build_job(config: DemoJobConfig, groups: ParallelGroups) -> Job:
     """Tokenizer, game, policy (+ reference for KL), trainer (the config was validated when it was loaded)."""
+    from megatron_rl.model.critic import MegatronCritic
     from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
 
@@ -127,8 +131,17 @@ def build_job(config: DemoJobConfig, groups: ParallelGroups) -> Job:
     if rl.algorithm.use_kl_loss or rl.algorithm.use_kl_in_reward:
         reference = MegatronPolicy(rl, groups, role="reference", pad_token_id=tokenizer.pad_token_id)
         reference.load_full_state_dict(policy.full_state_dict())  # the reference is the initial policy
+    critic = None
+    if rl.critic.active(rl.algorithm):
+        critic_cfg = rl.critic
+        critic_steps = (batch.train_batch_size // (critic_cfg.mini_batch_size or batch.policy_mini_batch_size)
+                        * (critic_cfg.update_epochs_per_batch or batch.update_epochs_per_batch))
+        critic = MegatronCritic(rl, groups, pad_token_id=tokenizer.pad_token_id,
+                                total_optim_steps=demo.num_steps * critic_steps)
+        if critic_cfg.init_from_policy:
+            critic.load_trunk(policy.full_state_dict())
     trainer = Trainer(rl, policy,
-                      reference=reference)
+                      reference=reference, critic=critic)
     output_dir = Path(rl.logging.output_dir)
     return Job(
         config=config,
@@ -138,6 +151,7 @@ def build_job(config: DemoJobConfig, groups: ParallelGroups) -> Job:
         sampling=SamplingParams(max_new_tokens=demo.max_new_tokens, temperature=demo.temperature,
                                 stop_token_id=tokenizer.eos_token_id),
         policy=policy,
+        critic=critic,
         trainer=trainer,
         save_dir=Path(rl.checkpoint.save_dir) if rl.checkpoint.save_dir else output_dir / "checkpoints",
         is_rank0=groups.rank == 0,
@@ -239,12 +253,14 @@ def checkpoint_due(rl: MegatronRLConfig, demo: DemoConfig, step: int) -> bool:
 
 
 def save(job: Job, step: int) -> None:
-    """Atomic distributed checkpoint of the policy (model, optimizer, LR schedule, RNG) and the loop state."""
-    from megatron_rl.checkpoint import save_checkpoint
+    """Atomic distributed checkpoint of the policy (model, optimizer, LR schedule, RNG) and the loop state; the
+    critic's (model, optimizer, LR schedule) in ``save_dir/critic`` first (``checkpoint/critic.py``)."""
+    from megatron_rl.checkpoint import save_with_critic
     from megatron_rl.checkpoint.dist import STORAGE_ERRNOS
 
     try:
-        save_checkpoint(job.policy, job.save_dir, {"step": step, "optimizer_steps": job.trainer.optimizer_steps})
+        save_with_critic(job.policy, job.critic, job.save_dir,
+                         {"step": step, "optimizer_steps": job.trainer.optimizer_steps})
     except RuntimeError as err:
         if isinstance(err.__cause__, OSError) and err.__cause__.errno in STORAGE_ERRNOS:
             raise CheckpointProblem(str(err), code=1) from err
@@ -257,13 +273,13 @@ def resume(job: Job) -> int:
     Any ``step_*`` directory means "resume": when none of them verifies, the job stops (exit code 2) instead
     of starting over and truncating the history in ``metrics.jsonl``.
     """
-    from megatron_rl.checkpoint import load_checkpoint
+    from megatron_rl.checkpoint import load_with_critic
     from megatron_rl.checkpoint.layout import checkpoint_dirs
 
     if not job.config.rl.checkpoint.resume or not checkpoint_dirs(job.save_dir):
         return 0
     try:
-        state = load_checkpoint(job.policy, job.save_dir)
+        state = load_with_critic(job.policy, job.critic, job.save_dir)
     except ValueError as err:
         raise CheckpointProblem(str(err), code=2) from err
     job.trainer.optimizer_steps = int(state.get("optimizer_steps", 0))

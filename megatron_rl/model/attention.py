@@ -276,7 +276,7 @@ class _PrefixDiagonal(torch.autograd.Function):
 
 def _find_cpu_flash():
     """torch's CPU flash-attention op pair (output and log-sum-exp; its backward), or None (then the masked
-    SDPA path). Private torch ops: Workaround row in docs/MEGATRON_CORE.md."""
+    SDPA path). Private torch ops: Workaround W16 in docs/MEGATRON_CORE.md."""
     try:
         ops = torch.ops.aten
         return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward

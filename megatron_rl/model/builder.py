@@ -13,8 +13,10 @@ Layer spec:
                              of ours; TE cannot be installed on the lent GPU), never picked silently
     local spec               "local" and "auto" (the default; "auto" never means TE): megatron's
                              ``get_gpt_layer_local_spec`` with the core attention
-                             replaced by ``PackedDotProductAttention`` (accepts THD, P8) and every norm
-                             (layer, q/k, final) by ``model.norm.RMSNorm`` (sequence-parallel aware, P7)
+                             replaced by ``PackedDotProductAttention`` (accepts THD, P8), the self-attention
+                             by ``model.rotary.PackedRopeSelfAttention`` (RoPE from per-token positions, no
+                             host sync), and every norm (layer, q/k, final) by ``model.norm.RMSNorm``
+                             (sequence-parallel aware, P7)
 
 Settings (docs/CPU_ADAPTATION.md section 3): ``use_cpu_initialization=True`` (identical full weights for every TP layout
 under one seed; the model is moved to ``groups.device`` afterwards), ``perform_initialization=True``, all
@@ -44,6 +46,7 @@ from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.model.attention import PackedDotProductAttention
 from megatron_rl.model.norm import RMSNorm
+from megatron_rl.model.rotary import PackedRopeSelfAttention
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,7 @@ def _local_layer_spec(qk_layernorm: bool) -> ModuleSpec:
     layer = spec.submodules
     layer.input_layernorm = RMSNorm
     layer.pre_mlp_layernorm = RMSNorm
+    layer.self_attention.module = PackedRopeSelfAttention  # RoPE from per-token positions (model/rotary.py)
     attention = layer.self_attention.submodules
     attention.core_attention = PackedDotProductAttention
     if qk_layernorm:

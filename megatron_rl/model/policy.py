@@ -68,6 +68,8 @@ class MegatronPolicy:
 
     role="policy": trainable (Megatron DDP with grad buffers, ``get_megatron_optimizer``, LR warmup/decay).
     role="reference": frozen, forward only (e.g. the KL reference), same forward path.
+    role="critic": trainable like "policy"; set by ``model.critic.MegatronCritic``, which swaps the output layer
+    for a value head (``build_module``) and the heads (``_forward_rows``, ``_loss_head``).
     ``pad_token_id`` is the one source of the padding token (the Trainer reads it from here).
     ``total_optim_steps`` is the decay horizon when ``optimizer.lr_decay_steps`` is None.
     """
@@ -78,12 +80,13 @@ class MegatronPolicy:
         config: MegatronRLConfig,
         groups: ParallelGroups,
         *,
-        role: Literal["policy", "reference"] = "policy",
+        role: Literal["policy", "reference", "critic"] = "policy",
         pad_token_id: int = 0,
         total_optim_steps: int | None = None,
     ) -> None:
-        if role not in ("policy", "reference"):
-            raise ValueError(f"MegatronPolicy role={role!r} is not valid; use 'policy' or 'reference'")
+        if role not in ("policy", "reference", "critic"):
+            raise ValueError(f"MegatronPolicy role={role!r} is not valid; use 'policy' or 'reference' (a critic: "
+                             "megatron_rl.model.critic.MegatronCritic)")
         if not 0 <= pad_token_id < config.model.vocab_size:
             raise ValueError(
                 f"pad_token_id={pad_token_id} is outside the vocabulary [0, {config.model.vocab_size}); "
@@ -92,7 +95,7 @@ class MegatronPolicy:
         self.config, self.groups, self.role, self.pad_token_id = config, groups, role, pad_token_id
         self.device = groups.device
         self.align = packing_alignment(groups.tp_size, groups.cp_size, config.parallel.sequence_parallel)
-        module = build_gpt_model(config.model, config.parallel, groups)
+        module = self.build_module()
         # Grads are finalized once per optimizer step, in optim_step (module docstring).
         module.config.finalize_model_grads_func = None
         self.optimizer = self.scheduler = None
@@ -106,10 +109,14 @@ class MegatronPolicy:
             self.scheduler = build_scheduler(self.optimizer, config, total_optim_steps)
         self._grads_finalized = False
 
+    def build_module(self) -> torch.nn.Module:
+        """This rank's GPTModel stage (a subclass may swap the head: ``model/critic.py``)."""
+        return build_gpt_model(self.config.model, self.config.parallel, self.groups)
+
     @property
     def module(self) -> torch.nn.Module:
-        """The bare GPTModel chunk of this rank (under the DDP wrapper for role='policy')."""
-        return self.model.module if self.role == "policy" else self.model
+        """The bare GPTModel chunk of this rank (under the DDP wrapper unless role='reference')."""
+        return self.model.module if self.role != "reference" else self.model
 
     # ------------------------------------------------------------------ public API
 
@@ -121,12 +128,15 @@ class MegatronPolicy:
         (and entropies) of its last prompt tokens, not 0; only columns where the row has no earlier token (a
         row shorter than R + 1 valid tokens) are 0. Mask with ``response_mask`` (or ``loss_mask``).
         """
-        call = self.plan_call(batch)
         head = partial(schedule.forward_head, **self._head_args(), compute_entropy=compute_entropy)
+        return self._forward_rows(batch, head, ["logprobs"] + (["entropy"] if compute_entropy else []))
+
+    def _forward_rows(self, batch: TrainingBatch, head: schedule.Head, names: list[str]) -> dict[str, torch.Tensor]:
+        """Run ``head`` (it reports ``{name: [b, R]}``) forward only; every rank gets ``{name: [B, R]}`` (host)."""
+        call = self.plan_call(batch)
         self.model.eval()
         with torch.no_grad():
             stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=True)
-        names = ["logprobs"] + (["entropy"] if compute_entropy else [])
         stacked = None
         if self.groups.is_last_stage:
             per_mb = [torch.stack([s[n] for n in names], dim=-1) for s in stores]  # [b, R, k]
@@ -164,7 +174,7 @@ class MegatronPolicy:
         Metrics are merged over micro-batches, reduced over DP and taken from the last PP stage: identical on
         every rank. Gradients are finalized by ``optim_step`` (or ``finalize_grads``).
         """
-        if self.role != "policy":
+        if self.role == "reference":
             raise ValueError("forward_backward needs role='policy'; this MegatronPolicy is a frozen reference")
         if self._grads_finalized:
             raise ValueError(
@@ -174,10 +184,7 @@ class MegatronPolicy:
         call = self.plan_call(batch)
         schedule.dry_run_loss(call, loss_fn, loss_config, compute_entropy)
         self.model.train()
-        head = partial(
-            schedule.loss_head, **self._head_args(), loss_fn=loss_fn, loss_config=loss_config,
-            compute_entropy=compute_entropy, num_microbatches=len(call.microbatches),
-        )  # fmt: skip
+        head = self._loss_head(loss_fn, loss_config, compute_entropy, len(call.microbatches))
         stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=False)
         local = merge_metrics(*metrics_to_host(stores)) if self.groups.is_last_stage else {}  # one device sync
         return reduce_metrics(local, self.groups.dp_group, self.groups.pp_group)
@@ -193,7 +200,7 @@ class MegatronPolicy:
 
         The k-th step (1-based) uses the schedule's LR at k: the first warmup step already moves the weights.
         """
-        if self.role != "policy":
+        if self.role == "reference":
             raise ValueError("optim_step needs role='policy'; this MegatronPolicy is a frozen reference")
         self.finalize_grads()
         self.scheduler.step(1)
@@ -227,6 +234,13 @@ class MegatronPolicy:
         return plan_call(
             batch, self.config, self.groups, align=self.align, pad_token_id=self.pad_token_id,
             fixed_shapes=fixed_shapes, device=self.device,
+        )  # fmt: skip
+
+    def _loss_head(self, loss_fn: LossFn, loss_config: Any, compute_entropy: bool,
+                   num_microbatches: int) -> schedule.Head:
+        return partial(
+            schedule.loss_head, **self._head_args(), loss_fn=loss_fn, loss_config=loss_config,
+            compute_entropy=compute_entropy, num_microbatches=num_microbatches,
         )  # fmt: skip
 
     def _head_args(self) -> dict[str, Any]:

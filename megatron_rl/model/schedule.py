@@ -159,3 +159,35 @@ def gather_rows(
         dist.all_gather(parts, local, group=groups.dp_group)
         local = torch.cat(parts, dim=0)
     return local[: call.num_rows].cpu()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Value heads (the critic, model/critic.py): the output is [1, T, 1] scalar values instead of vocab logits
+# --------------------------------------------------------------------------------------------------------------
+
+def token_values(item: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+    """Last stage: the value head's output ``[1, T, 1]`` -> response values ``[b, R]`` (fp32), right-aligned with
+    the log-probs' convention (column k: V of the state before response token k; docs/DESIGN.md section 13)."""
+    width = item.tensors["response_mask"].shape[1]
+    return unpack_response(output[..., 0].float(), item.packed, width)
+
+
+def values_head(item: MicroBatch, output: torch.Tensor, *, groups: ParallelGroups
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``{"values": [b, R]}`` of the micro-batch's real rows (a dummy has none)."""
+    return output.new_zeros(()), {"values": token_values(item, output)[: len(item.rows)]}
+
+
+def value_loss_head(
+    item: MicroBatch, output: torch.Tensor, *, groups: ParallelGroups, loss_fn: LossFn, loss_config: Any,
+    num_microbatches: int,
+) -> tuple[torch.Tensor, dict[str, Metric]]:  # fmt: skip
+    """``loss_fn(values [b, R], None, mb, loss_config)``, scaled like ``loss_head`` (model/scaling.py)."""
+    values = token_values(item, output)
+    summed, metrics = loss_fn(values, None, item.tensors, loss_config)
+    if not summed.requires_grad:
+        summed = summed + 0.0 * values.sum()
+    reported = metrics if item.rows else {}
+    return scaling.scale_loss_for_megatron(
+        summed, reported, num_microbatches=num_microbatches, dp_size=groups.dp_size
+    )
