@@ -165,17 +165,20 @@ def gather_rows(
 # Value heads (the critic, model/critic.py): the output is [1, T, 1] scalar values instead of vocab logits
 # --------------------------------------------------------------------------------------------------------------
 
-def token_values(item: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+def token_values(item: MicroBatch, output: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """Last stage: the value head's output ``[1, T, 1]`` -> response values ``[b, R]`` (fp32), right-aligned with
     the log-probs' convention (column k: V of the state before response token k; docs/DESIGN.md section 13)."""
     width = item.tensors["response_mask"].shape[1]
-    return unpack_response(output[..., 0].float(), item.packed, width)
+    values = output[..., 0].float()
+    if item.cp_local is not None:  # context parallelism: this rank's [1, T/cp] -> the whole pack (token_outputs)
+        values = gather_tokens(values, item.cp_local, groups.cp_group)
+    return unpack_response(values, item.packed, width)
 
 
 def values_head(item: MicroBatch, output: torch.Tensor, *, groups: ParallelGroups
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``{"values": [b, R]}`` of the micro-batch's real rows (a dummy has none)."""
-    return output.new_zeros(()), {"values": token_values(item, output)[: len(item.rows)]}
+    return output.new_zeros(()), {"values": token_values(item, output, groups)[: len(item.rows)]}
 
 
 def value_loss_head(
@@ -183,7 +186,7 @@ def value_loss_head(
     num_microbatches: int,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:  # fmt: skip
     """``loss_fn(values [b, R], None, mb, loss_config)``, scaled like ``loss_head`` (model/scaling.py)."""
-    values = token_values(item, output)
+    values = token_values(item, output, groups)
     summed, metrics = loss_fn(values, None, item.tensors, loss_config)
     if not summed.requires_grad:
         summed = summed + 0.0 * values.sum()
