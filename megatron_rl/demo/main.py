@@ -212,7 +212,7 @@ def check_ranks_agree(groups: ParallelGroups, played: list) -> None:
 
     checksum = zlib.crc32(json.dumps([p.episode.responses for p in played]).encode())
     probe = {"max": Metric(checksum, 1.0, "max"), "min": Metric(checksum, 1.0, "min")}
-    for name in ("dp_group", "tp_group", "pp_group"):
+    for name in ("dp_group", "tp_group", "pp_group", "cp_group"):
         agreed = reduce_metrics(probe, getattr(groups, name))
         if agreed["max"].value != agreed["min"].value:
             raise RuntimeError(f"ranks of the {name} sampled different rollouts (checksums {agreed['min'].value} "
@@ -234,9 +234,11 @@ def open_reporter(job: Job, start_step: int) -> RunReporter | None:
     config, logging = job.config, job.config.rl.logging
     output_dir = Path(logging.output_dir)
     dump_demo_config(config, output_dir / "config.yaml")
-    print(f"megatron_rl main job: {job.groups.world_size} rank(s) (TP{job.groups.tp_size} PP{job.groups.pp_size} "
-          f"DP{job.groups.dp_size}); outputs in {output_dir.resolve()}, checkpoints in {job.save_dir.resolve()}"
-          + (f"; resuming after step {start_step}" if start_step else ""), flush=True)
+    g = job.groups
+    layout = f"TP{g.tp_size} PP{g.pp_size} DP{g.dp_size}" + (f" CP{g.cp_size}" if g.cp_size > 1 else "")
+    print(f"megatron_rl main job: {g.world_size} rank(s) ({layout}); outputs in {output_dir.resolve()}, "
+          f"checkpoints in {job.save_dir.resolve()}" + (f"; resuming after step {start_step}" if start_step else ""),
+          flush=True)
     return RunReporter(output_dir, total_steps=config.demo.num_steps, start_step=start_step,
                        tensorboard=logging.tensorboard, progress_bar=logging.progress_bar,
                        log_interval=logging.log_interval)

@@ -24,13 +24,13 @@ RESPONSE_LENS = [6, 2, 11, 4, 1, 8, 5]  # uneven; B=7 is odd, so DP2 adds a dumm
 MB_COUNTS = (1, 2, 4)
 
 
-def _config(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False):
+def _config(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False, cp: int = 1):
     from megatron_rl.config import (AlgorithmConfig, CriticConfig, MegatronRLConfig, ModelConfig, OptimizerConfig,
                                     ParallelConfig)
 
     return MegatronRLConfig(
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                sequence_parallel=sequence_parallel),
+                                sequence_parallel=sequence_parallel, context_parallel_size=cp),
         model=ModelConfig(attention_backend="local"),
         optimizer=OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0),
         algorithm=AlgorithmConfig(advantage_estimator="gae", value_clip=0.05, loss_reduction="sequence_mean"),
@@ -206,10 +206,10 @@ def _fresh_critic(cfg, groups):
 # ---------------------------------------------------------------------- the layouts
 
 
-def _layout_rank(rank, world_size, tp, pp, tensors, full_sd, sequence_parallel):
+def _layout_rank(rank, world_size, tp, pp, tensors, full_sd, sequence_parallel, cp):
     from megatron_rl.distributed.bootstrap import initialize_distributed
 
-    cfg = _config(tp, pp)
+    cfg = _config(tp, pp, cp=cp)
     groups = initialize_distributed(cfg.parallel, cfg.seed)
     critic = _critic(cfg, groups, full_sd)
     out = {"forward": critic.forward(_batch(tensors))["values"]}
@@ -222,7 +222,8 @@ def _layout_rank(rank, world_size, tp, pp, tensors, full_sd, sequence_parallel):
     return out
 
 
-LAYOUTS = {"tp2": (2, 1, True), "pp2": (1, 2, False), "dp2": (1, 1, False)}  # name: (tp, pp, also SP)
+LAYOUTS = {"tp2": (2, 1, True, 1), "pp2": (1, 2, False, 1), "dp2": (1, 1, False, 1), "cp2": (1, 1, False, 2)}
+# name: (tp, pp, also SP, cp)
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +242,8 @@ def layout_results(tensors, reference):
 
     def get(name):
         if name not in cache:
-            tp, pp, sp = LAYOUTS[name]
-            cache[name] = run_ranks(2, _layout_rank, tp, pp, tensors, reference["full_sd"], sp, timeout=600)
+            tp, pp, sp, cp = LAYOUTS[name]
+            cache[name] = run_ranks(2, _layout_rank, tp, pp, tensors, reference["full_sd"], sp, cp, timeout=600)
         return cache[name]
 
     return get
