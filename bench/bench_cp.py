@@ -21,8 +21,6 @@ loss at the same L (relative 1e-4: the same model and tokens; fp32 summation ord
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import socket
@@ -32,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from procmem import release_heap, status_kib
 
 RESPONSE = 64
 
@@ -40,22 +39,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _release_heap() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _config(cp: int, length: int):
@@ -114,12 +97,12 @@ def _rank(rank: int, world: int, port: int, length: int, queue) -> None:
         groups = initialize_distributed(config.parallel, config.seed)
         policy, batch = MegatronPolicy(config, groups), _batch(length)
         _step(policy, batch)  # warm-up: grad buffers, caches
-        _release_heap()
+        release_heap()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        baseline = _status_kib("VmRSS")
+        baseline = status_kib("VmRSS")
         first, loss = _step(policy, batch)
-        peak = (_status_kib("VmHWM") - baseline) / 1024
+        peak = (status_kib("VmHWM") - baseline) / 1024
         second, _ = _step(policy, batch)
         queue.put((rank, {"peak_mib": peak, "step_s": min(first, second), "loss": loss}))
         destroy_distributed()

@@ -28,8 +28,6 @@ Without a writable ``clear_refs`` it falls back to ``ru_maxrss`` minus the RSS b
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import math
 import os
@@ -52,6 +50,7 @@ from megatron_rl.data import (
     unpack_response,
 )
 
+from procmem import release_heap, status_kib
 from workloads import (
     print_report_or_exit,
     StepWiseSpec,
@@ -221,35 +220,19 @@ def check_same_training(results: dict[str, tuple[float, float]]) -> None:
 # ---------------------------------------------------------------------- peak memory
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _release_heap() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: freed memory may stay resident (measurement is then lower)
-        pass
-
-
 def peak_step_memory(model: torch.nn.Module, inp: ModelInput) -> tuple[float, str]:
     """Extra resident memory (MiB) of one step after a warm-up step, and the method used (module docstring)."""
     train_step(model, inp)
-    _release_heap()
+    release_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         method = "VmHWM"
     except OSError:
         method = "ru_maxrss"
-    baseline = _status_kib("VmRSS")
+    baseline = status_kib("VmRSS")
     train_step(model, inp)
-    peak = _status_kib("VmHWM") if method == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM") if method == "VmHWM" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return (peak - baseline) / 1024, method
 
 

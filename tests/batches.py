@@ -41,3 +41,31 @@ def left_padded_tensors(
     if advantages:
         t["advantages"] = torch.randn(rows, resp, generator=generator) * t["response_mask"]
     return t
+
+
+def training_batch(tensors: dict[str, torch.Tensor]):
+    """A ``TrainingBatch`` of ``tensors`` with one uid / trajectory per row, every row a last step."""
+    from megatron_rl.data.batch import TrainingBatch
+
+    n = tensors["sequences"].shape[0]
+    return TrainingBatch(dict(tensors), list(range(n)), list(range(n)), [True] * n)
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    """Finalized main grads of a ``MegatronPolicy`` (or critic) in the single-process state-dict layout (its
+    params temporarily view their grads)."""
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.main_grad.view_as(p)
+        return {k: v.clone() for k, v in model.full_state_dict().items()}
+    finally:
+        for p, data in zip(params, saved):
+            p.data = data
+
+
+def micro_batch_size(num_rows: int, dp_size: int, count: int) -> int:
+    """Rows per micro-batch that give ``count`` micro-batches on each of ``dp_size`` shards of ``num_rows``."""
+    shard = -(-num_rows // dp_size)
+    return -(-shard // count)

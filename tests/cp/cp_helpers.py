@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from batches import left_padded_tensors
+from batches import full_grads, left_padded_tensors, micro_batch_size, training_batch as make_batch
 from megatron_rl.metrics import Metric
 
 PROMPT_LENS = [1, 2, 9, 3, 30, 5, 1]
@@ -38,13 +38,6 @@ def batch_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     t = left_padded_tensors(PROMPT_LENS, RESPONSE_LENS, VOCAB, g, loss_drop=0.2, advantages=True)
     t["loss_mask"][0] = 1.0 * t["response_mask"][0]  # the 2-token row carries loss
     return t
-
-
-def make_batch(tensors: dict[str, torch.Tensor]):
-    from megatron_rl.data.batch import TrainingBatch
-
-    n = tensors["sequences"].shape[0]
-    return TrainingBatch(dict(tensors), list(range(n)), list(range(n)), [True] * n)
 
 
 def summed_pg_loss(logprobs, entropy, mb, loss_config):
@@ -74,24 +67,6 @@ def fresh_policy(cfg, groups, full_sd=None):
     if full_sd is not None:
         policy.load_full_state_dict(full_sd)
     return policy
-
-
-def full_grads(policy) -> dict[str, torch.Tensor]:
-    """Finalized main grads in the single-process state-dict layout (params temporarily view their grads)."""
-    params = [p for p in policy.module.parameters() if p.requires_grad]
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.main_grad.view_as(p)
-        return {k: v.clone() for k, v in policy.full_state_dict().items()}
-    finally:
-        for p, data in zip(params, saved):
-            p.data = data
-
-
-def micro_batch_size(num_rows: int, dp_size: int, count: int) -> int:
-    shard = -(-num_rows // dp_size)
-    return -(-shard // count)
 
 
 def grad_of(policy, batch, dp_size: int, count: int, *, entropy: bool = True) -> dict[str, torch.Tensor]:

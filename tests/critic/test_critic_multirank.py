@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from batches import left_padded_tensors
+from batches import full_grads as _full_grads, left_padded_tensors, training_batch as _batch
 from multirank import run_ranks
 
 PROMPT_LENS = [3, 9, 2, 5, 12, 4, 6]
@@ -48,30 +48,10 @@ def _tensors() -> dict[str, torch.Tensor]:
     return t
 
 
-def _batch(tensors):
-    from megatron_rl.data.batch import TrainingBatch
-
-    n = tensors["sequences"].shape[0]
-    return TrainingBatch(dict(tensors), list(range(n)), list(range(n)), [True] * n)
-
-
 def _ctx(cfg, tensors):
     from megatron_rl.algorithms.losses import LossContext
 
     return LossContext.for_minibatch(cfg.algorithm, tensors["loss_mask"])
-
-
-def _full_grads(model) -> dict[str, torch.Tensor]:
-    """Finalized main grads in the single-process state-dict layout (params temporarily view their grads)."""
-    params = [p for p in model.module.parameters() if p.requires_grad]
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.main_grad.view_as(p)
-        return {k: v.clone() for k, v in model.full_state_dict().items()}
-    finally:
-        for p, data in zip(params, saved):
-            p.data = data
 
 
 def _critic(cfg, groups, full_sd):

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from batches import left_padded_tensors
+from batches import full_grads as _full_grads, left_padded_tensors, micro_batch_size as _micro_batch_size, training_batch as _batch
 from megatron_rl.metrics import Metric
 from multirank import run_ranks
 
@@ -49,13 +49,6 @@ def _batch_tensors(seed: int = 0, vocab: int = 128) -> dict[str, torch.Tensor]:
     return t
 
 
-def _batch(tensors: dict[str, torch.Tensor]):
-    from megatron_rl.data.batch import TrainingBatch
-
-    n = tensors["sequences"].shape[0]
-    return TrainingBatch(dict(tensors), list(range(n)), list(range(n)), [True] * n)
-
-
 def summed_pg_loss(logprobs, entropy, mb, loss_config):
     """The simple summed policy-gradient loss of the brief, with metrics of every reduce kind."""
     mask = mb["loss_mask"]
@@ -69,30 +62,12 @@ def summed_pg_loss(logprobs, entropy, mb, loss_config):
     return loss, metrics
 
 
-def _full_grads(policy) -> dict[str, torch.Tensor]:
-    """Finalized main grads in the single-process state-dict layout (params temporarily view their grads)."""
-    params = [p for p in policy.module.parameters() if p.requires_grad]
-    saved = [p.data for p in params]
-    try:
-        for p in params:
-            p.data = p.main_grad.view_as(p)
-        return {k: v.clone() for k, v in policy.full_state_dict().items()}
-    finally:
-        for p, data in zip(params, saved):
-            p.data = data
-
-
 def _fresh_policy(cfg, groups, full_sd):
     from megatron_rl.model.policy import MegatronPolicy
 
     policy = MegatronPolicy(cfg, groups)
     policy.load_full_state_dict(full_sd)
     return policy
-
-
-def _micro_batch_size(num_rows: int, dp_size: int, count: int) -> int:
-    shard = -(-num_rows // dp_size)
-    return -(-shard // count)
 
 
 def _grad_runs(policy, batch, dp_size: int, counts: tuple[int, ...]) -> dict:
