@@ -238,7 +238,18 @@ def _manifest_info(parts: CheckpointParts, step: int) -> dict[str, Any]:
         "optimizer": parts.config.optimizer.optimizer if parts.optimizer is not None else None,
         "has_scheduler": parts.scheduler is not None,
         "num_model_chunks": len(parts.model_chunks),
+        "megatron_core": _mcore_version(),
     }
+
+
+def _mcore_version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
+def _version_key(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
 
 
 def _publish(save_dir: Path, tmp: Path, final: Path, keep_last: int) -> None:
@@ -281,6 +292,13 @@ def load_parts(
 def _check_compatible(manifest: dict, parts: CheckpointParts, load_optimizer: bool, ckpt: Path) -> None:
     """ValueError (same on every rank: the manifest came from rank 0) for a checkpoint of another model or
     optimizer; warning for a different non-shape model setting."""
+    written_by, installed = manifest.get("megatron_core"), _mcore_version()
+    if written_by is not None and _version_key(written_by) > _version_key(installed):
+        # 0.17+ writes no common.pt, which 0.16.x's dist_checkpointing needs (it fails with an AttributeError).
+        raise ValueError(
+            f"checkpoint {ckpt} was written with megatron-core {written_by}, newer than the installed {installed}; "
+            f"load it with megatron-core >= {written_by} (Python >= 3.12: bash scripts/setup.sh)"
+        )
     saved, current = manifest["model"], dataclasses.asdict(parts.config.model)
     diffs = model_shape_mismatches(saved, current, "checkpoint")
     if diffs:

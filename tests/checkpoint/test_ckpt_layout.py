@@ -94,3 +94,17 @@ def test_fault_point_raise_and_unknown_stage(monkeypatch):
         layout.fault_point("renamed")
     with pytest.raises(AssertionError):
         layout.fault_point("no_such_stage")
+
+
+def test_checkpoint_of_a_newer_megatron_core_is_refused_by_name(tmp_path):
+    """0.17+ writes no common.pt; 0.16.x would fail inside dist_checkpointing with an AttributeError."""
+    from importlib.metadata import version
+
+    from megatron_rl.checkpoint import dist
+
+    installed = version("megatron-core")
+    newer = f"{int(installed.split('.')[0])}.{int(installed.split('.')[1]) + 1}.0"
+    with pytest.raises(ValueError, match=f"written with megatron-core {newer}, newer than the installed {installed}"):
+        dist._check_compatible({"megatron_core": newer}, None, True, tmp_path)
+    assert dist._version_key("0.19.2") > dist._version_key("0.16.1")
+    assert dist._version_key("0.16.1") == dist._version_key("0.16.0rc1")

@@ -35,9 +35,13 @@ FAST = ["demo.baseline_episodes=200", "logging.progress_bar=false", "checkpoint.
 
 def setup_is_offline() -> bool:
     """``scripts/setup.sh`` is a quick no-op when the venv it names exists; otherwise it needs the registry
-    (e.g. on a lent GPU machine that has neither), and the README-form launch runs with ``PY`` instead."""
+    (e.g. on a lent GPU machine that has neither), and the README-form launch runs with ``PY`` instead. The
+    README form is also skipped when that venv is not the one running the tests (e.g. pytest started from
+    ``.venv-py3.11`` without ``PYTHON=``): both launches of a test must use one megatron-core version."""
     venv = subprocess.run(["bash", "scripts/setup.sh", "--venv"], cwd=ROOT, capture_output=True, text=True)
-    return venv.returncode == 0 and (ROOT / venv.stdout.strip() / "bin" / "python").exists()
+    path = ROOT / venv.stdout.strip()
+    return (venv.returncode == 0 and (path / "bin" / "python").exists()
+            and path.resolve() == Path(sys.prefix).resolve())
 
 
 def launch(env_extra: dict[str, str], overrides: list[str], *, readme_form: bool = False) -> subprocess.Popen:
