@@ -92,6 +92,9 @@ class CPLocalPack(PackedBatch):
     cp_rank: int = 0
     cp_index: torch.Tensor | None = None
     """``[cp, T/cp]`` int64: row r holds the global pack positions of CP rank r's tokens, in local order."""
+    cp_order: torch.Tensor | None = None
+    """``[T]`` int64 (``cp_global_order``): for each global pack position, its row in a rank-major CP all-gather.
+    Computed once per micro-batch; every layer's K/V gather and the output gather reuse it."""
 
     def packed_seq_params(self) -> Any:
         """The pack's ``PackedSeqParams`` with ``cu_seqlens_*_padded`` set to the (global, padded) cu_seqlens:
@@ -99,11 +102,13 @@ class CPLocalPack(PackedBatch):
         accept them (the same tensor object, so no comparison is needed)."""
         params = super().packed_seq_params()
         params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = self.cu_seqlens
+        params.cp_order = self.cp_order
         return params
 
     def to(self, device: torch.device | str) -> CPLocalPack:
         moved = super().to(device)
-        return replace(moved, cp_index=self.cp_index.to(device, non_blocking=True))
+        return replace(moved, cp_index=self.cp_index.to(device, non_blocking=True),
+                       cp_order=self.cp_order.to(device, non_blocking=True))
 
 
 def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -127,6 +132,11 @@ def cp_token_index(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
     chunk = offset // (lengths[seq] // (2 * cp_size))  # 0 .. 2cp-1
     owner = torch.where(chunk < cp_size, chunk, 2 * cp_size - 1 - chunk)  # [T] CP rank holding the position
     return torch.argsort(owner, stable=True).view(cp_size, total // cp_size)
+
+
+def cp_global_order(cp_index: torch.Tensor) -> torch.Tensor:
+    """``[T]``: the inverse of ``cp_index [cp, T/cp]`` flattened, i.e. the rank-major row of each global position."""
+    return torch.argsort(cp_index.reshape(-1))
 
 
 def split_for_cp(packed: PackedBatch, cp_size: int, cp_rank: int) -> CPLocalPack:
@@ -154,6 +164,7 @@ def split_for_cp(packed: PackedBatch, cp_size: int, cp_rank: int) -> CPLocalPack
         cp_size=cp_size,
         cp_rank=cp_rank,
         cp_index=index,
+        cp_order=cp_global_order(index),
     )
 
 

@@ -50,7 +50,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_rl.data.packing import cp_token_index
+from megatron_rl.data.packing import cp_global_order, cp_token_index
 from megatron_rl.model.context_parallel import all_gather_cp, to_global_order
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class PackedDotProductAttention(MegatronModule):
         if cu_q is not cu_kv:  # PackedBatch passes one tensor for both: no comparison (a device sync) needed
             assert torch.equal(cu_q.cpu(), cu_kv.cpu()), "self-attention expects cu_seqlens_q == cu_seqlens_kv"
         if self.cp_size > 1:
-            return self._thd_cp(query, key, value, cu_q, params.max_seqlen_q)
+            return self._thd_cp(query, key, value, cu_q, params.max_seqlen_q, getattr(params, "cp_order", None))
         if self._use_varlen(query):
             return self._thd_varlen(query, key, value, cu_q, params.max_seqlen_q)
         bounds = cu_q.tolist()
@@ -138,9 +138,11 @@ class PackedDotProductAttention(MegatronModule):
             outs.append(query.new_zeros(total - bounds[-1], self.num_heads * query.shape[-1]))
         return torch.cat(outs, dim=0)
 
-    def _thd_cp(self, query, key, value, cu: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
+    def _thd_cp(self, query, key, value, cu: torch.Tensor, max_seqlen: int | None,
+                order: torch.Tensor | None) -> torch.Tensor:
         """CP branch of ``_thd`` (module docstring): local q [T/cp, np, hn], k/v [T/cp, ng, hn], GLOBAL ``cu``
-        -> [T/cp, np*hn]."""
+        -> [T/cp, np*hn]. ``order``: the pack's ``cp_global_order`` (``CPLocalPack`` passes it once per
+        micro-batch); derived from ``cu`` when a plain ``PackedSeqParams`` comes without it."""
         cp = self.cp_size
         bounds = cu.tolist()
         local_len = query.shape[0]
@@ -153,7 +155,9 @@ class PackedDotProductAttention(MegatronModule):
         _check_max_seqlen(max_seqlen, bounds)
         groups = key.shape[1]
         kv = all_gather_cp(torch.cat([key, value], dim=1), self.cp_group, grad="reduce")  # [T, 2ng, hn]
-        kv = to_global_order(kv, cp_token_index(cu, cp).to(kv.device))
+        if order is None:
+            order = cp_global_order(cp_token_index(cu, cp))
+        kv = to_global_order(kv, order.to(kv.device))
         key_all, value_all = kv[:, :groups], kv[:, groups:]  # [T, ng, hn] each, global order
         rank = self.cp_group.rank()
         outs, start = [], 0

@@ -47,10 +47,10 @@ def all_gather_cp(x: torch.Tensor, group: dist.ProcessGroup, *, grad: str) -> to
     return _AllGatherCP.apply(x, group, grad == "reduce")
 
 
-def to_global_order(gathered: torch.Tensor, cp_index: torch.Tensor) -> torch.Tensor:
-    """Rank-major ``[cp*n, ...]`` (``all_gather_cp``) -> global pack order ``[T, ...]`` (differentiable)."""
-    inverse = torch.argsort(cp_index.reshape(-1))  # global position -> rank-major row
-    return gathered.index_select(0, inverse)
+def to_global_order(gathered: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rank-major ``[cp*n, ...]`` (``all_gather_cp``) -> global pack order ``[T, ...]`` (differentiable);
+    ``order`` is ``data.packing.cp_global_order`` of the pack (``CPLocalPack.cp_order``)."""
+    return gathered.index_select(0, order)
 
 
 def gather_tokens(values: torch.Tensor, local: CPLocalPack, group: dist.ProcessGroup) -> torch.Tensor:
@@ -59,7 +59,7 @@ def gather_tokens(values: torch.Tensor, local: CPLocalPack, group: dist.ProcessG
     Backward keeps this rank's slice of its own gradient (``grad="own"``): use it for outputs from which every
     CP rank computes the same loss (model/scaling.py)."""
     gathered = all_gather_cp(values.reshape(-1), group, grad="own")  # [T] rank-major
-    return to_global_order(gathered, local.cp_index)[None]
+    return to_global_order(gathered, local.cp_order)[None]
 
 
 @torch.no_grad()

@@ -37,10 +37,14 @@ from megatron.core.transformer.attention import SelfAttention
 
 @dataclass
 class PackedRopeParams(PackedSeqParams):
-    """``PackedSeqParams`` (qkv_format "thd") that also carries the pack's per-token RoPE positions."""
+    """``PackedSeqParams`` (qkv_format "thd") that also carries what our local layers read per micro-batch: the
+    pack's per-token RoPE positions and, under context parallelism, the global order of the CP gather."""
 
     position_ids: torch.Tensor | None = None
     """``[T]`` int64 on the model's device: the position of each packed token within its own sequence."""
+    cp_order: torch.Tensor | None = None
+    """Context parallelism only (``data.packing.CPLocalPack``): ``[T]`` global pack position -> row of the
+    rank-major K/V all-gather, computed once per micro-batch for every layer's attention."""
     rope_cache: dict = field(default_factory=dict, repr=False, compare=False)
     """``{(table id, dtype): (cos, sin)}`` filled by the first layer of a forward pass, reused by the others."""
 
