@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -202,12 +202,7 @@ class Trainer:
                 f"steps per epoch instead of {expected} (the LR schedule counts on {expected})",
                 stacklevel=2,
             )
-        per_step = [
-            self.train_mini_batch(batch.slice(start, end))
-            for _ in range(batch_cfg.update_epochs_per_batch)
-            for start, end in boundaries
-        ]
-        return merge_metrics(*per_step)
+        return over_mini_batches(batch, boundaries, batch_cfg.update_epochs_per_batch, self.train_mini_batch)
 
     def train_mini_batch(self, mini_batch: TrainingBatch) -> Metrics:
         """Normalize the advantages over this mini-batch's rows, accumulate gradients, step."""
@@ -223,15 +218,11 @@ class Trainer:
         self.optimizer_steps += 1
         return {**per_optimizer_step(loss_metrics), **optimizer_metrics(step_metrics)}
 
-
     def update_critic(self, batch: TrainingBatch) -> Metrics:
         """``critic.update_epochs_per_batch`` passes over prompt-based critic mini-batches, one step each."""
-        critic_cfg, batch_cfg = self.config.critic, self.config.batch
-        size = critic_cfg.mini_batch_size or batch_cfg.policy_mini_batch_size
-        epochs = critic_cfg.update_epochs_per_batch or batch_cfg.update_epochs_per_batch
+        size, epochs = self.config.critic.updates(self.config.batch)
         boundaries = compute_prompt_mini_batch_boundaries(batch.uids, size)
-        return merge_metrics(*(self.train_critic_mini_batch(batch.slice(start, end))
-                               for _ in range(epochs) for start, end in boundaries))
+        return over_mini_batches(batch, boundaries, epochs, self.train_critic_mini_batch)
 
     def train_critic_mini_batch(self, mini_batch: TrainingBatch) -> Metrics:
         """Clipped value loss on this mini-batch (its own reduction weights, from ``LossContext``), one step."""
@@ -266,6 +257,12 @@ def rollout_metrics(batch: TrainingBatch) -> Metrics:
     if "rollout_logprobs" in batch and "old_logprobs" in batch:
         metrics.update(logprob_mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["loss_mask"]))
     return metrics
+
+
+def over_mini_batches(batch: TrainingBatch, boundaries: list[tuple[int, int]], epochs: int,
+                      train: Callable[[TrainingBatch], Metrics]) -> Metrics:
+    """``train`` on each mini-batch ``[start, end)`` of ``batch``, ``epochs`` times over; merged metrics."""
+    return merge_metrics(*(train(batch.slice(start, end)) for _ in range(epochs) for start, end in boundaries))
 
 
 def value_metrics(batch: TrainingBatch) -> Metrics:

@@ -76,16 +76,18 @@ def token_outputs(
 
     Context parallelism: logits are ``[1, T/cp, V/tp]``; the per-token values are gathered over CP to the whole
     pack (backward: this rank's slice), so every CP rank unpacks and computes the same micro-batch loss."""
-    width = item.tensors["response_mask"].shape[1]
     logprobs, entropy = vocab_parallel_logprobs_entropy(
         logits, item.model_pack.labels, groups.tp_group, compute_entropy, valid_vocab_size=vocab_size
     )
+    return to_response(logprobs, item, groups), (to_response(entropy, item, groups) if entropy is not None else None)
+
+
+def to_response(per_token: torch.Tensor, item: MicroBatch, groups: ParallelGroups) -> torch.Tensor:
+    """Per-token values of this rank's model pack ``[1, T]`` (``[1, T/cp]`` under CP, gathered to the whole
+    pack first; backward: this rank's slice) -> right-aligned response values ``[b, R]``."""
     if item.cp_local is not None:
-        logprobs = gather_tokens(logprobs, item.cp_local, groups.cp_group)
-        entropy = gather_tokens(entropy, item.cp_local, groups.cp_group) if entropy is not None else None
-    logprobs = unpack_response(logprobs, item.packed, width)
-    entropy = unpack_response(entropy, item.packed, width) if entropy is not None else None
-    return logprobs, entropy
+        per_token = gather_tokens(per_token, item.cp_local, groups.cp_group)
+    return unpack_response(per_token, item.packed, item.tensors["response_mask"].shape[1])
 
 
 def forward_head(
@@ -120,9 +122,18 @@ def loss_head(
 ) -> tuple[torch.Tensor, dict[str, Metric]]:  # fmt: skip
     """``loss_fn`` on the micro-batch, scaled so Megatron's gradient is that of the summed loss (scaling.py)."""
     logprobs, entropy = token_outputs(item, logits, groups, vocab_size, compute_entropy)
-    summed, metrics = loss_fn(logprobs, entropy, item.tensors, loss_config)
+    return megatron_loss(item, logprobs, loss_fn(logprobs, entropy, item.tensors, loss_config), groups,
+                         num_microbatches)
+
+
+def megatron_loss(
+    item: MicroBatch, outputs: torch.Tensor, loss: tuple[torch.Tensor, dict[str, Metric]], groups: ParallelGroups,
+    num_microbatches: int,
+) -> tuple[torch.Tensor, dict[str, Metric]]:  # fmt: skip
+    """A head's ``(summed, metrics)`` from ``loss_fn`` -> the 2-tuple for megatron-core (model/scaling.py)."""
+    summed, metrics = loss
     if not summed.requires_grad:  # e.g. a loss that returns a constant for an all-masked micro-batch
-        summed = summed + 0.0 * logprobs.sum()
+        summed = summed + 0.0 * outputs.sum()  # keeps the graph (and a zero gradient) through ``outputs``
     reported = metrics if item.rows else {}  # a dummy micro-batch's metrics would skew max/min
     return scaling.scale_loss_for_megatron(
         summed, reported, num_microbatches=num_microbatches, dp_size=groups.dp_size
@@ -168,11 +179,7 @@ def gather_rows(
 def token_values(item: MicroBatch, output: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
     """Last stage: the value head's output ``[1, T, 1]`` -> response values ``[b, R]`` (fp32), right-aligned with
     the log-probs' convention (column k: V of the state before response token k; docs/DESIGN.md section 13)."""
-    width = item.tensors["response_mask"].shape[1]
-    values = output[..., 0].float()
-    if item.cp_local is not None:  # context parallelism: this rank's [1, T/cp] -> the whole pack (token_outputs)
-        values = gather_tokens(values, item.cp_local, groups.cp_group)
-    return unpack_response(values, item.packed, width)
+    return to_response(output[..., 0].float(), item, groups)
 
 
 def values_head(item: MicroBatch, output: torch.Tensor, *, groups: ParallelGroups
@@ -187,10 +194,4 @@ def value_loss_head(
 ) -> tuple[torch.Tensor, dict[str, Metric]]:  # fmt: skip
     """``loss_fn(values [b, R], None, mb, loss_config)``, scaled like ``loss_head`` (model/scaling.py)."""
     values = token_values(item, output, groups)
-    summed, metrics = loss_fn(values, None, item.tensors, loss_config)
-    if not summed.requires_grad:
-        summed = summed + 0.0 * values.sum()
-    reported = metrics if item.rows else {}
-    return scaling.scale_loss_for_megatron(
-        summed, reported, num_microbatches=num_microbatches, dp_size=groups.dp_size
-    )
+    return megatron_loss(item, values, loss_fn(values, None, item.tensors, loss_config), groups, num_microbatches)
