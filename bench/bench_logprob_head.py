@@ -19,12 +19,8 @@ import resource
 
 import torch
 
+from procmem import status_kib
 from workloads import print_report_or_exit
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
 def measure(tokens: int, vocab: int, module: str) -> dict[str, float]:
@@ -32,7 +28,7 @@ def measure(tokens: int, vocab: int, module: str) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(tokens, vocab, generator=gen).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=gen)
-    baseline = _rss_kib()
+    baseline = status_kib("VmRSS")
     lp, ent = head.vocab_parallel_logprobs_entropy(logits, labels, None, True)
     (lp.sum() + ent.sum()).backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -429,6 +429,11 @@ class CriticConfig(ConfigSection):
         """Whether a critic runs with this ``algorithm`` section (``enabled``, or implied by 'gae')."""
         return self.enabled if self.enabled is not None else algorithm.advantage_estimator == "gae"
 
+    def updates(self, batch: "BatchConfig") -> tuple[int, int]:
+        """``(prompts per critic mini-batch, critic epochs per batch)``, the policy's where unset."""
+        return (self.mini_batch_size or batch.policy_mini_batch_size,
+                self.update_epochs_per_batch or batch.update_epochs_per_batch)
+
 
 def check_critic_rules(critic: CriticConfig, algorithm: AlgorithmConfig, batch: BatchConfig) -> None:
     """The ``critic`` section against ``algorithm`` and ``batch`` (called by ``MegatronRLConfig``)."""

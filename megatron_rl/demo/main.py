@@ -134,8 +134,8 @@ def build_job(config: DemoJobConfig, groups: ParallelGroups) -> Job:
     critic = None
     if rl.critic.active(rl.algorithm):
         critic_cfg = rl.critic
-        critic_steps = (batch.train_batch_size // (critic_cfg.mini_batch_size or batch.policy_mini_batch_size)
-                        * (critic_cfg.update_epochs_per_batch or batch.update_epochs_per_batch))
+        size, epochs = critic_cfg.updates(batch)
+        critic_steps = batch.train_batch_size // size * epochs
         critic = MegatronCritic(rl, groups, pad_token_id=tokenizer.pad_token_id,
                                 total_optim_steps=demo.num_steps * critic_steps)
         if critic_cfg.init_from_policy:
