@@ -1,0 +1,58 @@
+"""The ``rollout`` config section: which engine generates the rollouts, and how the vLLM engine runs.
+
+Place in the data flow: read once by the job that builds the engine (``vllm_engine.VLLMEngine.start``); the
+library's ``MegatronRLConfig`` does not include it (a loop that generates elsewhere never sees it). YAML::
+
+    rollout:
+      engine: vllm            # builtin | vllm
+      sync_interval: 1        # optimizer... RL steps between weight syncs
+      bucket_mb: 64
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from megatron_rl.config import AT_LEAST_1, POSITIVE, ConfigError, ConfigSection, valid
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(ConfigSection):
+    SECTION: ClassVar[str] = "rollout"
+
+    engine: Literal["builtin", "vllm"] = "builtin"
+    """'builtin': the policy's own packed forward samples on every rank (no extra process); 'vllm': a vLLM
+    engine in its own process and environment (``bash scripts/setup_engine.sh``), fed the policy's weights in
+    place after every ``sync_interval`` RL steps."""
+    engine_python: str | None = None
+    """Interpreter of the engine's environment; None = ``$MEGATRON_RL_ENGINE_PYTHON``, else
+    ``.venv-engine/bin/python`` (what ``scripts/setup_engine.sh`` makes)."""
+    weight_transport: Literal["auto", "gloo", "nccl", "disk"] = "auto"
+    """How weights reach the engine: a torch.distributed group between the trainer's senders and the engine's
+    workers ('gloo' on CPU, 'nccl' on GPUs; 'auto' picks by device), or 'disk' (HF safetensors written to
+    ``sync_dir`` and reloaded by the engine: for an engine started elsewhere, or as a fallback)."""
+    sync_interval: int = field(default=1, metadata=AT_LEAST_1)
+    """RL steps between weight syncs (1 = the engine always samples from the newest policy; K > 1 = rollouts
+    up to K-1 steps off-policy, which the rollout/old log-prob mismatch metrics show)."""
+    bucket_mb: float = field(default=64.0, metadata=POSITIVE)
+    """Size of one weight-sync message (MiB): the sender's extra memory is about one bucket plus the largest
+    tensor."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Engine dtype; 'auto' = the policy's ``model.params_dtype``. fp32 makes engine and trainer log-probs agree
+    to ~1e-5; bf16 to ~1e-2."""
+    max_model_len: int | None = field(default=None, metadata=AT_LEAST_1)
+    """Longest prompt + response the engine accepts; None = ``model.max_position_embeddings``."""
+    gpu_memory_utilization: float = field(default=0.4, metadata=valid(0, 1, low_open=True))
+    """Fraction of the GPU the engine may take (GPU only; the trainer shares the device)."""
+    kv_cache_gib: float = field(default=1.0, metadata=POSITIVE)
+    """KV-cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
+    start_timeout_s: float = field(default=600.0, metadata=POSITIVE)
+    """Seconds the engine may take to start before the job stops with the tail of its log."""
+    sync_dir: str | None = None
+    """Directory for the 'disk' transport's safetensors; None = ``/dev/shm`` when it exists, else the temp dir."""
+
+    def _check_rules(self) -> None:
+        if self.engine == "builtin" and self.weight_transport == "disk" and self.sync_dir is not None:
+            raise ConfigError("rollout.sync_dir is set but rollout.engine=builtin syncs no weights; "
+                              "set rollout.engine=vllm or unset rollout.sync_dir")
