@@ -127,3 +127,35 @@ def describe_hf_load(hf_dir: str | os.PathLike, model_cfg: ModelConfig, pad_id: 
         f"{checkpoint_dtype(hf_config)}), tied embeddings {model_cfg.share_embeddings_and_output_weights}, "
         f"{model_cfg.num_layers} layers x hidden {model_cfg.hidden_size}"
     )
+
+
+def hf_config_for(model_cfg: ModelConfig) -> Any:
+    """A ``transformers`` config for a model built from ``model_cfg`` (no checkpoint of its own: e.g. trained
+    from scratch), so that HF export and an inference engine can load it: Qwen3 when ``qk_layernorm``, Qwen2
+    when ``add_qkv_bias``, else Llama. ``model_config_from_hf`` of the result gives back every shape field."""
+    from transformers import AutoConfig
+
+    if model_cfg.qk_layernorm and model_cfg.add_qkv_bias:
+        raise ValueError("no supported HF architecture has both qk_layernorm and add_qkv_bias")
+    model_type = "qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.add_qkv_bias else "llama"
+    head_dim = model_cfg.kv_channels or model_cfg.hidden_size // model_cfg.num_attention_heads
+    extra = {"attention_bias": False} if model_type != "qwen2" else {}
+    return AutoConfig.for_model(
+        model_type, hidden_size=model_cfg.hidden_size, intermediate_size=model_cfg.ffn_hidden_size,
+        num_hidden_layers=model_cfg.num_layers, num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_query_groups, head_dim=head_dim, vocab_size=model_cfg.vocab_size,
+        max_position_embeddings=model_cfg.max_position_embeddings, rms_norm_eps=model_cfg.layernorm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": model_cfg.rotary_base},
+        tie_word_embeddings=model_cfg.share_embeddings_and_output_weights, hidden_act="silu",
+        dtype=model_cfg.params_dtype, bos_token_id=None, eos_token_id=None, pad_token_id=None, **extra,
+    )  # fmt: skip
+
+
+def write_hf_config(model_cfg: ModelConfig, out_dir: str | os.PathLike) -> Path:
+    """Write ``hf_config_for(model_cfg)`` as ``out_dir/config.json`` (atomically); returns ``out_dir``."""
+    from megatron_rl.atomic import atomic_write_text
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.json", hf_config_for(model_cfg).to_json_string())
+    return out

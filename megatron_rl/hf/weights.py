@@ -168,6 +168,45 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
             yield name, tensor.detach().to("cpu", copy=True).contiguous()
 
 
+def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for the weights of *this* pipeline stage only, on the parameters' device.
+
+    Unlike ``iter_hf_weights`` nothing crosses pipeline stages: each tensor is all-gathered over TP for itself
+    (collective over the TP group: every TP rank of the stage must run this to the end) and converted to HF
+    names (a fused QKV or gated fc1 yields several). The last stage's copy of a tied output layer is skipped
+    (the first stage yields ``model.embed_tokens.weight``). Peak extra memory: one gathered tensor and its
+    HF conversion. Used by the weight sync into a rollout engine (``megatron_rl/inference/weight_sync.py``).
+    """
+    bridge = _bridge_for(model_chunks, hf_dir, groups)
+    tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
+    with torch.no_grad():
+        for chunk in model_chunks:
+            chunk = _unwrap(chunk)
+            local_to_global = bridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
+            for local_name, param in chunk.named_parameters():
+                if tied and local_name == "output_layer.weight":
+                    continue
+                name = local_to_global[local_name]
+                if getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
+                    shards = [torch.empty_like(param) for _ in range(groups.tp_size)]
+                    dist.all_gather(shards, param.detach().contiguous(), group=groups.tp_group)
+                    full = bridge._weight_merge_across_tp(name, shards, param)
+                    del shards
+                else:
+                    full = param.detach()
+                hf_names, hf_tensors = bridge._weight_to_hf_format(name, full)
+                del full
+                for hf_name, tensor in zip(hf_names, hf_tensors):
+                    yield hf_name, tensor
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
 def export_hf(model_chunks: list[torch.nn.Module], out_dir: str | os.PathLike, hf_dir: str | os.PathLike,
               groups: ParallelGroups, *, max_shard_bytes: int = 5 << 30) -> Path:
     """Write the model as a Hugging Face checkpoint in ``out_dir`` (rank 0 writes; collective).
