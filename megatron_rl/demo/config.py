@@ -33,6 +33,7 @@ from megatron_rl.config import (
     write_yaml,
 )
 from megatron_rl.demo.tokenizer import DigitTokenizer
+from megatron_rl.inference.config import RolloutConfig, check_engine_model
 
 
 @dataclass(kw_only=True)
@@ -77,13 +78,17 @@ class DemoJobConfig:
     """Everything the library reads (parallel, model, optimizer, algorithm, batch, ..., seed)."""
     demo: DemoConfig = field(default_factory=DemoConfig)
     """The demo's own settings (YAML section ``demo``)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Which engine generates the rollouts (YAML section ``rollout``, ``megatron_rl/inference/config.py``)."""
 
     def __post_init__(self) -> None:
         check_demo_config(self.rl, DigitTokenizer())
+        check_engine_model(self.rollout, self.rl.model, self.rl.parallel.device)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout: the library's sections, then ``demo`` (``load_demo_config`` reads it back)."""
-        return {**config_to_dict(self.rl), "demo": dataclasses.asdict(self.demo)}
+        return {**config_to_dict(self.rl), "demo": dataclasses.asdict(self.demo),
+                "rollout": dataclasses.asdict(self.rollout)}
 
 
 MOVED_KEYS = {"batch.n_samples_per_prompt": "demo.n_samples_per_prompt"}
@@ -106,8 +111,10 @@ def load_demo_config(path: str | Path | None, overrides: Sequence[str] = ()) -> 
     ``initialize_distributed``.
     """
     flat = read_overrides(path, overrides, renames=MOVED_KEYS)
-    check_keys(flat, Schema.of(MegatronRLConfig) | Schema.of(DemoConfig, "demo."), {**KEY_ALIASES, **DEMO_KEY_ALIASES})
-    return DemoJobConfig(rl=build_config(MegatronRLConfig, flat), demo=build_config(DemoConfig, flat, "demo."))
+    schema = Schema.of(MegatronRLConfig) | Schema.of(DemoConfig, "demo.") | Schema.of(RolloutConfig, "rollout.")
+    check_keys(flat, schema, {**KEY_ALIASES, **DEMO_KEY_ALIASES})
+    return DemoJobConfig(rl=build_config(MegatronRLConfig, flat), demo=build_config(DemoConfig, flat, "demo."),
+                         rollout=build_config(RolloutConfig, flat, "rollout."))
 
 
 def dump_demo_config(config: DemoJobConfig, path: str | Path) -> None:

@@ -30,6 +30,7 @@ import random
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,11 +41,18 @@ from megatron_rl.demo.environment import NextDigitGame
 from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
 from megatron_rl.demo.reporting import RunReporter
 from megatron_rl.demo.rollout import episodes_to_generator_output, mean_reward, play_episodes
-from megatron_rl.demo.sampler import NextTokenLogprobs, SamplingParams, sampling_generator, uniform_next_token_logprobs
+from megatron_rl.demo.sampler import (
+    NextTokenLogprobs,
+    Samples,
+    SamplingParams,
+    sampling_generator,
+    uniform_next_token_logprobs,
+)
 from megatron_rl.demo.tokenizer import DigitTokenizer
 from megatron_rl.metrics import Metric
 
 if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are imported where the job starts
+    from megatron_rl.inference.engine import RolloutEngine
     from megatron_rl.distributed.bootstrap import ParallelGroups
     from megatron_rl.model.critic import MegatronCritic
     from megatron_rl.model.policy import MegatronPolicy
@@ -73,6 +81,8 @@ class Job:
     trainer: Trainer
     save_dir: Path
     is_rank0: bool
+    engine: RolloutEngine | None = None
+    """The vLLM engine (``rollout.engine: vllm``), started in ``run`` after the resume; None = built-in sampler."""
 
 
 # megatron-core announces at import, once per module and rank, that it falls back from TransformerEngine/Apex
@@ -91,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(build_job(config, groups))
     except CheckpointProblem as err:
         return report_error(str(err), kind="checkpoint error", code=err.code)
+    except EngineProblem as err:
+        return report_error(str(err), kind="engine error", code=1)
     finally:
         destroy_distributed()
 
@@ -105,6 +117,10 @@ def report_error(message: str, *, kind: str, code: int) -> int:
     if os.environ.get("RANK", "0") == "0":
         print(f"megatron_rl: {kind}: {message}", file=sys.stderr, flush=True)
     return code
+
+
+class EngineProblem(Exception):
+    """The rollout engine could not start or failed (its log tail is in the message); the same on every rank."""
 
 
 class CheckpointProblem(Exception):
@@ -167,6 +183,7 @@ def run(job: Job) -> int:
     next_token_logprobs = policy_next_token_logprobs(job.policy, job.tokenizer.pad_token_id)
     started, step = time.time(), start_step
     try:
+        job.engine = start_engine(job)  # after the resume: the engine starts from the checkpoint's weights
         for step in range(start_step + 1, config.demo.num_steps + 1):
             metrics = rl_step(job, next_token_logprobs, step)
             if reporter is not None:
@@ -179,6 +196,9 @@ def run(job: Job) -> int:
             print(f"\ninterrupted during step {step}; the last complete checkpoint in {job.save_dir} is kept. "
                   "Run the same command again to resume from it.", file=sys.stderr)
         return 130
+    finally:
+        if job.engine is not None:
+            job.engine.close()
     if reporter is not None:
         summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
@@ -196,14 +216,53 @@ def rl_step(job: Job, next_token_logprobs: NextTokenLogprobs, step: int) -> dict
         n_samples_per_prompt=demo.n_samples_per_prompt,
         rng=random.Random(rl.seed * 1_000_003 + step),
         generator=sampling_generator(rl.seed, step),
+        sample=None if job.engine is None else engine_sampler(job, step),
     )
     check_ranks_agree(job.groups, played)
     rollout_s = time.perf_counter() - started
     rollouts = episodes_to_generator_output(played, step_wise=rl.stepwise.step_wise_trajectories)
     metrics = job.trainer.train_step(rollouts)
     metrics["timing/rollout_s"] = rollout_s
+    if job.engine is not None and step % job.config.rollout.sync_interval == 0:
+        metrics["timing/weight_sync_s"] = job.engine.update_weights(job.policy)
     metrics["timing/step_s"] = time.perf_counter() - started
     return metrics
+
+
+def start_engine(job: Job) -> RolloutEngine | None:
+    """The vLLM engine on the policy's current weights (``rollout.engine: vllm``; collective), else None."""
+    if job.config.rollout.engine != "vllm":
+        return None
+    from megatron_rl.inference.vllm_engine import VLLMEngine
+
+    work_dir = Path(job.config.rl.logging.output_dir) / "engine"
+    if job.is_rank0:
+        print(f"megatron_rl main job: starting the vLLM engine (log: {work_dir / 'engine.log'})", flush=True)
+    from megatron_rl.inference.vllm_engine import EngineError, EngineStartError
+
+    try:
+        return VLLMEngine.start(job.policy, job.config.rollout, hf_dir=None, work_dir=work_dir,
+                                seed=job.config.rl.seed)
+    except (ValueError, EngineStartError, EngineError) as err:  # ValueError: no engine environment
+        raise EngineProblem(str(err)) from err
+
+
+def engine_sampler(job: Job, step: int) -> Callable[[list[list[int]]], Samples]:
+    """``prompts -> Samples`` through the engine, one call per turn, seeded by (seed, step, turn)."""
+    from megatron_rl.inference.engine import SamplingSpec
+
+    params = job.sampling
+    spec = SamplingSpec(max_tokens=params.max_new_tokens, temperature=params.temperature,
+                        stop_token_ids=(params.stop_token_id,))
+    turns = iter(range(1 << 30))
+
+    def sample(prompts: list[list[int]]) -> Samples:
+        seed = (job.config.rl.seed * 1_000_003 + step) * 64 + next(turns)
+        completions = job.engine.generate(prompts, spec, seed=seed)
+        return Samples(responses=[c.token_ids for c in completions], logprobs=[c.logprobs for c in completions],
+                       stop_reasons=[c.finish_reason for c in completions])
+
+    return sample
 
 
 def check_ranks_agree(groups: ParallelGroups, played: list) -> None:

@@ -17,13 +17,14 @@ uid = the game's index). Two layouts of the same episodes:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from megatron_rl.data.generator_output import GeneratorOutput
 from megatron_rl.demo.environment import Episode, NextDigitGame
-from megatron_rl.demo.sampler import NextTokenLogprobs, SamplingParams, sample_responses
+from megatron_rl.demo.sampler import NextTokenLogprobs, Samples, SamplingParams, sample_responses
 
 
 @dataclass
@@ -47,15 +48,23 @@ def play_episodes(
     n_samples_per_prompt: int,
     rng: random.Random,
     generator: torch.Generator,
+    sample: Callable[[list[list[int]]], Samples] | None = None,
 ) -> list[PlayedEpisode]:
-    """Draw ``num_prompts`` games, play each ``n_samples_per_prompt`` times; all episodes advance turn by turn."""
+    """Draw ``num_prompts`` games, play each ``n_samples_per_prompt`` times; all episodes advance turn by turn.
+
+    ``sample`` (prompts -> ``Samples``) replaces the built-in sampler (e.g. a rollout engine, ``demo/main.py``);
+    by default ``sample_responses`` draws from ``next_token_logprobs`` with ``generator``.
+    """
+    if sample is None:
+        def sample(prompts: list[list[int]]) -> Samples:
+            return sample_responses(next_token_logprobs, prompts, params, generator)
     played = []
     for uid in range(num_prompts):
         template = game.new_episode(rng)
         for k in range(n_samples_per_prompt):
             played.append(PlayedEpisode(game.copy_episode(template), uid, k, [], []))
     for _ in range(game.num_turns):
-        samples = sample_responses(next_token_logprobs, [p.episode.current_prompt for p in played], params, generator)
+        samples = sample([p.episode.current_prompt for p in played])
         for p, response, logprobs, reason in zip(played, samples.responses, samples.logprobs, samples.stop_reasons):
             game.step(p.episode, response)
             p.logprobs.append(logprobs)

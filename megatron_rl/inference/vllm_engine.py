@@ -194,6 +194,9 @@ class VLLMEngine:
         self.record_digests = False
         """Tests: the engine records a sha256 per received tensor (``digests``)."""
         self.last_stats: dict = {}
+        """Rank 0: the last sync's engine and sender statistics."""
+        self.last_sender_tensors = 0
+        """Tensors this rank sent in the last sync (0 on a rank that sends nothing)."""
 
     # ---------------------------------------------------------------------------------------------- start
     @classmethod
@@ -303,6 +306,7 @@ class VLLMEngine:
             if self.groups.rank == 0:
                 self.process.post("sync_receive", version=self.version, record_digests=self.record_digests)
             stats = self.sender.send([policy.module], self.hf_source, self.version)
+            self.last_sender_tensors = stats.tensors
             if self.groups.rank == 0:
                 try:
                     self.last_stats = {"engine": self.process.result(), "sender": asdict(stats)}
