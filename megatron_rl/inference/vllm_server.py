@@ -14,6 +14,7 @@ answers requests ``(command, kwargs)`` with ``("ok", result)`` or ``("error", tr
                                                                     and reload it in place (``reload_weights``)
     reload_path   path (an HF safetensors folder)                -> ``reload_weights(weights_path=...)``
     digests       -                                              -> sha256 per HF name of the last sync
+    raw_receive   nbytes, repeats                                -> plain broadcasts from sender 0 (bench)
     shutdown      -                                              -> leave the groups, stop vLLM, exit
 
 Lifecycle: the trainer starts this process in a new session (its own process group), so every process vLLM
@@ -90,6 +91,17 @@ class WorkerExtension:
         self._mrl_digests = digests
         stats["seconds"] = time.perf_counter() - started
         return stats
+
+    def megatron_rl_raw_receive(self, nbytes: int, repeats: int) -> float:
+        """Receive ``repeats`` broadcasts of ``nbytes`` from sender 0 into one buffer (the transport's raw
+        bandwidth, for ``bench/bench_weight_sync.py``); returns the seconds."""
+        import torch
+
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._mrl_device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            broadcast(self._mrl_groups[0], buffer)
+        return time.perf_counter() - started
 
     def megatron_rl_digests(self) -> dict[str, str]:
         return dict(self._mrl_digests)
@@ -237,6 +249,9 @@ class Server:
     def reload_path(self, path: str) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
         self.llm.reset_prefix_cache()
+
+    def raw_receive(self, nbytes: int, repeats: int) -> float:
+        return self.llm.collective_rpc("megatron_rl_raw_receive", args=(nbytes, repeats))[0]
 
     def digests(self) -> dict:
         return self.llm.collective_rpc("megatron_rl_digests")[0]

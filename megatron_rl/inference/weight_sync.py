@@ -116,6 +116,14 @@ class WeightSender:
         stats.tensors += len(entries)
         stats.buckets += 1
 
+    def raw_send(self, nbytes: int, repeats: int) -> float:
+        """Sender 0: ``repeats`` plain broadcasts of ``nbytes`` (pairs with the engine's ``raw_receive``)."""
+        payload = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            broadcast(self.group, payload)
+        return time.perf_counter() - started
+
     def close(self) -> None:
         if self.group is not None:
             shutdown = getattr(self.group, "shutdown", None)
