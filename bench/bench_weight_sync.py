@@ -1,0 +1,403 @@
+"""Weight sync into the vLLM engine on CPU: sync seconds and effective MB/s against model size, bucket size and
+layout (TP1, TP2, PP2), beside the disk round trip and the transport's raw broadcast bandwidth of the same run.
+
+    MEGATRON_RL_ENGINE_PYTHON=.venv-engine/bin/python .venv/bin/python bench/bench_weight_sync.py \
+        [--models tiny mid 0.6b] [--layouts tp1 tp2 pp2] [--buckets 16 64 256] [--repeats 3] [--small]
+
+Place in the data flow: ``VLLMEngine.update_weights`` (``megatron_rl/inference/``) after the optimizer step:
+every trainer rank converts its stage's weights to HF names (TP-gathered one tensor at a time, mbridge), the
+sender of each stage packs them into buckets and broadcasts them over a raw gloo group to the engine's worker,
+which feeds them to vLLM's in-place ``reload_weights``. The disk transport instead exports safetensors under
+/dev/shm and has vLLM ``reload_weights(weights_path)`` them.
+
+Models: random-weight Qwen3 HF folders made locally with ``AutoModelForCausalLM.from_config`` (no downloads),
+bf16 (trainer and engine; the real Qwen3-0.6B is bf16): ``tiny`` (the engine tests' 2 layers, hidden 64),
+``mid`` (~100M), ``0.6b`` (the Qwen3-0.6B shape: hidden 1024, 28 layers, ffn 3072, 16 heads, 8 KV heads,
+head_dim 128, vocab 151936, tied embeddings). The trainer side is a frozen ``MegatronPolicy``
+(role='reference': no optimizer state; the sync reads the same parameters as a trainable policy's).
+
+Per (model, layout) a fresh group of ranks (spawned, one torch thread each) starts one engine, then per bucket
+size: the raw bandwidth (``engine.raw_bandwidth(bucket)``: plain gloo broadcasts of one bucket from sender 0
+to the engine), one warm-up sync (reported separately as ``first_s``) and ``--repeats`` timed syncs (median);
+then the same with ``weight_transport=disk``. Effective MB/s = bytes of HF tensors the engine received /
+seconds of ``update_weights`` (conversion, TP gather, transfer, store round trips and the engine's reload
+included). Memory: a thread samples VmRSS every ~2 ms on each rank during ``update_weights``; "peak extra" is
+the peak minus the RSS just before (after ``malloc_trim``), compared with bucket + largest HF tensor (a
+sampler can miss a spike shorter than its period: a lower bound). Where the time goes: the conversion alone
+(``iter_stage_hf_weights`` run to the end, nothing sent), the sender's time blocked in broadcasts, the
+engine's own receive+reload time, the disk path's reload call, one store round trip.
+
+Sanity checks (non-zero exit): the engine receives the same bytes and tensors every sync, a generation after
+the syncs succeeds, and the bytes equal the conversion's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from procmem import release_heap, status_kib
+
+MIB = 2**20
+MODELS = {
+    # name: Qwen3 config kwargs
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False),
+    "mid": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                num_key_value_heads=4, head_dim=64, vocab_size=32000, tie_word_embeddings=True),
+    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}  # fmt: skip
+LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+class SanityCheckFailed(RuntimeError):
+    pass
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise SanityCheckFailed(message)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------ HF models
+def _write_model(path: str, name: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen3", max_position_embeddings=2048, rms_norm_eps=1e-6, pad_token_id=0,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, **MODELS[name])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def hf_model(root: Path, name: str) -> Path:
+    """The random HF folder of ``name`` (made once, in a child process so its memory goes back)."""
+    path = root / name
+    if not (path / "done").exists():
+        proc = mp.get_context("spawn").Process(target=_write_model, args=(str(path), name))
+        proc.start()
+        proc.join()
+        check(proc.exitcode == 0, f"writing the {name} HF model failed (exit code {proc.exitcode})")
+        (path / "done").write_text("")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ ranks
+class RssSampler:
+    """Peak VmRSS (KiB) of this process, sampled in a thread while active."""
+
+    def __init__(self, period_s: float = 0.002) -> None:
+        self.period_s = period_s
+        self.peak = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, status_kib("VmRSS"))
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = status_kib("VmRSS")
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, status_kib("VmRSS"))
+
+
+def _timed_sync(engine, policy, groups) -> dict:
+    """One ``update_weights`` on every rank: seconds, this rank's peak extra RSS, time blocked in broadcasts."""
+    import torch.distributed as dist
+    from megatron_rl.inference import weight_sync
+
+    release_heap()
+    dist.barrier()
+    weight_sync._bench_broadcast_s = 0.0
+    before = status_kib("VmRSS")
+    with RssSampler() as sampler:
+        seconds = engine.update_weights(policy)
+    out = {"s": seconds, "peak_extra_mib": (sampler.peak - before) / 1024,
+           "broadcast_s": weight_sync._bench_broadcast_s}
+    if groups.rank == 0 and engine.transport != "disk":
+        out["engine"] = dict(engine.last_stats["engine"])
+        out["sender"] = dict(engine.last_stats["sender"])
+    return out
+
+
+def _convert_only(policy, hf_source: str, groups) -> dict:
+    """The conversion alone (TP gather + mbridge to HF), nothing sent: seconds, bytes, largest tensor."""
+    from megatron_rl.hf.weights import iter_stage_hf_weights
+
+    release_heap()
+    started = time.perf_counter()
+    nbytes = largest = count = 0
+    for _name, tensor in iter_stage_hf_weights([policy.module], hf_source, groups):
+        size = tensor.numel() * tensor.element_size()
+        nbytes, largest, count = nbytes + size, max(largest, size), count + 1
+    return {"s": time.perf_counter() - started, "bytes": nbytes, "largest": largest, "tensors": count}
+
+
+def _rank(rank: int, world: int, port: int, point: dict, queue) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})  # fmt: skip
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, _measure(rank, world, point)))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        queue.put((rank, {"error": f"{err!r}\n{traceback.format_exc()}"}))
+
+
+def _measure(rank: int, world: int, point: dict) -> dict:
+    import torch.distributed as dist
+    from megatron_rl.config import load_config
+    from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+    from megatron_rl.hf import policy_from_hf
+    from megatron_rl.inference import weight_sync
+    from megatron_rl.inference.config import RolloutConfig
+    from megatron_rl.inference.engine import SamplingSpec
+    from megatron_rl.inference.vllm_engine import VLLMEngine
+
+    real_broadcast = weight_sync.broadcast
+
+    def timed_broadcast(group, tensor):  # the sender's time blocked in broadcasts (bench-only wrapper)
+        started = time.perf_counter()
+        real_broadcast(group, tensor)
+        weight_sync._bench_broadcast_s += time.perf_counter() - started
+
+    weight_sync.broadcast = timed_broadcast
+    weight_sync._bench_broadcast_s = 0.0
+
+    tp, pp = point["tp"], point["pp"]
+    cfg = load_config(None, ["parallel.device=cpu", f"parallel.tensor_model_parallel_size={tp}",
+                             f"parallel.pipeline_model_parallel_size={pp}", "model.params_dtype=bfloat16",
+                             "model.attention_backend=local"], world_size=world)  # fmt: skip
+    groups = initialize_distributed(cfg.parallel, cfg.seed)
+    started = time.perf_counter()
+    policy = policy_from_hf(cfg, groups, role="reference", hf_dir=point["hf_dir"], pad_token_id=0)
+    load_s = time.perf_counter() - started
+    buckets = point["buckets"]
+    rollout = RolloutConfig(engine="vllm", bucket_mb=buckets[0], max_model_len=256, kv_cache_gib=1.0,
+                            start_timeout_s=1200)
+    started = time.perf_counter()
+    engine = VLLMEngine.start(policy, rollout, hf_dir=point["hf_dir"], work_dir=point["work_dir"])
+    start_s = time.perf_counter() - started
+    out: dict = {"rank": rank, "load_s": load_s, "engine_start_s": start_s, "rss_mib": status_kib("VmRSS") / 1024,
+                 "buckets": {}}  # fmt: skip
+    try:
+        out["convert"] = [_convert_only(policy, engine.hf_source, groups) for _ in range(2)][-1]
+        if rank == 0:
+            rtts = []
+            for i in range(20):
+                t = time.perf_counter()
+                engine.sender.store.set(f"bench/rtt{i}", "x" * 512)
+                rtts.append(time.perf_counter() - t)
+            out["store_set_ms"] = statistics.median(rtts) * 1e3
+        for mib in buckets:
+            engine.sender.bucket_bytes = int(mib * MIB)
+            dist.barrier()
+            raw = engine.raw_bandwidth(int(mib * MIB)) if rank == 0 else None
+            dist.barrier()
+            syncs = [_timed_sync(engine, policy, groups) for _ in range(1 + point["repeats"])]
+            out["buckets"][mib] = {"raw_bytes_s": raw, "syncs": syncs}
+        engine.transport = "disk"
+        reload_s: list[float] = []
+        if rank == 0:
+            real_call = engine.process.call
+
+            def timed_call(command, **kwargs):
+                t = time.perf_counter()
+                value = real_call(command, **kwargs)
+                if command == "reload_path":
+                    reload_s.append(time.perf_counter() - t)
+                return value
+
+            engine.process.call = timed_call
+        out["disk"] = {"syncs": [_timed_sync(engine, policy, groups) for _ in range(1 + point["repeats"])],
+                       "reload_s": reload_s}
+        completions = engine.generate([[5, 6, 7]], SamplingSpec(max_tokens=2, stop_token_ids=(2,)), seed=0)
+        out["generated"] = len(completions[0].token_ids)
+    finally:
+        engine.close()
+        destroy_distributed()
+    return out
+
+
+def run_point(model: str, layout: str, hf_dir: Path, work_root: Path, buckets: list[float], repeats: int,
+              timeout: float) -> dict:
+    """One (model, layout) on fresh ranks with one engine: every bucket size, then the disk transport."""
+    tp, pp = LAYOUTS[layout]
+    world = tp * pp
+    point = {"tp": tp, "pp": pp, "hf_dir": str(hf_dir), "work_dir": str(work_root / f"{model}_{layout}"),
+             "buckets": buckets, "repeats": repeats}  # fmt: skip
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    procs = [ctx.Process(target=_rank, args=(r, world, port, point, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results: dict = {}
+    try:
+        deadline = time.monotonic() + timeout
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            check(left > 0, f"{model} {layout}: no result within {timeout:.0f} s")
+            try:
+                rank, res = queue.get(timeout=min(left, 5))
+            except Exception:  # noqa: BLE001 - queue.Empty: look for a dead rank
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                check(not dead, f"{model} {layout}: a rank died (exit codes {dead}; out of memory?)")
+                continue
+            results[rank] = res
+            if "error" in res:
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=30 if len(results) == world else 1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    errors = [res["error"] for res in results.values() if "error" in res]
+    check(not errors, f"{model} {layout}: {errors}")
+    return summarize(model, layout, buckets, [results[r] for r in range(world)])
+
+
+def summarize(model: str, layout: str, buckets: list[float], ranks: list[dict]) -> dict:
+    r0 = ranks[0]
+    convert_bytes = sum(r["convert"]["bytes"] for r in ranks if r["rank"] in _senders(layout, len(ranks)))
+    largest = max(r["convert"]["largest"] for r in ranks)
+    row = {"model": model, "layout": layout, "ranks": len(ranks), "hf_bytes": convert_bytes,
+           "largest_tensor_bytes": largest, "engine_start_s": r0["engine_start_s"],
+           "convert_s": max(r["convert"]["s"] for r in ranks), "store_set_ms": r0["store_set_ms"],
+           "rank_rss_mib": [round(r["rss_mib"]) for r in ranks], "buckets": []}  # fmt: skip
+    for mib in buckets:
+        per_rank = [r["buckets"][mib]["syncs"] for r in ranks]
+        timed0 = per_rank[0][1:]
+        received = {(s["engine"]["bytes"], s["engine"]["tensors"]) for s in per_rank[0]}
+        check(len(received) == 1, f"{model} {layout} bucket {mib}: the engine received {received}")
+        nbytes, tensors = received.pop()
+        check(nbytes == convert_bytes, f"{model} {layout}: engine got {nbytes} bytes, conversion gave {convert_bytes}")
+        sync_s = statistics.median(s["s"] for s in timed0)
+        raw = r0["buckets"][mib]["raw_bytes_s"]
+        peak = max(max(s["peak_extra_mib"] for s in syncs[1:]) for syncs in per_rank)
+        bound = (mib * MIB + largest) / MIB
+        row["buckets"].append({
+            "bucket_mib": mib, "first_s": per_rank[0][0]["s"], "sync_s": sync_s, "syncs_s": [s["s"] for s in timed0],
+            "mb_s": nbytes / sync_s / 1e6, "raw_mb_s": raw / 1e6, "ratio_to_raw": nbytes / sync_s / raw,
+            "tensors": tensors, "engine_buckets": timed0[-1]["engine"]["buckets"],
+            "engine_s": statistics.median(s["engine"]["seconds"] for s in timed0),
+            "sender_s": statistics.median(s["sender"]["seconds"] for s in timed0),
+            "sender_broadcast_s": statistics.median(s["broadcast_s"] for s in timed0),
+            "peak_extra_mib": peak, "peak_extra_per_rank_mib": [max(s["peak_extra_mib"] for s in syncs[1:])
+                                                                for syncs in per_rank],
+            "bucket_plus_largest_mib": bound, "memory_ok": peak <= bound,
+        })  # fmt: skip
+    disk = [r["disk"]["syncs"] for r in ranks]
+    disk_s = statistics.median(s["s"] for s in disk[0][1:])
+    row["disk"] = {"first_s": disk[0][0]["s"], "sync_s": disk_s, "syncs_s": [s["s"] for s in disk[0][1:]],
+                   "mb_s": convert_bytes / disk_s / 1e6,
+                   "reload_s": statistics.median(r0["disk"]["reload_s"][1:]),
+                   "peak_extra_mib": max(max(s["peak_extra_mib"] for s in syncs[1:]) for syncs in disk)}  # fmt: skip
+    check(all(r["generated"] >= 1 for r in ranks), f"{model} {layout}: no tokens generated after the syncs")
+    return row
+
+
+def _senders(layout: str, world: int) -> set[int]:
+    tp, pp = LAYOUTS[layout]
+    return {stage * tp for stage in range(pp)}  # megatron's rank order: TP fastest
+
+
+def table(rows: list[dict]) -> str:
+    head = ["model", "layout", "HF MB", "bucket MiB", "sync s (median; first)", "MB/s", "raw MB/s", "sync/raw",
+            "engine s", "sender bcast s", "convert s", "peak extra MiB", "bucket+largest MiB", "disk s", "disk MB/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['model']} | {row['layout']} | " + " | ".join(["-"] * (len(head) - 3))
+                         + f" | failed: {row['error'][:80]} |")
+            continue
+        for b in row["buckets"]:
+            lines.append("| " + " | ".join([
+                row["model"], row["layout"], f"{row['hf_bytes'] / 1e6:.1f}", f"{b['bucket_mib']:g}",
+                f"{b['sync_s']:.3f}; {b['first_s']:.3f}", f"{b['mb_s']:.0f}", f"{b['raw_mb_s']:.0f}",
+                f"{b['ratio_to_raw']:.2f}", f"{b['engine_s']:.3f}", f"{b['sender_broadcast_s']:.3f}",
+                f"{row['convert_s']:.3f}", f"{b['peak_extra_mib']:.0f}", f"{b['bucket_plus_largest_mib']:.0f}",
+                f"{row['disk']['sync_s']:.3f}", f"{row['disk']['mb_s']:.0f}",
+            ]) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--buckets", type=float, nargs="+", default=[16, 64, 256], help="bucket sizes, MiB")
+    parser.add_argument("--repeats", type=int, default=3, help="timed syncs after the warm-up one (median)")
+    parser.add_argument("--small", action="store_true", help="tiny model, TP1, bucket 1 MiB, 1 repeat (~1 min)")
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/megatron_rl_bench_models"))
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/megatron_rl_bench_weight_sync"))
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per (model, layout)")
+    parser.add_argument("--keep-going", action="store_true", help="record a failed point and go on")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON results (default bench/results/weight_sync.json; none with --small)")
+    args = parser.parse_args()
+    if args.small:
+        args.models, args.layouts, args.buckets, args.repeats = ["tiny"], ["tp1"], [1.0], 1
+    out = args.out or (None if args.small else Path(__file__).resolve().parent / "results" / "weight_sync.json")
+    rows: list[dict] = []
+    meta = {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(), "shared": True,
+                        "torch": torch.__version__},
+            "dtype": "bfloat16", "repeats": args.repeats,
+            "notes": "sync_s = median of the timed syncs; first_s = the warm-up sync, not in the median"}  # fmt: skip
+    try:
+        for model in args.models:
+            hf_dir = hf_model(args.model_dir, model)
+            for layout in args.layouts:
+                try:
+                    row = run_point(model, layout, hf_dir, args.work_dir, args.buckets, args.repeats, args.timeout)
+                except SanityCheckFailed as err:
+                    if not args.keep_going:
+                        raise
+                    row = {"model": model, "layout": layout, "error": str(err)[-2000:]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if out is not None:
+                    meta["load_avg_end"] = os.getloadavg()
+                    write_json(out, {"meta": meta, "rows": rows})
+    except SanityCheckFailed as err:
+        print(f"SANITY CHECK FAILED: {err}", file=sys.stderr)
+        sys.exit(1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    main()
