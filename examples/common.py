@@ -21,7 +21,7 @@ WORDS = (
 SPECIAL = ["<pad>", "<unk>", "<eos>"]
 
 
-def parse_args(doc: str | None, *, out_dir: bool = False) -> argparse.Namespace:
+def parse_args(doc: str | None, *, out_dir: bool = False, head_dim: int = 16) -> argparse.Namespace:
     """``--hf-dir`` (a local HF folder; default: a tiny random Qwen3 in a temporary directory), ``--tp``, and
     with ``out_dir=True`` ``--out-dir`` (default: a temporary directory)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,7 +31,7 @@ def parse_args(doc: str | None, *, out_dir: bool = False) -> argparse.Namespace:
         parser.add_argument("--out-dir", help="where to write the exported checkpoint (default: a temp dir)")
     args = parser.parse_args()
     if args.hf_dir is None:
-        args.hf_dir = str(tiny_qwen3(_temporary_dir()))
+        args.hf_dir = str(tiny_qwen3(_temporary_dir(), head_dim=head_dim))
     if out_dir and args.out_dir is None:
         args.out_dir = str(_temporary_dir())
     return args
@@ -57,8 +57,9 @@ def save_word_tokenizer(path: Path) -> int:
     return len(vocab)
 
 
-def tiny_qwen3(path: Path, seed: int = 0) -> Path:
-    """Save a random 2-layer Qwen3 (hidden 64, 4 heads, 2 KV heads, fp32) and its tokenizer in ``path``."""
+def tiny_qwen3(path: Path, seed: int = 0, head_dim: int = 16) -> Path:
+    """Save a random 2-layer Qwen3 (hidden 64, 4 heads of ``head_dim``, 2 KV heads, fp32) and its tokenizer in
+    ``path`` (vLLM's CPU attention needs ``head_dim`` >= 32)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -68,7 +69,7 @@ def tiny_qwen3(path: Path, seed: int = 0) -> Path:
     vocab_size = save_word_tokenizer(path)
     config = AutoConfig.for_model(
         "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=vocab_size, max_position_embeddings=256,
+        num_key_value_heads=2, head_dim=head_dim, vocab_size=vocab_size, max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=True,
         pad_token_id=0, eos_token_id=2,
     )  # fmt: skip

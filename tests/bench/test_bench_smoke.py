@@ -118,3 +118,30 @@ def test_bench_preprocess_quick():
 def test_bench_scaling_quick(tmp_path):
     bench_scaling.run(256, 1, 1, tmp_path, lengths=(128, 256), turns=(1, 2))
     assert {p.name for p in tmp_path.iterdir()} == {"scaling.md", "scaling.json", "scaling.png"}
+
+
+@pytest.mark.engine
+def test_bench_weight_sync_small(tmp_path):
+    """``bench_weight_sync.py --small`` end to end: the real engine, one sync of the tiny model (~2 min here)."""
+    import json
+    import os
+    import subprocess
+
+    from inference.conftest import engine_python  # skips (or fails under MEGATRON_RL_REQUIRE_ENGINE=1)
+
+    engine_py = engine_python()
+    bench = Path(__file__).resolve().parents[2] / "bench" / "bench_weight_sync.py"
+    out = tmp_path / "weight_sync.json"
+    env = {**os.environ, "MEGATRON_RL_ENGINE_PYTHON": engine_py}
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--small", "--out", str(out), "--model-dir", str(tmp_path / "models"),
+         "--work-dir", str(tmp_path / "work")],
+        env=env, capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    (bucket,) = row["buckets"]
+    assert row["model"] == "tiny" and row["layout"] == "tp1"
+    assert bucket["tensors"] == 2 * 11 + 3 and bucket["sync_s"] > 0 and bucket["raw_mb_s"] > 0
+    assert row["disk"]["sync_s"] > 0
+    assert "| tiny | tp1 |" in proc.stdout

@@ -94,3 +94,13 @@ def test_readme_library_use_runs_as_written(tmp_path):
     script.write_text(snippet.replace(hf_line, f"hf_dir = {str(hf_dir)!r}") + "\nprint('OK', metrics['policy/loss'])\n")
     output = run_example(str(script))
     assert "\nOK " in output
+
+
+@pytest.mark.engine
+def test_grpo_vllm_engine_follows_the_trainer():
+    from engine_env import engine_python
+
+    os.environ.setdefault("MEGATRON_RL_ENGINE_PYTHON", engine_python())
+    output = run_example("examples/grpo_vllm.py")
+    diffs = [float(d) for d in re.findall(r"logprob max \|diff\| ([-+0-9.e]+)", output)]
+    assert len(diffs) == 8 and max(diffs) <= TOL, output  # the engine samples from the trainer's weights every step

@@ -7,23 +7,12 @@ without the engine skips them with the set-up command.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from engine_env import engine_python
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def engine_python() -> str:
-    """The engine's interpreter, or skip (fail under ``MEGATRON_RL_REQUIRE_ENGINE=1``)."""
-    path = os.environ.get("MEGATRON_RL_ENGINE_PYTHON") or str(REPO / ".venv-engine" / "bin" / "python")
-    if Path(path).is_file():
-        return path
-    message = f"no vLLM engine environment at {path}: run `bash scripts/setup_engine.sh`"
-    if os.environ.get("MEGATRON_RL_REQUIRE_ENGINE") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +26,14 @@ def engine_hf_model(tmp_path_factory) -> Path:
     from hf.conftest import make_tiny_hf_model
 
     return make_tiny_hf_model(tmp_path_factory.mktemp("engine_model") / "qwen3", "qwen3", seed=3)
+
+
+@pytest.fixture(scope="session")
+def engine_tied_model(tmp_path_factory) -> Path:
+    """The examples' tiny Qwen3 with tied embeddings and a padded vocabulary (37 -> 64 rows in vLLM), head size 32."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from common import tiny_qwen3
+
+    return tiny_qwen3(tmp_path_factory.mktemp("engine_tied") / "qwen3_tied", head_dim=32)

@@ -16,11 +16,11 @@ from multirank import run_ranks
 pytestmark = [pytest.mark.engine, pytest.mark.multirank]
 
 TOLERANCE = 1e-4
-LAYOUTS = {"DP2": (1, 1, 2), "TP2": (2, 1, 2), "PP2": (1, 2, 2), "TP2xPP2": (2, 2, 4)}
+LAYOUTS = {"DP1": (1, 1, 1), "DP2": (1, 1, 2), "TP2": (2, 1, 2), "PP2": (1, 2, 2), "TP2xPP2": (2, 2, 4)}
 
 
 def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: str, tp: int, pp: int,
-            steps: int, planted: str | None, bucket_mb: float) -> dict:
+            steps: int, planted: str | None, bucket_mb: float, transport: str = "auto") -> dict:
     """``steps`` RL steps with vLLM rollouts; rank 0 returns the per-step mismatch and sync stats."""
     import os
 
@@ -41,11 +41,11 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
     groups = initialize_distributed(cfg.parallel, cfg.seed)
     policy = policy_from_hf(cfg, groups, hf_dir=hf_dir)
     trainer = Trainer(policy.config, policy)
-    engine = VLLMEngine.start(policy, RolloutConfig(engine="vllm", bucket_mb=bucket_mb), hf_dir=hf_dir,
-                              work_dir=work_dir)
-    if planted == "skip_bucket" and engine.sender.sender:
+    rollout = RolloutConfig(engine="vllm", bucket_mb=bucket_mb, weight_transport=transport)
+    engine = VLLMEngine.start(policy, rollout, hf_dir=hf_dir, work_dir=work_dir)
+    if planted == "skip_bucket" and engine.sender is not None and engine.sender.sender:
         engine.sender.skip_bucket = 1
-    if planted == "skip_stage" and engine.sender.sender and groups.pp_rank == groups.pp_size - 1:
+    if planted == "skip_stage" and engine.sender is not None and engine.sender.sender and groups.pp_rank == groups.pp_size - 1:
         engine.sender.skip_bucket = 0
     spec = SamplingSpec(max_tokens=6, temperature=1.0, stop_token_ids=(2,))
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
@@ -82,14 +82,14 @@ def _sum_over_ranks(value: int, groups) -> int:
 
 
 def _run(layout: str, hf_dir, engine_py, tmp_path, *, steps: int, planted: str | None = None,
-         bucket_mb: float = 0.05) -> dict:
+         bucket_mb: float = 0.05, transport: str = "auto") -> dict:
     tp, pp, world = LAYOUTS[layout]
     results = run_ranks(world, rl_loop, str(hf_dir), engine_py, str(tmp_path / "engine"), tp, pp, steps, planted,
-                        bucket_mb, timeout=600)
+                        bucket_mb, transport, timeout=600)
     return results[0]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["DP2", "TP2", "PP2", "TP2xPP2"])
 def test_engine_matches_trainer_every_step(layout, engine_hf_model, engine_py, tmp_path):
     # bucket 0.05 MiB: the tiny model's 0.6 MiB goes in many buckets, and its embedding (64 KiB) alone
     result = _run(layout, engine_hf_model, engine_py, tmp_path, steps=20)
@@ -107,3 +107,16 @@ def test_planted_sync_bug_is_caught(layout, planted, engine_hf_model, engine_py,
     diffs = _run(layout, engine_hf_model, engine_py, tmp_path, steps=3, planted=planted)["diffs"]
     assert diffs[0] <= TOLERANCE  # before the first sync the engine has the exported initial weights
     assert max(diffs[1:]) > 10 * TOLERANCE, diffs
+
+
+def test_tied_embeddings_follow_every_sync(engine_tied_model, engine_py, tmp_path):
+    # tied + PP2: the first stage sends the embedding, the last stage's output-layer copy is not sent, and the
+    # engine must refresh its output layer after every reload (W18 in docs/MEGATRON_CORE.md)
+    diffs = _run("PP2", engine_tied_model, engine_py, tmp_path, steps=8)["diffs"]
+    assert max(diffs) <= TOLERANCE, diffs
+
+
+def test_disk_transport(engine_tied_model, engine_py, tmp_path):
+    # the fallback for an engine started elsewhere: HF safetensors written, then reloaded by the engine
+    result = _run("DP1", engine_tied_model, engine_py, tmp_path, steps=5, transport="disk")
+    assert max(result["diffs"]) <= TOLERANCE, result["diffs"]
