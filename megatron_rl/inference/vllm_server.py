@@ -286,7 +286,7 @@ class Server:
         self.llm.collective_rpc("megatron_rl_leave")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     host, port = args.address.rsplit(":", 1)
@@ -300,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             command, kwargs = conn.recv()
         except EOFError:  # the trainer closed the connection without a shutdown: it is gone
-            return 1
+            return
         try:
             if command == "shutdown":
                 server.shutdown()
                 conn.send(("ok", None))
-                return 0
+                return
             result = getattr(server, command)(**kwargs)
             conn.send(("ok", result))
         except Exception:
@@ -313,7 +313,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # vLLM's atexit hooks can hang on a half-closed group; the trainer owns the clean-up
+    try:
+        main()
+    except BaseException:  # e.g. the trainer vanished mid-request (BrokenPipeError): exit now, not at shutdown
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The whole group at once (this process and whatever vLLM started), without the interpreter's shutdown:
+        # vLLM's atexit hooks can hang on a half-closed group, and the watchdog thread stops during shutdown.
+        os.killpg(os.getpgrp(), signal.SIGKILL)
