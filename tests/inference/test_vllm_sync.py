@@ -111,7 +111,7 @@ def test_planted_sync_bug_is_caught(layout, planted, engine_hf_model, engine_py,
 
 def test_tied_embeddings_follow_every_sync(engine_tied_model, engine_py, tmp_path):
     # tied + PP2: the first stage sends the embedding, the last stage's output-layer copy is not sent, and the
-    # engine must refresh its output layer after every reload (W18 in docs/MEGATRON_CORE.md)
+    # engine must refresh its output layer after every reload (W19 in docs/MEGATRON_CORE.md)
     diffs = _run("PP2", engine_tied_model, engine_py, tmp_path, steps=8)["diffs"]
     assert max(diffs) <= TOLERANCE, diffs
 
