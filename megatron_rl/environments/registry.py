@@ -26,7 +26,7 @@ def register_environment(name: str, builder: EnvironmentBuilder) -> None:
 
 def make_environment(config: JobConfig) -> Environment:
     """The environment ``config.job.environment`` names; ConfigError listing the known ones otherwise."""
-    name = config.job.environment
+    name = config.environment
     if name not in ENVIRONMENTS:
         raise ConfigError(f"job.environment={name!r} is not one of {sorted(ENVIRONMENTS)}")
     return ENVIRONMENTS[name](config)

@@ -52,9 +52,10 @@ class JobSection(ConfigSection):
 
     num_steps: int = field(default=150, metadata=AT_LEAST_1)
     """RL train steps (one batch of fresh rollouts each; ``batch.train_batch_size`` prompts per step)."""
-    environment: str = "next_digit"
-    """The task (``megatron_rl/environments/registry.py``): 'next_digit' (the toy multi-turn game) or
-    'single_turn' (``data.train_files`` + ``reward.function``; needs ``model.hf_path``)."""
+    environment: str = "auto"
+    """The task (``megatron_rl/environments/registry.py``): 'next_digit' (the toy multi-turn game),
+    'single_turn' (``data.train_files`` + ``reward.function``; needs ``model.hf_path``), or 'auto': single_turn
+    when ``data.train_files`` is set, else next_digit."""
     n_samples_per_prompt: int = field(default=4, metadata=AT_LEAST_1)
     """Responses per prompt (the GRPO group size); old spellings demo.n_samples_per_prompt,
     batch.n_samples_per_prompt."""
@@ -119,6 +120,13 @@ class JobConfig:
     def __post_init__(self) -> None:
         check_job_config(self)
 
+    @property
+    def environment(self) -> str:
+        """``job.environment`` with 'auto' resolved."""
+        if self.job.environment != "auto":
+            return self.job.environment
+        return "single_turn" if self.data.train_files else "next_digit"
+
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout: the library's sections, then the job's (``load_job_config`` reads it back)."""
         return {**config_to_dict(self.rl), **{name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS}}
@@ -154,7 +162,7 @@ def check_demo_config(config: MegatronRLConfig, tokenizer: DigitTokenizer) -> No
 
 def check_job_config(config: JobConfig) -> None:
     """Rules between sections: what each environment needs, and settings that would have no effect."""
-    env = config.job.environment
+    env = config.environment
     if env == "next_digit":
         check_demo_config(config.rl, DigitTokenizer())
     elif env == "single_turn":
