@@ -40,14 +40,14 @@ def _next_digit(config: JobConfig) -> Environment:
 
 def _single_turn(config: JobConfig) -> Environment:
     from megatron_rl.environments.single_turn.environment import SingleTurnEnvironment
-    from megatron_rl.hf.config import load_hf_config
+    from megatron_rl.hf.config import model_config_from_hf
     from megatron_rl.hf.tokenizer import load_tokenizer
 
     hf_path = config.rl.model.hf_path
     assert hf_path is not None, "JobConfig checks that single_turn has model.hf_path"
-    try:
+    try:  # a folder that is not a supported checkpoint stops here, before any process group
+        context = model_config_from_hf(hf_path).max_position_embeddings
         tokenizer = load_tokenizer(hf_path)
-        context = load_hf_config(hf_path).max_position_embeddings
     except ValueError as err:
         raise ConfigError(str(err)) from None
     limit = config.data.max_prompt_tokens or context - config.job.max_new_tokens

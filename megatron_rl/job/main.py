@@ -181,7 +181,9 @@ def build_policy(config: JobConfig, groups: ParallelGroups, pad_id: int) -> Mega
         return MegatronPolicy(config.rl, groups, pad_token_id=pad_id, total_optim_steps=total_optim_steps)
     from megatron_rl.hf.weights import policy_from_hf
 
-    return policy_from_hf(config.rl, groups, pad_token_id=pad_id, total_optim_steps=total_optim_steps)
+    policy = policy_from_hf(config.rl, groups, total_optim_steps=total_optim_steps)  # pad id: the tokenizer's
+    assert policy.pad_token_id == pad_id, (policy.pad_token_id, pad_id)  # the environment reads the same tokenizer
+    return policy
 
 
 def start_engine(config: JobConfig, policy: MegatronPolicy, pad_id: int) -> RolloutEngine:

@@ -7,6 +7,7 @@ The environment (prompt files, reward function) is checked by every rank at star
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Sequence
 
@@ -16,8 +17,15 @@ from megatron_rl.preflight import main as preflight_main
 
 
 def load_job_rl_config(path: str, overrides: Sequence[str]) -> MegatronRLConfig:
-    """The library config of the job (the job's sections are validated on the way, by ``load_job_config``)."""
-    return load_job_config(path, overrides).rl
+    """The library config of the job (the job's sections are validated on the way, by ``load_job_config``);
+    with ``model.hf_path``, its model section is the checkpoint's (``config.json``), so the parallel-size and
+    free-space checks see the real shapes (a folder that is not a supported checkpoint: ValueError, exit 2)."""
+    rl = load_job_config(path, overrides).rl
+    if rl.model.hf_path is None:
+        return rl
+    from megatron_rl.hf.config import model_config_from_hf
+
+    return dataclasses.replace(rl, model=model_config_from_hf(rl.model.hf_path, base=rl.model))
 
 
 if __name__ == "__main__":
