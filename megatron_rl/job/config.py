@@ -108,12 +108,19 @@ class JobConfig:
     rl: MegatronRLConfig
     """Everything the library reads (parallel, model, optimizer, algorithm, batch, ..., seed)."""
     job: JobSection = field(default_factory=JobSection)
+    """The loop: steps, environment, sampling (YAML section ``job``)."""
     next_digit: NextDigitConfig = field(default_factory=NextDigitConfig)
+    """The digit game's rules (read when the environment is next_digit)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files (single_turn)."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward function (single_turn)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Periodic evaluation on held-out prompts."""
     export: ExportConfig = field(default_factory=ExportConfig)
+    """Hugging Face exports of the policy (with model.hf_path)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Which engine generates the rollouts (``megatron_rl/inference/config.py``)."""
 
     SECTIONS: ClassVar[tuple[str, ...]] = ("job", "next_digit", "data", "reward", "eval", "export", "rollout")
 
