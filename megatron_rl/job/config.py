@@ -169,7 +169,11 @@ def check_demo_config(config: MegatronRLConfig, tokenizer: DigitTokenizer) -> No
 
 def check_job_config(config: JobConfig) -> None:
     """Rules between sections: what each environment needs, and settings that would have no effect."""
+    from megatron_rl.environments.registry import ENVIRONMENTS
+
     env = config.environment
+    if env not in ENVIRONMENTS:
+        raise ConfigError(f"job.environment={env!r} is not one of {['auto', *sorted(ENVIRONMENTS)]}")
     if env == "next_digit":
         check_demo_config(config.rl, DigitTokenizer())
     elif env == "single_turn":
