@@ -39,7 +39,11 @@ def read_rows(paths: Sequence[str], key: str) -> list[dict[str, Any]]:
 
 
 def _read_file(path: Path, key: str) -> list[dict[str, Any]]:
-    import pyarrow as pa
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise ConfigError(f"{key}: reading prompt files needs pyarrow, which is not installed; run "
+                          "'bash scripts/setup.sh' again (it installs the job's extra) or 'pip install pyarrow'") from None
 
     try:
         if path.suffix in PARQUET_SUFFIXES:
