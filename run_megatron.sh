@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch the megatron_rl main job with torchrun.
+# Launch the megatron_rl main job (python -m megatron_rl.job.main) with torchrun.
 #   NPROC        processes per node (default 2); with CUDA, at most one per visible GPU (else parallel.device=cpu)
 #   CONFIG       YAML of config overrides (default configs/demo_cpu.yaml; configs/demo_gpu.yaml: one GPU)
 #   PY           the Python to run (a path or a command on PATH, e.g. PY=python3; default: the venv that
@@ -50,5 +50,5 @@ echo "run_megatron.sh: outputs (metrics.jsonl, tensorboard/, reward_loss.png, su
 # Pre-flight on this node (no model, no process group): config valid for this world size, output and checkpoint
 # directories writable, free space; a failure is one line on stderr and exit code 2, before any rank starts.
 world=(); [[ "$NPROC$NNODES" =~ ^[0-9]+$ ]] && world=(--world-size "$((NPROC * NNODES))")  # elastic MIN:MAX: skip
-"$PY" -m megatron_rl.demo.preflight --config "$CONFIG" "${world[@]}" "$@" || exit $?
-exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.demo.main --config "$CONFIG" "$@"
+"$PY" -m megatron_rl.job.preflight --config "$CONFIG" "${world[@]}" "$@" || exit $?
+exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.job.main --config "$CONFIG" "$@"

@@ -25,7 +25,7 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis", "pytest-timeout"],
         "hf": ["transformers>=5,<6", "safetensors", "mbridge==0.15.1"],
-        "demo": ["tqdm", "tensorboard", "matplotlib"],
+        "demo": ["tqdm", "tensorboard", "matplotlib", "pyarrow"],  # the main job: progress, logs, plot, prompt files
         "gpu": ["transformer-engine"],
     },
 )

@@ -4,7 +4,7 @@ A reader (or a resumed run) sees the old content or the new one, never a torn or
 the writer is killed at: the new content goes to a temporary file beside the target (same filesystem), is
 flushed and fsynced, then renamed over the target (``os.replace`` is atomic on POSIX), and the directory is
 fsynced so the rename itself survives a power loss. Used by checkpoints (``checkpoint/layout.py``), the
-config dump (``config.write_yaml``) and the main job's outputs (``demo/reporting.py``). No torch, no Megatron.
+config dump (``config.write_yaml``) and the main job's outputs (``job/reporting.py``). No torch, no Megatron.
 """
 
 from __future__ import annotations

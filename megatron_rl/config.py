@@ -540,10 +540,11 @@ KEY_NOTES: dict[str, str] = {
     **dict.fromkeys(("dp", "dp_size", "data_parallel_size"),
                     "the data-parallel size is not set: it is world size / (tensor_model_parallel_size * "
                     "pipeline_model_parallel_size * context_parallel_size); change the number of processes"),
-    "demo": "'demo' is the demo job's section; load the file with megatron_rl.demo.config.load_demo_config "
-            "(the main job: python -m megatron_rl.demo.main)",
+    **dict.fromkeys(("demo", "job", "data", "reward", "eval", "export", "rollout", "next_digit"),
+                    "a section of the main job, not of the library config; load the file with "
+                    "megatron_rl.job.config.load_job_config (the main job: python -m megatron_rl.job.main)"),
     "n_samples_per_prompt": "the library takes groups from the rows' uids (rows sharing a uid form a group); "
-                            "the generator sets the group size (the demo job: demo.n_samples_per_prompt)",
+                            "the generator sets the group size (the main job: job.n_samples_per_prompt)",
 }
 """Names that have no key of their own, and what to do instead."""
 

@@ -1,6 +1,6 @@
 """Pre-flight: the checks that need no model and no process group, run before any rank starts.
 
-Place in the data flow: before everything (``run_megatron.sh`` runs ``python -m megatron_rl.demo.preflight`` before
+Place in the data flow: before everything (``run_megatron.sh`` runs ``python -m megatron_rl.job.preflight`` before
 torchrun; library users call ``check_run(config, world_size)`` before ``initialize_distributed``). A mistake
 found here costs a second instead of a rank start-up, a model build, or ``save_interval`` train steps:
 
@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None,
          load: Callable[[str, Sequence[str]], MegatronRLConfig] = load_config) -> int:
     """``python -m megatron_rl.preflight --config X [--world-size N] [key=value ...]``: 0 when the run can start,
     2 (after one line on stderr, no traceback) when it cannot. ``load`` reads an application's config (the
-    main job passes its own, ``megatron_rl/demo/preflight.py``)."""
+    main job passes its own, ``megatron_rl/job/preflight.py``)."""
     parser = argparse.ArgumentParser(description="megatron_rl pre-flight checks (no model, no process group)")
     parser.add_argument("--config", required=True, help="YAML of config overrides")
     parser.add_argument("--world-size", type=int, default=None, help="total number of ranks (NPROC x NNODES)")

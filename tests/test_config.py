@@ -182,11 +182,11 @@ def test_each_rule_runs_once_per_load(monkeypatch):
         ("pp=2", "'parallel.pipeline_model_parallel_size'"),
         ("parallel.dp_size=2", "number of processes"),
         ("batch.batch_size=8", "'batch.train_batch_size'"),
-        ("batch.n_samples_per_prompt=4", "demo.n_samples_per_prompt"),
+        ("batch.n_samples_per_prompt=4", "job.n_samples_per_prompt"),
         ("optimizer.tensor_model_parallel_size=2", "'parallel.tensor_model_parallel_size'"),
         ("optimizer.lr.value=1", "'optimizer.lr' takes a value"),
         ("optimizer.zzzz=1", "valid keys of 'optimizer'"),
-        ("demo.num_steps=3", "load_demo_config"),
+        ("demo.num_steps=3", "load_job_config"),
     ],
 )
 def test_unknown_key_suggestions(override, suggestion):

@@ -72,7 +72,7 @@ def test_unwritable_checkpoint_dir_is_refused_before_any_rank_starts(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint\.save_dir=.*a_file/checkpoints.* is not writable"):
         check_run(cfg, world_size=1)
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.demo.preflight", "--config", "configs/demo_cpu.yaml", "--world-size", "2",
+        [sys.executable, "-m", "megatron_rl.job.preflight", "--config", "configs/demo_cpu.yaml", "--world-size", "2",
          f"logging.output_dir={tmp_path / 'out'}", f"checkpoint.save_dir={_unwritable(tmp_path)}"],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
     )

@@ -21,7 +21,8 @@ from megatron_rl.config import MegatronRLConfig
 from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.demo.environment import NextDigitGame
 from megatron_rl.demo.rollout import episodes_to_generator_output, play_episodes
-from megatron_rl.demo.sampler import SamplingParams, sampling_generator
+from megatron_rl.demo.sampler import SamplingParams
+from megatron_rl.inference.builtin_engine import BuiltinEngine, rollout_seed
 from megatron_rl.demo.tokenizer import DigitTokenizer
 from megatron_rl.metrics import merge_metrics
 from megatron_rl.trainer import Trainer
@@ -101,8 +102,8 @@ def make_config(*, merge: bool, step_wise: bool = True, epochs: int = 2) -> Mega
 def play(model: Bigram, num_prompts: int = 4, n: int = 3, turns: int = 2, seed: int = 0):
     game = NextDigitGame(TOK, num_turns=turns)
     params = SamplingParams(max_new_tokens=3, stop_token_id=TOK.eos_token_id)
-    return play_episodes(game, model.next_token_logprobs, params, num_prompts=num_prompts, n_samples_per_prompt=n,
-                         rng=random.Random(seed), generator=sampling_generator(seed, 0))
+    return play_episodes(game, BuiltinEngine(model.next_token_logprobs), params.to_spec(), num_prompts=num_prompts,
+                         n_samples_per_prompt=n, rng=random.Random(seed), seed=rollout_seed(seed, 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Checkpoints of a run with a critic: the policy's checkpoint plus the critic's, saved by the same machinery.
 
-Place in the data flow: where a run with a critic saves and resumes (the main job, ``demo/main.py``). Layout::
+Place in the data flow: where a run with a critic saves and resumes (the main job, ``job/main.py``). Layout::
 
     save_dir/
       latest, step_00000010/ ...   the policy (model, optimizer, LR schedule, RNG, trainer state): dist.py

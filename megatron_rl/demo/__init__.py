@@ -1,6 +1,3 @@
-"""The demo: an application of the library on a toy multi-turn game (game, sampler, config, main job).
-
-Nothing in ``megatron_rl`` outside this package imports it. ``python -m megatron_rl.demo.main`` (what
-``run_megatron.sh`` launches) runs the RL loop; ``demo/config.py`` composes the library config with the demo's
-own ``demo`` section.
-"""
+"""Former home of the main job and the digit game; each module here re-exports its new place so old imports and
+``python -m megatron_rl.demo.main`` keep working: the job is ``megatron_rl/job/``, the game
+``megatron_rl/environments/next_digit/``, the sampler ``megatron_rl/inference/builtin_engine.py``."""

@@ -3,7 +3,7 @@
 Place in the data flow: the main job's rollout stage calls ``generate`` once per turn (or per batch of
 prompts), then ``update_weights`` after the optimizer steps of an RL step. Two implementations:
 
-- the built-in sampler (the policy's own packed forward, ``megatron_rl/demo/sampler.py``): every rank runs it;
+- ``BuiltinEngine`` (``builtin_engine.py``, the policy's own packed forward): every rank runs it;
 - ``VLLMEngine`` (``vllm_engine.py``): global rank 0 owns a vLLM engine process, the others receive its output.
 
 Both are *collective*: every trainer rank calls ``generate`` with the same arguments and gets the same
@@ -58,7 +58,9 @@ class RolloutEngine(Protocol):
     """What the rollout stage needs from an engine. Every method is collective over the trainer's ranks."""
 
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
-        """One completion per prompt, identical on every rank; ``seed`` makes the draws reproducible."""
+        """One completion per prompt, identical on every rank; ``seed`` makes the draws reproducible. A call
+        that repeats the previous call's seed continues its random stream (so the turns of a multi-turn step,
+        which pass the step's seed, draw different numbers); a new seed starts a fresh one."""
         ...
 
     def update_weights(self, policy: Any) -> float:

@@ -194,6 +194,8 @@ class VLLMEngine:
         self.record_digests = False
         """Tests: the engine records a sha256 per received tensor (``digests``)."""
         self.last_stats: dict = {}
+        self._last_seed: int | None = None
+        self._seed_calls = 0
         """Rank 0: the last sync's engine and sender statistics."""
         self.last_sender_tensors = 0
         """Tensors this rank sent in the last sync (0 on a rank that sends nothing)."""
@@ -270,11 +272,16 @@ class VLLMEngine:
     # ---------------------------------------------------------------------------------------------- use
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
         """One completion per prompt, sampled by the engine, identical on every rank (collective)."""
+        # a call that repeats the previous call's seed continues its stream (engine.py): a fresh seed per call
+        self._seed_calls = self._seed_calls + 1 if seed == self._last_seed else 0
+        self._last_seed = seed
+        call_seed = seed * 64 + self._seed_calls
         payload: list = [None]
         if self.groups.rank == 0:
             try:
                 payload = [("ok", self.process.call(
-                    "generate", prompts=[[int(t) for t in p] for p in prompts], sampling=asdict(spec), seed=seed))]
+                    "generate", prompts=[[int(t) for t in p] for p in prompts], sampling=asdict(spec),
+                    seed=call_seed))]
             except EngineError as err:
                 payload = [("error", str(err))]
         if self.groups.world_size > 1:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import MegatronRLConfig
-from megatron_rl.demo.config import DemoConfig, DemoJobConfig, dump_demo_config, load_demo_config
+from megatron_rl.demo.config import DemoJobConfig, dump_demo_config, load_demo_config
+from megatron_rl.job.config import JobSection
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "configs" / "demo_cpu.yaml"
@@ -22,22 +23,22 @@ def test_library_schema_has_no_demo_fields():
 
 def test_demo_overrides_and_the_moved_group_size_key():
     job = load_demo_config(CPU, ["demo.num_steps=5", "optimizer.lr=1e-4"])
-    assert (job.demo.num_steps, job.demo.n_samples_per_prompt, job.rl.optimizer.lr) == (5, 8, 1e-4)
+    assert (job.job.num_steps, job.job.n_samples_per_prompt, job.rl.optimizer.lr) == (5, 8, 1e-4)
     old_spelling = load_demo_config(CPU, ["batch.n_samples_per_prompt=3"])
-    assert old_spelling.demo.n_samples_per_prompt == 3  # the old key still works, and the later value wins
-    assert load_demo_config(CPU, ["batch.n_samples_per_prompt=3", "demo.n_samples_per_prompt=5"]).demo \
+    assert old_spelling.job.n_samples_per_prompt == 3  # the old key still works, and the later value wins
+    assert load_demo_config(CPU, ["batch.n_samples_per_prompt=3", "demo.n_samples_per_prompt=5"]).job \
         .n_samples_per_prompt == 5
 
 
 @pytest.mark.parametrize(
     "override, needle",
     [
-        ("demo.num_steps=0", "demo.num_steps=0 is out of range"),
-        ("demo.temperature=-1", "demo.temperature=-1.0 is out of range"),
-        ("demo.n_samples_per_prompt=0", "demo.n_samples_per_prompt=0 is out of range"),
-        ("batch.n_samples_per_prompt=0", "demo.n_samples_per_prompt=0 is out of range"),
-        ("demo.num_step=3", "did you mean 'demo.num_steps'"),
-        ("demo.group_size=3", "did you mean 'demo.n_samples_per_prompt'"),
+        ("demo.num_steps=0", "job.num_steps=0 is out of range"),
+        ("demo.temperature=-1", "job.temperature=-1.0 is out of range"),
+        ("demo.n_samples_per_prompt=0", "job.n_samples_per_prompt=0 is out of range"),
+        ("batch.n_samples_per_prompt=0", "job.n_samples_per_prompt=0 is out of range"),
+        ("job.num_step=3", "did you mean 'job.num_steps'"),
+        ("job.group_size=3", "did you mean 'job.n_samples_per_prompt'"),
         ("model.vocab_size=32", "model.vocab_size=32 but the demo tokenizer has 16"),
         ("optimizer.lr=.inf", "optimizer.lr=inf is out of range"),
     ],
@@ -51,7 +52,7 @@ def test_dump_round_trip(tmp_path):
     job = load_demo_config(CPU, ["demo.num_steps=7"])
     dump_demo_config(job, tmp_path / "config.yaml")
     assert load_demo_config(tmp_path / "config.yaml") == job
-    assert DemoJobConfig(rl=job.rl, demo=DemoConfig(num_steps=7, n_samples_per_prompt=8)) == job
+    assert DemoJobConfig(rl=job.rl, job=JobSection(num_steps=7, n_samples_per_prompt=8)) == job
 
 
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])

@@ -58,7 +58,8 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
 
     from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
     from megatron_rl.demo.rollout import episodes_to_generator_output, play_episodes
-    from megatron_rl.demo.sampler import SamplingParams, sampling_generator
+    from megatron_rl.demo.sampler import SamplingParams
+    from megatron_rl.inference.builtin_engine import BuiltinEngine, rollout_seed
     from megatron_rl.demo.tokenizer import DigitTokenizer
     from megatron_rl.distributed.bootstrap import initialize_distributed
     from megatron_rl.model.policy import MegatronPolicy
@@ -78,8 +79,8 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
     sample = policy_next_token_logprobs(policies[False], tok.pad_token_id)
     game = NextDigitGame(tok, num_turns=3)
     params = SamplingParams(max_new_tokens=3, stop_token_id=tok.eos_token_id)
-    played = play_episodes(game, sample, params, num_prompts=4, n_samples_per_prompt=3, rng=random.Random(0),
-                           generator=sampling_generator(config.seed, 1))
+    played = play_episodes(game, BuiltinEngine(sample), params.to_spec(), num_prompts=4, n_samples_per_prompt=3,
+                           rng=random.Random(0), seed=rollout_seed(config.seed, 1))
     rollouts = episodes_to_generator_output(played, step_wise=True)
     result["responses"] = [p.episode.responses for p in played]
     for merge, policy in policies.items():

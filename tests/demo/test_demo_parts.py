@@ -21,6 +21,7 @@ from megatron_rl.demo.sampler import (
     uniform_next_token_logprobs,
 )
 from megatron_rl.demo.tokenizer import DigitTokenizer
+from megatron_rl.inference.builtin_engine import BuiltinEngine, rollout_seed
 
 TOK = DigitTokenizer()
 
@@ -50,7 +51,7 @@ def test_tokenizer_round_trip_and_errors() -> None:
     assert TOK.decode(ids) == "<bos> 7 ? 8 <eos>"
     assert [TOK.id_to_digit(i) for i in ids] == [None, 7, None, 8, None]
     assert TOK.vocab_size == 16 and len(set(TOK.tokens)) == 16
-    with pytest.raises(ValueError, match="unknown demo symbols"):
+    with pytest.raises(ValueError, match="unknown next-digit symbols"):
         TOK.encode(["x"])
 
 
@@ -117,8 +118,8 @@ def test_rollout_layouts_validate_and_merge_to_trajectories() -> None:
     game = NextDigitGame(TOK, num_turns=3)
     table = torch.randn(TOK.vocab_size, TOK.vocab_size, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(max_new_tokens=3, stop_token_id=TOK.eos_token_id)
-    played = play_episodes(game, fixed_policy(table), params, num_prompts=3, n_samples_per_prompt=2,
-                           rng=random.Random(0), generator=sampling_generator(0, 0))
+    played = play_episodes(game, BuiltinEngine(fixed_policy(table)), params.to_spec(), num_prompts=3,
+                           n_samples_per_prompt=2, rng=random.Random(0), seed=rollout_seed(0, 0))
     assert [p.uid for p in played] == [0, 0, 1, 1, 2, 2]
     assert played[0].episode.digits == played[1].episode.digits  # a group plays one game
     step_wise = episodes_to_generator_output(played, step_wise=True)
@@ -140,9 +141,10 @@ def test_rollout_layouts_validate_and_merge_to_trajectories() -> None:
 def test_oracle_scores_one_uniform_scores_baseline() -> None:
     game = NextDigitGame(TOK, num_turns=3)
     params = SamplingParams(max_new_tokens=3, stop_token_id=TOK.eos_token_id)
-    kwargs = dict(num_prompts=50, n_samples_per_prompt=4, rng=random.Random(0), generator=sampling_generator(0, 0))
-    assert mean_reward(play_episodes(game, oracle_policy(game), params, **kwargs)) == 1.0
-    uniform = mean_reward(play_episodes(game, uniform_next_token_logprobs(TOK.vocab_size), params, **kwargs))
+    kwargs = dict(num_prompts=50, n_samples_per_prompt=4, rng=random.Random(0), seed=rollout_seed(0, 0))
+    assert mean_reward(play_episodes(game, BuiltinEngine(oracle_policy(game)), params.to_spec(), **kwargs)) == 1.0
+    uniform_engine = BuiltinEngine(uniform_next_token_logprobs(TOK.vocab_size))
+    uniform = mean_reward(play_episodes(game, uniform_engine, params.to_spec(), **kwargs))
     # exact expectation for a uniform policy: 0.5 * P(first right) + 0.5 * P(right, then stop) = 0.5/16 + 0.5/256
     assert uniform == pytest.approx(0.5 / 16 + 0.5 / 256, abs=0.02)
 

@@ -1,5 +1,5 @@
 """A kill while resuming rewrites metrics.jsonl loses no row: the old file survives bitwise, and the resume
-that follows ends with every row of the uninterrupted run (demo/reporting.py, megatron_rl/atomic.py)."""
+that follows ends with every row of the uninterrupted run (job/reporting.py, megatron_rl/atomic.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,74 @@
+"""The environment protocol: what the main job asks of a task (prompts, turns, rewards, evaluation).
+
+Place in the data flow: the first stage of every RL step of the main job (``megatron_rl/job/main.py``)::
+
+    environment.rollout(engine, spec, ...)  ->  Rollouts(GeneratorOutput, metrics)  ->  Trainer.train_step
+
+An environment owns its tokenizer (what it writes prompts with and decodes responses with) and its data;
+the job owns the model, the engine (``megatron_rl/inference``) and the sampling settings. Implementations:
+``next_digit`` (a multi-turn game with its own 16-token vocabulary) and ``single_turn`` (prompts from a file,
+one response each, a user's reward function); ``registry.py`` maps ``job.environment`` to them.
+
+Contract: ``rollout`` and ``evaluate`` are collective (every rank calls them with the same arguments, through
+a collective engine, and gets the same result); given ``(seed, step)``, the weights and the state restored by
+``load_state_dict``, a rollout is deterministic, so a resumed run replays the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from megatron_rl.data.generator_output import GeneratorOutput
+from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
+
+
+@dataclass
+class Rollouts:
+    """One RL step's rollouts and what the environment measured while producing them."""
+
+    output: GeneratorOutput
+    """The sequences for ``Trainer.train_step`` (rewards included)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Extra scalars to log (e.g. ``reward_fn/<name>`` from a reward function, ``data/epoch``)."""
+
+
+class Environment(Protocol):
+    """A task the main job trains on. See the module docstring for the collective/determinism contract."""
+
+    pad_token_id: int
+    """Pad id of the environment's tokenizer (the policy pads with it)."""
+    stop_token_ids: tuple[int, ...]
+    """Tokens that end a response (the tokenizer's eos)."""
+
+    def rollout(self, engine: RolloutEngine, spec: SamplingSpec, *, num_prompts: int, n_samples_per_prompt: int,
+                seed: int, step_wise: bool) -> Rollouts:
+        """``num_prompts`` prompts, each answered ``n_samples_per_prompt`` times (one GRPO group, one uid)."""
+        ...
+
+    def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
+                 pass_threshold: float) -> dict[str, float]:
+        """``eval/reward_mean`` and ``eval/pass_rate`` (share of responses with reward >= ``pass_threshold``)
+        over held-out prompts, one response each; ``{}`` when the environment has none."""
+        ...
+
+    def random_baseline(self, seed: int) -> float | None:
+        """Mean reward of a uniformly random policy (the summary's reference line), or None if not defined."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the data (JSON-serializable); saved in every checkpoint."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()`` (a resume); ``{}`` (a checkpoint without it) leaves the start position."""
+        ...
+
+
+def pass_metrics(rewards: list[float], threshold: float) -> dict[str, float]:
+    """``eval/reward_mean`` and ``eval/pass_rate`` of held-out rewards (one response per prompt)."""
+    if not rewards:
+        return {}
+    return {"eval/reward_mean": sum(rewards) / len(rewards),
+            "eval/pass_rate": sum(r >= threshold for r in rewards) / len(rewards)}

@@ -1,0 +1,196 @@
+"""The built-in rollout engine: temperature / nucleus sampling with the policy's own packed forward.
+
+Place in the data flow: the rollout stage of the main job (``megatron_rl/environments/*``) calls
+``BuiltinEngine.generate`` through the ``RolloutEngine`` protocol (``inference/engine.py``); the responses go to
+the environment, the recorded log-probs become ``GeneratorOutput`` rollout log-probs (checked by the trainer
+against the policy's own: the rollout/old mismatch metrics).
+
+The model is reached through one function, ``next_token_logprobs(contexts) -> [n, V]``: log-softmax (temperature 1)
+of the next token after each context. ``policy_next_token_logprobs`` implements it with the Megatron policy (every
+rank takes part, results identical on every rank); tests implement it with plain torch. The sampler does repeated
+full forward passes over the growing contexts (no KV cache): meant for small models and tests; a real
+checkpoint on a GPU samples with ``rollout.engine: vllm``.
+
+Collective and reproducible: every rank calls ``generate`` with the same prompts and seed, computes identical
+log-probs and draws with an identically seeded CPU ``torch.Generator``, so the draws agree without communication.
+A call with a new ``seed`` starts a fresh stream; a call that repeats the previous call's seed continues the same
+stream, so a multi-turn episode that passes its step's seed on every turn draws one sequence (what makes a
+resumed run replay the uninterrupted one). The engine samples from the live policy: ``update_weights`` is free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.data.batch import left_pad as left_padded
+from megatron_rl.inference.engine import Completion, SamplingSpec
+
+NextTokenLogprobs = Callable[[Sequence[Sequence[int]]], torch.Tensor]
+"""``contexts (n token lists) -> [n, V]`` float log-probs of the next token (temperature 1)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """The sampler's settings with a single stop token (``SamplingSpec`` is the engine-facing form)."""
+
+    max_new_tokens: int
+    """Response length cap; a response that reaches it without the stop token ends with stop reason 'length'."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy."""
+    stop_token_id: int
+    """Token that ends a response (kept in the response)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+
+    def to_spec(self) -> SamplingSpec:
+        return SamplingSpec(max_tokens=self.max_new_tokens, temperature=self.temperature,
+                            stop_token_ids=(self.stop_token_id,), top_p=self.top_p)
+
+
+@dataclass
+class Samples:
+    responses: list[list[int]]
+    """Generated tokens per prompt (the stop token included when it was sampled)."""
+    logprobs: list[list[float]]
+    """Log-prob of each generated token under the sampling distribution (temperature applied)."""
+    stop_reasons: list[str]
+    """'stop' (stop token sampled) or 'length' (max_new_tokens reached)."""
+
+
+def sampling_generator(seed: int, step: int) -> torch.Generator:
+    """A CPU generator for one train step's rollouts: same (seed, step) on every rank gives the same draws."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(rollout_seed(seed, step))
+    return gen
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The engine seed of train step ``step`` of a run with ``seed`` (step -1: the random baseline)."""
+    return seed * 1_000_003 + step
+
+
+def sample_next_tokens(
+    logprobs: torch.Tensor, temperature: float, generator: torch.Generator, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of ``logprobs [n, V]``; returns ``(tokens [n] int64, token_logprobs [n] fp32)``.
+
+    The recorded log-prob is that of the distribution actually sampled from (softmax of logits / temperature,
+    renormalized over the nucleus when ``top_p < 1``); greedy (temperature 0) records the temperature-1 log-prob
+    of the argmax.
+    """
+    logprobs = logprobs.detach().float().cpu()
+    if temperature == 0:
+        tokens = logprobs.argmax(dim=-1)
+        return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    scaled = torch.log_softmax(logprobs / temperature, dim=-1)  # [n, V]
+    if top_p < 1.0:
+        scaled = _nucleus(scaled, top_p)
+    tokens = torch.multinomial(scaled.exp(), 1, generator=generator)[:, 0]  # [n]
+    return tokens, scaled.gather(-1, tokens[:, None])[:, 0]
+
+
+def _nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logprobs [n, V]`` restricted to the smallest top set of mass >= top_p, renormalized (others -inf)."""
+    sorted_lp, order = logprobs.sort(dim=-1, descending=True)
+    mass_before = sorted_lp.exp().cumsum(dim=-1) - sorted_lp.exp()  # [n, V] mass of the tokens ranked above
+    drop_sorted = mass_before >= top_p  # the first token is always kept
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return torch.log_softmax(logprobs.masked_fill(drop, -float("inf")), dim=-1)
+
+
+def sample_responses(
+    next_token_logprobs: NextTokenLogprobs,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | SamplingSpec,
+    generator: torch.Generator,
+) -> Samples:
+    """Sample one response per prompt: repeated forward passes over the rows that have not stopped yet."""
+    spec = params.to_spec() if isinstance(params, SamplingParams) else params
+    stop = set(spec.stop_token_ids)
+    responses: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    for _ in range(spec.max_tokens):
+        if not active:
+            break
+        contexts = [list(prompts[i]) + responses[i] for i in active]
+        next_lp = next_token_logprobs(contexts)  # [n_active, V]
+        assert next_lp.shape[0] == len(active), (next_lp.shape, len(active))
+        tokens, token_lp = sample_next_tokens(next_lp, spec.temperature, generator, spec.top_p)
+        for i, token, lp in zip(active, tokens.tolist(), token_lp.tolist()):
+            responses[i].append(token)
+            logprobs[i].append(lp)
+        active = [i for i in active if responses[i][-1] not in stop]
+    stop_reasons = ["stop" if r and r[-1] in stop else "length" for r in responses]
+    return Samples(responses=responses, logprobs=logprobs, stop_reasons=stop_reasons)
+
+
+def uniform_next_token_logprobs(vocab_size: int) -> NextTokenLogprobs:
+    """A policy that picks every token with probability 1/vocab_size (the random baseline)."""
+
+    def next_token_logprobs(contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.full((len(contexts), vocab_size), -float(torch.log(torch.tensor(float(vocab_size)))))
+
+    return next_token_logprobs
+
+
+def policy_next_token_logprobs(policy, pad_token_id: int) -> NextTokenLogprobs:
+    """``contexts -> [n, V]`` (V = the policy's ``model.vocab_size``) through ``policy.next_token_logprobs``.
+
+    Identical contexts (a GRPO group's samples share their prompt) are computed once: the distinct contexts are
+    left-padded into one ``[u, S]`` block and the policy returns the full-vocab log-softmax after each one's last
+    token, through its pipeline schedule (any TP/PP/DP layout), identical on every rank. Collective.
+    """
+
+    def next_token_logprobs(contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+        unique, index = _dedupe(contexts)
+        logprobs = policy.next_token_logprobs(*left_padded(unique, pad_token_id))  # [u, V]
+        return logprobs.float().cpu()[index]  # [n, V]
+
+    return next_token_logprobs
+
+
+def _dedupe(contexts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """Distinct contexts (first-seen order) and, per input context, its index among them."""
+    unique = list(dict.fromkeys(tuple(c) for c in contexts))
+    position = {c: i for i, c in enumerate(unique)}
+    return unique, torch.tensor([position[tuple(c)] for c in contexts])
+
+
+class BuiltinEngine:
+    """``RolloutEngine`` over a ``next_token_logprobs`` function (the live policy, or a stand-in in tests)."""
+
+    def __init__(self, next_token_logprobs: NextTokenLogprobs) -> None:
+        self.next_token_logprobs = next_token_logprobs
+        self._seed: int | None = None
+        self._generator = torch.Generator(device="cpu")
+
+    @classmethod
+    def from_policy(cls, policy, pad_token_id: int) -> BuiltinEngine:
+        """The engine that samples from ``policy`` (a ``MegatronPolicy``) itself; collective."""
+        return cls(policy_next_token_logprobs(policy, pad_token_id))
+
+    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
+        """One completion per prompt; a new ``seed`` restarts the stream, a repeated one continues it."""
+        if seed != self._seed:
+            self._seed = seed
+            self._generator.manual_seed(seed)
+        samples = sample_responses(self.next_token_logprobs, prompts, spec, self._generator)
+        return [Completion(token_ids=r, logprobs=lp, finish_reason=reason)
+                for r, lp, reason in zip(samples.responses, samples.logprobs, samples.stop_reasons)]
+
+    def update_weights(self, policy) -> float:
+        """Nothing to do: the engine reads the policy's live weights. Returns 0.0 seconds."""
+        return 0.0
+
+    def close(self) -> None:
+        """Nothing to release."""

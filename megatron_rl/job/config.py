@@ -1,0 +1,235 @@
+"""The main job's configuration: the library's ``MegatronRLConfig`` plus the job's own sections.
+
+Place in the data flow: read once by the main job (``job/main.py``) and its pre-flight before anything else.
+Every section comes from the same YAML file and the same dotted overrides (``optimizer.lr=1e-3
+job.num_steps=20``): the library's sections at the top level, and
+
+    job:         how long, which environment, how to sample (n per prompt, temperature, top_p, max new tokens)
+    next_digit:  the digit game's rules (environment next_digit, the default)
+    data:        prompt files (environment single_turn)           reward:  the reward function (single_turn)
+    eval:        periodic evaluation on held-out prompts          export:  HF exports of the policy
+    rollout:     which engine generates (megatron_rl/inference/config.py)
+
+The library never sees these sections. Keys that moved keep working (``MOVED_KEYS``: the demo's ``demo.*`` keys
+and ``batch.n_samples_per_prompt``). Validation follows ``megatron_rl.config``: each section checks its fields on
+construction, ``JobConfig`` the rules between sections (``check_job_config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Sequence
+
+from megatron_rl.config import (
+    AT_LEAST_1,
+    FINITE,
+    KEY_ALIASES,
+    NON_NEGATIVE,
+    ConfigError,
+    ConfigSection,
+    MegatronRLConfig,
+    Schema,
+    build_config,
+    check_keys,
+    config_to_dict,
+    read_overrides,
+    valid,
+    write_yaml,
+)
+from megatron_rl.environments.next_digit.config import NextDigitConfig
+from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
+from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
+from megatron_rl.inference.config import RolloutConfig, check_engine_model
+
+
+@dataclass(kw_only=True)
+class JobSection(ConfigSection):
+    """The RL loop of the main job (``job/main.py``): how long, on which environment, how to sample."""
+
+    SECTION: ClassVar[str] = "job"
+
+    num_steps: int = field(default=150, metadata=AT_LEAST_1)
+    """RL train steps (one batch of fresh rollouts each; ``batch.train_batch_size`` prompts per step)."""
+    environment: str = "auto"
+    """The task (``megatron_rl/environments/registry.py``): 'next_digit' (the toy multi-turn game),
+    'single_turn' (``data.train_files`` + ``reward.function``; needs ``model.hf_path``), or 'auto': single_turn
+    when ``data.train_files`` is set, else next_digit."""
+    n_samples_per_prompt: int = field(default=4, metadata=AT_LEAST_1)
+    """Responses per prompt (the GRPO group size); old spellings demo.n_samples_per_prompt,
+    batch.n_samples_per_prompt."""
+    max_new_tokens: int = field(default=3, metadata=AT_LEAST_1)
+    """Response length cap per turn (the digit game's right answer takes 2 tokens: digit and stop token)."""
+    temperature: float = field(default=1.0, metadata=NON_NEGATIVE)
+    """Sampling temperature (0 = greedy); 1.0 makes rollout and trainer log-probs comparable (mismatch ~0)."""
+    top_p: float = field(default=1.0, metadata=valid(0, 1, low_open=True))
+    """Nucleus sampling mass (1.0 = off). Responses stop at the tokenizer's eos token."""
+
+
+@dataclass(kw_only=True)
+class EvalConfig(ConfigSection):
+    """Periodic evaluation: one response per held-out prompt (``data.val_files``; the digit game: fixed games)."""
+
+    SECTION: ClassVar[str] = "eval"
+
+    interval: int = field(default=0, metadata=NON_NEGATIVE)
+    """RL steps between evaluations (0 = never); the last step is always evaluated when > 0. Logged as
+    ``eval/reward_mean`` and ``eval/pass_rate`` (metrics.jsonl, TensorBoard, the final plot)."""
+    temperature: float = field(default=0.0, metadata=NON_NEGATIVE)
+    """Sampling temperature of evaluation (0 = greedy)."""
+    max_new_tokens: int | None = field(default=None, metadata=AT_LEAST_1)
+    """Response length cap of evaluation; None = ``job.max_new_tokens``."""
+    num_prompts: int | None = field(default=None, metadata=AT_LEAST_1)
+    """Held-out prompts per evaluation (the first ones); None = all (the digit game: ``next_digit.eval_games``)."""
+    pass_threshold: float = field(default=1.0, metadata=FINITE)
+    """A response passes when its reward >= this; ``eval/pass_rate`` is the share that passes."""
+
+
+@dataclass(kw_only=True)
+class ExportConfig(ConfigSection):
+    """Hugging Face exports of the policy (needs ``model.hf_path``: its config and tokenizer are copied)."""
+
+    SECTION: ClassVar[str] = "export"
+
+    interval: int = field(default=0, metadata=NON_NEGATIVE)
+    """RL steps between exports (0 = only after the last step); each one is ``<dir>/step_<N>``, loadable with
+    ``transformers.AutoModelForCausalLM.from_pretrained``."""
+    dir: str | None = None
+    """Where the exports go; None = ``hf/`` beside the checkpoint directory (``<logging.output_dir>/hf``)."""
+    enabled: bool = True
+    """Export at all (only when ``model.hf_path`` is set: a model trained from scratch has no HF config)."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """What the main job runs with: the library config (``rl``) and the job's sections."""
+
+    rl: MegatronRLConfig
+    """Everything the library reads (parallel, model, optimizer, algorithm, batch, ..., seed)."""
+    job: JobSection = field(default_factory=JobSection)
+    """The loop: steps, environment, sampling (YAML section ``job``)."""
+    next_digit: NextDigitConfig = field(default_factory=NextDigitConfig)
+    """The digit game's rules (read when the environment is next_digit)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt files (single_turn)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """The reward function (single_turn)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Periodic evaluation on held-out prompts."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Hugging Face exports of the policy (with model.hf_path)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Which engine generates the rollouts (``megatron_rl/inference/config.py``)."""
+
+    SECTIONS: ClassVar[tuple[str, ...]] = ("job", "next_digit", "data", "reward", "eval", "export", "rollout")
+
+    def __post_init__(self) -> None:
+        check_job_config(self)
+        check_engine_model(self.rollout, self.rl.model, self.rl.parallel.device)
+
+    @property
+    def environment(self) -> str:
+        """``job.environment`` with 'auto' resolved."""
+        if self.job.environment != "auto":
+            return self.job.environment
+        return "single_turn" if self.data.train_files else "next_digit"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML layout: the library's sections, then the job's (``load_job_config`` reads it back)."""
+        return {**config_to_dict(self.rl), **{name: dataclasses.asdict(getattr(self, name)) for name in self.SECTIONS}}
+
+    @property
+    def optim_steps_per_rl_step(self) -> int:
+        batch = self.rl.batch
+        return batch.train_batch_size // batch.policy_mini_batch_size * batch.update_epochs_per_batch
+
+    @property
+    def save_dir(self) -> Path:
+        """``checkpoint.save_dir``, else ``<logging.output_dir>/checkpoints``."""
+        ckpt = self.rl.checkpoint
+        return Path(ckpt.save_dir) if ckpt.save_dir else Path(self.rl.logging.output_dir) / "checkpoints"
+
+    @property
+    def export_dir(self) -> Path:
+        """``export.dir``, else ``hf/`` beside the checkpoint directory."""
+        return Path(self.export.dir) if self.export.dir else self.save_dir.parent / "hf"
+
+
+def check_demo_config(config: MegatronRLConfig, tokenizer: DigitTokenizer) -> None:
+    """The digit game's rules on the library config: its own 16-token vocabulary, a model trained from scratch."""
+    if config.model.vocab_size != tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size} but the demo tokenizer has {tokenizer.vocab_size} tokens; "
+            f"set model.vocab_size={tokenizer.vocab_size} (configs/demo_cpu.yaml does)"
+        )
+    if config.model.hf_path is not None:
+        raise ConfigError(f"model.hf_path={config.model.hf_path!r}: the demo trains a model from scratch on its "
+                          "own 16-token vocabulary; unset model.hf_path (or set job.environment=single_turn)")
+
+
+def check_job_config(config: JobConfig) -> None:
+    """Rules between sections: what each environment needs, and settings that would have no effect."""
+    from megatron_rl.environments.registry import ENVIRONMENTS
+
+    env = config.environment
+    if env not in ENVIRONMENTS:
+        raise ConfigError(f"job.environment={env!r} is not one of {['auto', *sorted(ENVIRONMENTS)]}")
+    if env == "next_digit":
+        check_demo_config(config.rl, DigitTokenizer())
+    elif env == "single_turn":
+        for key, value in (("model.hf_path", config.rl.model.hf_path), ("data.train_files", config.data.train_files),
+                           ("reward.function", config.reward.function)):
+            if not value:
+                raise ConfigError(f"job.environment=single_turn needs {key}; set it (README: 'Your model, your "
+                                  "prompts, your reward')")
+    if config.eval.interval > 0 and env == "single_turn" and not config.data.val_files:
+        raise ConfigError(f"eval.interval={config.eval.interval} but data.val_files is not set; set it to a "
+                          "held-out prompt file, or eval.interval=0")
+
+
+MOVED_KEYS = {
+    "batch.n_samples_per_prompt": "job.n_samples_per_prompt",
+    **{f"demo.{key}": f"job.{key}" for key in ("num_steps", "n_samples_per_prompt", "max_new_tokens", "temperature")},
+    **{f"demo.{key}": f"next_digit.{key}" for key in ("num_turns", "digit_offset", "baseline_episodes")},
+}
+"""Old key -> its place now; both spellings are read (YAML files and overrides written before the move)."""
+
+JOB_KEY_ALIASES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("steps", "total_steps", "train_steps", "max_steps"), ("job.num_steps",)),
+    **dict.fromkeys(("group_size", "n_samples", "rollout_n", "num_generations"), ("job.n_samples_per_prompt",)),
+    "turns": ("next_digit.num_turns",),
+    "temp": ("job.temperature",),
+    **dict.fromkeys(("max_response_length", "max_tokens"), ("job.max_new_tokens",)),
+    **dict.fromkeys(("train_data", "train_file", "dataset"), ("data.train_files",)),
+    **dict.fromkeys(("val_data", "val_file", "test_files"), ("data.val_files",)),
+    **dict.fromkeys(("reward_fn", "reward_function", "custom_reward_function"), ("reward.function",)),
+    **dict.fromkeys(("eval_interval", "test_freq"), ("eval.interval",)),
+    "max_prompt_length": ("data.max_prompt_tokens",),
+}
+"""Common names of the job's keys (added to ``megatron_rl.config.KEY_ALIASES`` for suggestions)."""
+
+
+def job_schema() -> Schema:
+    schema = Schema.of(MegatronRLConfig)
+    for name in JobConfig.SECTIONS:
+        schema = schema | Schema.of(JobConfig.__dataclass_fields__[name].default_factory, f"{name}.")  # type: ignore
+    return schema
+
+
+def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Defaults <- YAML at ``path`` <- dotted overrides, for the library sections and the job's; validated once.
+
+    Raises ``ConfigError`` naming the key (unknown keys get a suggestion). The world size is checked later, by
+    ``initialize_distributed`` (and the pre-flight).
+    """
+    flat = read_overrides(path, overrides, renames=MOVED_KEYS)
+    check_keys(flat, job_schema(), {**KEY_ALIASES, **JOB_KEY_ALIASES})
+    sections = {name: build_config(JobConfig.__dataclass_fields__[name].default_factory, flat, f"{name}.")  # type: ignore
+                for name in JobConfig.SECTIONS}
+    return JobConfig(rl=build_config(MegatronRLConfig, flat), **sections)
+
+
+def dump_job_config(config: JobConfig, path: str | Path) -> None:
+    """Write the resolved job config as YAML (atomically); ``load_job_config(path)`` gives it back."""
+    write_yaml(config.to_dict(), path)

@@ -1,0 +1,384 @@
+"""The main job: a complete RL loop on any environment, launched by ``run_megatron.sh`` through torchrun.
+
+Place in the data flow: the outermost loop, an application of the library (nothing in ``megatron_rl`` outside
+``job/`` imports it). Set-up: the environment (``megatron_rl/environments``: the digit game, or prompt files + a
+reward function, checked before any process group exists), the policy (random, or ``model.hf_path``), the
+rollout engine (``rollout.engine``: builtin or vllm). Each RL step, on every rank with the same seeds::
+
+    environment.rollout(engine, sampling spec, rollout seed of (seed, step))               -> GeneratorOutput
+    Trainer.train_step (megatron_rl/trainer.py)                                           -> metrics
+    engine.update_weights(policy) every rollout.sync_interval steps
+    every eval.interval steps: environment.evaluate (greedy by default)                  -> eval/* metrics
+    rank 0: progress bar, metrics.jsonl, TensorBoard (job/reporting.py); every rank: checkpoint, HF export when due
+
+At the end (rank 0): ``reward_loss.png`` and ``summary.txt`` in ``logging.output_dir``. Rollouts of step ``k``
+depend only on ``(seed, k)``, the weights and the environment's data position (saved in every checkpoint), so a
+run resumed from the checkpoint of step ``k`` continues exactly as the uninterrupted run would have. Ctrl-C keeps
+the last complete checkpoint (saves are atomic); running the same command again resumes from it.
+
+    python -m megatron_rl.job.main --config configs/demo_cpu.yaml [section.key=value ...]
+
+A configuration mistake (``ConfigError``: a bad key or value, a prompt file or reward function that does not
+work, a world size the parallel sizes do not divide) is
+printed once, by rank 0, without a traceback, and every rank exits with code 2. So is a resume that finds no
+checkpoint that verifies (a ``ValueError`` naming each one; a damaged newest one alone is skipped with a
+warning, see ``megatron_rl/checkpoint/dist.py``) and a save that hits a full or read-only disk (one line naming
+the directory and the intact previous checkpoint; exit code 1). Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_rl.config import ConfigError
+from megatron_rl.environments.base import Environment
+from megatron_rl.environments.registry import make_environment
+from megatron_rl.inference.builtin_engine import rollout_seed
+from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
+from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
+from megatron_rl.job.reporting import RunReporter
+from megatron_rl.metrics import Metric
+
+if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are imported where the job starts
+    from megatron_rl.distributed.bootstrap import ParallelGroups
+    from megatron_rl.model.critic import MegatronCritic
+    from megatron_rl.model.policy import MegatronPolicy
+    from megatron_rl.trainer import Trainer
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="megatron_rl main job (RL on an environment: the digit game by "
+                                     "default, or prompt files + a reward function)")
+    parser.add_argument("--config", default="configs/demo_cpu.yaml", help="YAML of config overrides")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-3 job.num_steps=20")
+    return parser.parse_args(argv)
+
+
+@dataclass
+class Job:
+    """Everything the loop needs, built once."""
+
+    config: JobConfig
+    groups: ParallelGroups
+    environment: Environment
+    engine: RolloutEngine
+    """Generates the rollouts (``rollout.engine``); closed by ``main``."""
+    sampling: SamplingSpec
+    eval_sampling: SamplingSpec
+    policy: MegatronPolicy
+    critic: MegatronCritic | None
+    """The value model (PPO with a critic: ``algorithm.advantage_estimator: gae``), else None."""
+    trainer: Trainer
+    save_dir: Path
+    is_rank0: bool
+
+
+# megatron-core announces at import, once per module and rank, that it falls back from TransformerEngine/Apex
+# (expected on CPU; the README says TE/Apex are optional) and that a cuda-graph default is deprecated (we use no
+# cuda graphs). Silenced so the job's own output stays readable; every other warning is kept.
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+
+    try:
+        config = load_job_config(args.config, args.overrides)
+        environment = make_environment(config)  # reads the data, checks the reward function: before any collective
+        groups = initialize_distributed(config.rl.parallel, config.rl.seed)  # checks the world size first
+    except ConfigError as err:
+        return report_config_error(err)
+    job = None
+    try:
+        job = build_job(config, groups, environment)
+        return run(job)
+    except CheckpointProblem as err:
+        return report_error(str(err), kind="checkpoint error", code=err.code)
+    except EngineProblem as err:
+        return report_error(str(err), kind="engine error", code=1)
+    finally:
+        if job is not None:
+            job.engine.close()
+        destroy_distributed()
+
+
+def report_config_error(err: ConfigError) -> int:
+    """Rank 0 prints the mistake (one line, no traceback); every rank exits with 2 (usage error)."""
+    return report_error(str(err), kind="config error", code=2)
+
+
+def report_error(message: str, *, kind: str, code: int) -> int:
+    """Rank 0 prints ``message`` once (no traceback: every rank raised the same error); returns ``code``."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron_rl: {kind}: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+class EngineProblem(Exception):
+    """The rollout engine could not start (its log tail is in the message); the same on every rank."""
+
+
+class CheckpointProblem(Exception):
+    """A resume or save failed for a reason that is the user's or the storage's (not a bug); the same message
+    on every rank. ``code``: the exit code (2 bad checkpoints, 1 storage)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def build_job(config: JobConfig, groups: ParallelGroups, environment: Environment) -> Job:
+    """Policy (+ reference for KL, + critic), trainer, rollout engine (the config was validated when loaded)."""
+    from megatron_rl.model.critic import MegatronCritic
+    from megatron_rl.model.policy import MegatronPolicy
+    from megatron_rl.trainer import Trainer
+
+    job, batch, pad_id = config.job, config.rl.batch, environment.pad_token_id
+    if groups.rank == 0 and hasattr(environment, "describe"):
+        print(environment.describe(), flush=True)
+    policy = build_policy(config, groups, pad_id)
+    rl = policy.config  # with model.hf_path: the model section as read from the checkpoint's config.json
+    reference = None
+    if rl.algorithm.use_kl_loss or rl.algorithm.use_kl_in_reward:
+        reference = MegatronPolicy(rl, groups, role="reference", pad_token_id=pad_id)
+        reference.load_full_state_dict(policy.full_state_dict())  # the reference is the initial policy
+    critic = None
+    if rl.critic.active(rl.algorithm):
+        critic_cfg = rl.critic
+        size, epochs = critic_cfg.updates(batch)
+        critic_steps = batch.train_batch_size // size * epochs
+        critic = MegatronCritic(rl, groups, pad_token_id=pad_id, total_optim_steps=job.num_steps * critic_steps)
+        if critic_cfg.init_from_policy:
+            critic.load_trunk(policy.full_state_dict())
+    trainer = Trainer(rl, policy,
+                      reference=reference, critic=critic)
+    sampling = SamplingSpec(max_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
+                            stop_token_ids=environment.stop_token_ids)
+    eval_sampling = SamplingSpec(max_tokens=config.eval.max_new_tokens or job.max_new_tokens,
+                                 temperature=config.eval.temperature, stop_token_ids=environment.stop_token_ids)
+    return Job(
+        config=config,
+        groups=groups,
+        environment=environment,
+        engine=start_engine(config, policy, pad_id),
+        sampling=sampling,
+        eval_sampling=eval_sampling,
+        policy=policy,
+        critic=critic,
+        trainer=trainer,
+        save_dir=config.save_dir,
+        is_rank0=groups.rank == 0,
+    )
+
+
+def build_policy(config: JobConfig, groups: ParallelGroups, pad_id: int) -> MegatronPolicy:
+    """A random policy of ``model``'s shapes, or the checkpoint at ``model.hf_path`` (shapes, weights)."""
+    from megatron_rl.model.policy import MegatronPolicy
+
+    total_optim_steps = config.job.num_steps * config.optim_steps_per_rl_step
+    if config.rl.model.hf_path is None:
+        return MegatronPolicy(config.rl, groups, pad_token_id=pad_id, total_optim_steps=total_optim_steps)
+    from megatron_rl.hf.weights import policy_from_hf
+
+    policy = policy_from_hf(config.rl, groups, total_optim_steps=total_optim_steps)  # pad id: the tokenizer's
+    assert policy.pad_token_id == pad_id, (policy.pad_token_id, pad_id)  # the environment reads the same tokenizer
+    return policy
+
+
+def start_engine(config: JobConfig, policy: MegatronPolicy, pad_id: int) -> RolloutEngine:
+    """The engine ``rollout.engine`` names: the policy's own sampler, or vLLM in its own process. Collective."""
+    if config.rollout.engine == "builtin":
+        from megatron_rl.inference.builtin_engine import BuiltinEngine
+
+        return BuiltinEngine.from_policy(policy, pad_id)
+    from megatron_rl.inference.vllm_engine import EngineError, EngineStartError, VLLMEngine
+
+    work_dir = Path(config.rl.logging.output_dir) / "engine"
+    if policy.groups.rank == 0:
+        print(f"megatron_rl main job: starting the vLLM engine (log: {work_dir / 'engine.log'})", flush=True)
+    try:
+        return VLLMEngine.start(policy, config.rollout, hf_dir=config.rl.model.hf_path, work_dir=work_dir,
+                                seed=config.rl.seed)
+    except (ValueError, EngineStartError, EngineError) as err:  # ValueError: no engine environment
+        raise EngineProblem(str(err)) from err
+
+
+def run(job: Job) -> int:
+    """Resume if possible, then RL steps until ``job.num_steps``; returns the process exit code."""
+    config = job.config
+    start_step = resume(job)
+    if start_step > 0:  # the engine started on the initial weights: give it the checkpoint's (free for builtin)
+        job.engine.update_weights(job.policy)
+    reporter = open_reporter(job, start_step)
+    baseline = job.environment.random_baseline(config.rl.seed) if job.is_rank0 else None
+    started, step = time.time(), start_step
+    try:
+        for step in range(start_step + 1, config.job.num_steps + 1):
+            metrics = rl_step(job, step)
+            if due(config.eval.interval, step, config.job.num_steps):
+                metrics.update(evaluate(job, step))
+            if reporter is not None:
+                reporter.log_step(step, metrics)
+            if checkpoint_due(config, step):
+                save(job, step)
+            if config.rl.model.hf_path and config.export.enabled and due(config.export.interval, step,
+                                                                          config.job.num_steps, always_last=True):
+                export(job, step, reporter)
+    except KeyboardInterrupt:  # saves are atomic: an interrupted save leaves the previous checkpoint as latest
+        if reporter is not None:
+            reporter.close()
+            print(f"\ninterrupted during step {step}; the last complete checkpoint in {job.save_dir} is kept. "
+                  "Run the same command again to resume from it.", file=sys.stderr)
+        return 130
+    if reporter is not None:
+        summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
+        print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
+              f"summary.txt); checkpoints: {job.save_dir}", flush=True)
+    return 0
+
+
+def rl_step(job: Job, step: int) -> dict[str, float]:
+    """Rollouts with the current policy, then one train step, then the engine's weight sync when due. Same on
+    every rank (seeded by (seed, step))."""
+    config, rl = job.config, job.config.rl
+    started = time.perf_counter()
+    rollouts = job.environment.rollout(
+        job.engine, job.sampling,
+        num_prompts=rl.batch.train_batch_size,
+        n_samples_per_prompt=config.job.n_samples_per_prompt,
+        seed=rollout_seed(rl.seed, step),
+        step_wise=rl.stepwise.step_wise_trajectories,
+    )
+    check_ranks_agree(job.groups, rollouts.output["response_ids"])
+    rollout_s = time.perf_counter() - started
+    metrics = job.trainer.train_step(rollouts.output)
+    metrics.update(rollouts.metrics)
+    metrics["timing/rollout_s"] = rollout_s
+    if step % config.rollout.sync_interval == 0:
+        sync_s = job.engine.update_weights(job.policy)
+        if config.rollout.engine != "builtin":  # the built-in engine shares the policy: always 0
+            metrics["timing/weight_sync_s"] = sync_s
+    metrics["timing/step_s"] = time.perf_counter() - started
+    return metrics
+
+
+def due(interval: int, step: int, last_step: int, *, always_last: bool = False) -> bool:
+    """Every ``interval`` steps (0 = never, or only at ``last_step`` with ``always_last``); the last step too
+    when the interval is on."""
+    if interval <= 0:
+        return always_last and step == last_step
+    return step % interval == 0 or step == last_step
+
+
+def evaluate(job: Job, step: int) -> dict[str, float]:
+    """``eval/reward_mean`` and ``eval/pass_rate`` on the held-out prompts (collective), plus its time."""
+    started = time.perf_counter()
+    ev = job.config.eval
+    metrics = job.environment.evaluate(job.engine, job.eval_sampling, seed=rollout_seed(job.config.rl.seed, -2 - step),
+                                       num_prompts=ev.num_prompts, pass_threshold=ev.pass_threshold)
+    metrics["timing/eval_s"] = time.perf_counter() - started
+    return metrics
+
+
+def export(job: Job, step: int, reporter: RunReporter | None) -> None:
+    """HF export of the policy into ``<export dir>/step_<N>`` (collective; written under a temporary name and
+    renamed, so a directory with the final name is always complete)."""
+    from megatron_rl.hf.weights import export_policy_to_hf
+
+    final = job.config.export_dir / f"step_{step}"
+    tmp = final.with_name(f".tmp.{final.name}")
+    if job.is_rank0 and tmp.exists():
+        shutil.rmtree(tmp)
+    export_policy_to_hf(job.policy, tmp)  # rank 0 writes; ends with a barrier
+    if job.is_rank0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if reporter is not None:
+            reporter.write(f"exported the policy of step {step} as a Hugging Face checkpoint: {final}")
+
+
+def check_ranks_agree(groups: ParallelGroups, responses: list) -> None:
+    """Every rank must have sampled the same tokens, else each would train on different data (silently)."""
+    from megatron_rl.distributed.metrics import reduce_metrics
+
+    checksum = zlib.crc32(json.dumps(responses).encode())
+    probe = {"max": Metric(checksum, 1.0, "max"), "min": Metric(checksum, 1.0, "min")}
+    for name in ("dp_group", "tp_group", "pp_group", "cp_group"):
+        agreed = reduce_metrics(probe, getattr(groups, name))
+        if agreed["max"].value != agreed["min"].value:
+            raise RuntimeError(f"ranks of the {name} sampled different rollouts (checksums {agreed['min'].value} "
+                               f"vs {agreed['max'].value}): sampling must be identical on every rank")
+
+
+def open_reporter(job: Job, start_step: int) -> RunReporter | None:
+    if not job.is_rank0:
+        return None
+    config, logging = job.config, job.config.rl.logging
+    output_dir = Path(logging.output_dir)
+    dump_job_config(config, output_dir / "config.yaml")
+    g = job.groups
+    layout = f"TP{g.tp_size} PP{g.pp_size} DP{g.dp_size}" + (f" CP{g.cp_size}" if g.cp_size > 1 else "")
+    print(f"megatron_rl main job: {g.world_size} rank(s) ({layout}); outputs in {output_dir.resolve()}, "
+          f"checkpoints in {job.save_dir.resolve()}" + (f"; resuming after step {start_step}" if start_step else ""),
+          flush=True)
+    return RunReporter(output_dir, total_steps=config.job.num_steps, start_step=start_step,
+                       tensorboard=logging.tensorboard, progress_bar=logging.progress_bar,
+                       log_interval=logging.log_interval)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------------------------
+
+def checkpoint_due(config: JobConfig, step: int) -> bool:
+    """Every ``checkpoint.save_interval`` steps (0 = never in between) and always after the last step."""
+    return due(config.rl.checkpoint.save_interval, step, config.job.num_steps, always_last=True)
+
+
+def save(job: Job, step: int) -> None:
+    """Atomic distributed checkpoint of the policy (model, optimizer, LR schedule, RNG) and the loop state (step,
+    optimizer steps, the environment's data position); the critic's (model, optimizer, LR schedule) in
+    ``save_dir/critic`` first (``checkpoint/critic.py``)."""
+    from megatron_rl.checkpoint import save_with_critic
+    from megatron_rl.checkpoint.dist import STORAGE_ERRNOS
+
+    try:
+        save_with_critic(job.policy, job.critic, job.save_dir,
+                         {"step": step, "optimizer_steps": job.trainer.optimizer_steps,
+                          "environment": job.environment.state_dict()})
+    except RuntimeError as err:
+        if isinstance(err.__cause__, OSError) and err.__cause__.errno in STORAGE_ERRNOS:
+            raise CheckpointProblem(str(err), code=1) from err
+        raise
+
+
+def resume(job: Job) -> int:
+    """Load the newest checkpoint of ``save_dir`` that verifies if ``checkpoint.resume``; returns its step (or 0).
+
+    Any ``step_*`` directory means "resume": when none of them verifies, the job stops (exit code 2) instead
+    of starting over and truncating the history in ``metrics.jsonl``.
+    """
+    from megatron_rl.checkpoint import load_with_critic
+    from megatron_rl.checkpoint.layout import checkpoint_dirs
+
+    if not job.config.rl.checkpoint.resume or not checkpoint_dirs(job.save_dir):
+        return 0
+    try:
+        state = load_with_critic(job.policy, job.critic, job.save_dir)
+    except ValueError as err:
+        raise CheckpointProblem(str(err), code=2) from err
+    job.trainer.optimizer_steps = int(state.get("optimizer_steps", 0))
+    job.environment.load_state_dict(state.get("environment", {}))
+    return int(state["step"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""What the main job shows and leaves behind (rank 0 only): progress bar, metrics files, plot, summary.
+
+Place in the data flow: the last stage of every RL step of ``megatron_rl/job/main.py`` (``RunReporter.log_step``) and
+of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
+
+    metrics.jsonl        one JSON object per logged step: {"step": n, "time_s": ..., <metric>: <float>, ...}
+    tensorboard/         the same scalars as TensorBoard events (when logging.tensorboard and tensorboard exist)
+    reward_loss.png      reward (and eval reward / pass rate, when evaluated) and policy loss vs step (matplotlib)
+    summary.txt          one paragraph: start reward, end reward, random baseline (if any), last eval, wall time
+
+Resuming appends to ``metrics.jsonl``; lines of steps after the resume point (a crashed tail) are dropped first,
+so the file holds each step once. Every file rewritten here (the truncated ``metrics.jsonl``, ``summary.txt``,
+``reward_loss.png``) is replaced atomically (``megatron_rl/atomic.py``): a kill at any instant leaves the old
+or the new version, so a resume keeps every row up to its checkpoint. TensorBoard resumes with
+``purge_step=start_step + 1``: events of steps after the checkpoint (the crashed tail) are hidden, none twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.atomic import atomic_replace, atomic_write_text
+
+REWARD_KEY = "reward/mean"
+LOSS_KEY = "policy/loss"
+EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate")
+
+
+def read_metrics(path: Path) -> list[dict[str, float]]:
+    """Rows of a metrics JSONL file (an unreadable trailing line, from a killed run, is ignored)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Keep only rows with ``step <= last_step`` (called when resuming from the checkpoint of ``last_step``)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True) if _step_of_line(line) <= last_step]
+    atomic_write_text(path, "".join(line if line.endswith("\n") else line + "\n" for line in kept))
+
+
+def _step_of_line(line: str) -> float:
+    """The step of one JSONL row; an unreadable line (a killed writer's torn tail) counts as after every step."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
+
+
+def _points(rows: list[dict[str, float]], key: str) -> list[tuple[float, float]]:
+    return [(r["step"], r[key]) for r in rows if key in r and math.isfinite(r[key])]
+
+
+def plot_reward_and_loss(rows: list[dict[str, float]], png_path: Path, *, baseline: float | None = None) -> None:
+    """Two panels, reward and policy loss vs step; the evaluation's reward and pass rate on the reward panel
+    when the run evaluated; a dashed line at the random baseline reward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reward, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key in ((ax_reward, REWARD_KEY), (ax_loss, LOSS_KEY)):
+        points = _points(rows, key)
+        if points:
+            ax.plot(*zip(*points), marker=".", linewidth=1, label=key)
+        ax.set_xlabel("train step")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    evaluated = False
+    for key in EVAL_KEYS:
+        points = _points(rows, key)
+        if points:
+            ax_reward.plot(*zip(*points), marker="o", linewidth=1, label=key)
+            evaluated = True
+    if baseline is not None:
+        ax_reward.axhline(baseline, linestyle="--", color="gray", label=f"random policy {baseline:.3f}")
+    if baseline is not None or evaluated:
+        ax_reward.legend(loc="lower right")
+    fig.tight_layout()
+    with atomic_replace(png_path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+
+
+def window_mean(rows: list[dict[str, float]], key: str, *, first: bool, window: int = 5) -> float:
+    """Mean of ``key`` over the first (or last) ``window`` rows that have it; NaN when none do."""
+    values = [r[key] for r in rows if key in r]
+    values = values[:window] if first else values[-window:]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, wall_time_s: float,
+                      window: int = 5) -> str:
+    """One paragraph: reward at the start and end of training (means over ``window`` steps), the random baseline
+    (when the environment has one), the first and last evaluation (when the run evaluated)."""
+    start = window_mean(rows, REWARD_KEY, first=True, window=window)
+    end = window_mean(rows, REWARD_KEY, first=False, window=window)
+    steps = int(rows[-1]["step"]) if rows else 0
+    verdict = "learned" if end > max(start, baseline if baseline is not None else start) + 0.1 else \
+        "did not clearly learn"
+    text = (
+        f"After {steps} train steps ({wall_time_s:.0f} s of wall time in this run), the policy {verdict}: mean "
+        f"reward {start:.3f} over the first {window} steps -> {end:.3f} over the last {window} steps"
+    )
+    if baseline is not None:
+        text += f", against {baseline:.3f} for a uniformly random policy (rewards are in [0, 1])"
+    evals = [r for r in rows if EVAL_KEYS[0] in r]
+    if evals:
+        first, last = evals[0], evals[-1]
+        text += (f"; evaluation (step {int(first['step'])} -> {int(last['step'])}): reward "
+                 f"{first[EVAL_KEYS[0]]:.3f} -> {last[EVAL_KEYS[0]]:.3f}, pass rate "
+                 f"{first.get(EVAL_KEYS[1], float('nan')):.3f} -> {last.get(EVAL_KEYS[1], float('nan')):.3f}")
+    return text + "."
+
+
+@dataclass
+class RunReporter:
+    """Rank-0 outputs of the main job. Construct only on rank 0."""
+
+    output_dir: Path
+    total_steps: int
+    start_step: int = 0
+    tensorboard: bool = True
+    progress_bar: bool = True
+    log_interval: int = 1
+    """Steps between printed metric lines when there is no progress bar."""
+
+    def __post_init__(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        truncate_metrics(self.metrics_path, self.start_step)
+        self._tb = self._open_tensorboard() if self.tensorboard else None
+        self._bar = self._open_progress_bar() if self.progress_bar else None
+
+    def _open_tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            print("reporting: tensorboard is not installed; metrics go to metrics.jsonl only")
+            return None
+        # purge_step: on resume, events at steps > start_step (written after the checkpoint) are discarded
+        purge_step = self.start_step + 1 if self.start_step > 0 else None
+        return SummaryWriter(str(self.output_dir / "tensorboard"), purge_step=purge_step)
+
+    def _open_progress_bar(self):
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.start_step, desc="RL steps", dynamic_ncols=True)
+
+    def log_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Append the step's metrics to the JSONL file and TensorBoard, advance the bar with live reward/loss."""
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._bar is None and step % self.log_interval == 0:
+            print(f"step {step}/{self.total_steps}  reward {metrics.get(REWARD_KEY, float('nan')):.3f}  "
+                  f"loss {metrics.get(LOSS_KEY, float('nan')):.4f}", flush=True)
+        if self._bar is not None:
+            self._bar.set_postfix(reward=f"{metrics.get(REWARD_KEY, float('nan')):.3f}",
+                                  loss=f"{metrics.get(LOSS_KEY, float('nan')):.4f}")
+            self._bar.update(1)
+
+    def write(self, message: str) -> None:
+        """Print without breaking the progress bar."""
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def finish(self, *, baseline: float | None, wall_time_s: float) -> str:
+        """Close the bar and writers, save the plot and the summary; returns the summary paragraph."""
+        self.close()
+        rows = read_metrics(self.metrics_path)
+        plot_reward_and_loss(rows, self.output_dir / "reward_loss.png", baseline=baseline)
+        summary = summary_paragraph(rows, baseline=baseline, wall_time_s=wall_time_s)
+        atomic_write_text(self.output_dir / "summary.txt", summary + "\n")
+        return summary
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

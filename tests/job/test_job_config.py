@@ -1,0 +1,59 @@
+"""The job config: the environment chosen from the keys, what single_turn needs, the demo's old keys, the
+derived directories, and a round trip through config.yaml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError
+from megatron_rl.job.config import dump_job_config, load_job_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = ROOT / "configs" / "demo_cpu.yaml"
+ARITH = ROOT / "configs" / "arithmetic_cpu.yaml"
+GENERIC = ["model.hf_path=some/model", "data.train_files=examples/arithmetic/train.jsonl",
+           "reward.function=examples/arithmetic/reward.py:reward"]
+
+
+def test_the_environment_follows_the_keys():
+    assert load_job_config(CPU).environment == "next_digit"
+    generic = load_job_config(CPU, GENERIC)
+    assert generic.environment == "single_turn" and generic.rl.model.hf_path == "some/model"
+    assert load_job_config(ARITH).environment == "single_turn"
+
+
+@pytest.mark.parametrize("missing", ["model.hf_path", "data.train_files", "reward.function"])
+def test_single_turn_names_what_it_needs(missing):
+    overrides = [o for o in GENERIC if not o.startswith(missing)] + ["job.environment=single_turn"]
+    with pytest.raises(ConfigError, match=f"single_turn needs {missing}"):
+        load_job_config(CPU, overrides)
+
+
+def test_rules_between_sections():
+    with pytest.raises(ConfigError, match="data.val_files is not set"):
+        load_job_config(CPU, [*GENERIC, "eval.interval=5"])
+    with pytest.raises(ConfigError, match="unset model.hf_path"):
+        load_job_config(CPU, ["model.hf_path=x", "job.environment=next_digit"])
+    with pytest.raises(ConfigError, match="job.top_p=0.0 is out of range"):
+        load_job_config(CPU, ["job.top_p=0"])
+    with pytest.raises(ConfigError, match=r"job.environment='chess' is not one of \['auto', 'next_digit'"):
+        load_job_config(CPU, ["job.environment=chess"])
+    with pytest.raises(ConfigError, match="did you mean 'data.train_files'"):
+        load_job_config(CPU, ["data.train_file=x.jsonl"])
+
+
+def test_old_demo_keys_and_directories():
+    config = load_job_config(CPU, ["demo.num_steps=7", "demo.num_turns=2", "demo.temperature=0.5",
+                                   "logging.output_dir=/tmp/o"])
+    assert (config.job.num_steps, config.next_digit.num_turns, config.job.temperature) == (7, 2, 0.5)
+    assert config.save_dir == Path("/tmp/o/checkpoints") and config.export_dir == Path("/tmp/o/hf")
+    assert load_job_config(CPU, ["export.dir=/x"]).export_dir == Path("/x")
+
+
+def test_dump_round_trip(tmp_path):
+    config = load_job_config(ARITH, ["data.train_files=[a.jsonl, b.parquet]"])
+    assert config.data.paths("train_files") == ["a.jsonl", "b.parquet"]
+    dump_job_config(config, tmp_path / "config.yaml")
+    assert load_job_config(tmp_path / "config.yaml") == config
