@@ -16,10 +16,13 @@ bf16 (trainer and engine; the real Qwen3-0.6B is bf16): ``tiny`` (the engine tes
 head_dim 128, vocab 151936, tied embeddings). The trainer side is a frozen ``MegatronPolicy``
 (role='reference': no optimizer state; the sync reads the same parameters as a trainable policy's).
 
-Per (model, layout) a fresh group of ranks (spawned, one torch thread each) starts one engine, then per bucket
-size: the raw bandwidth (``engine.raw_bandwidth(bucket)``: plain gloo broadcasts of one bucket from sender 0
-to the engine), one warm-up sync (reported separately as ``first_s``) and ``--repeats`` timed syncs (median);
-then the same with ``weight_transport=disk``. Effective MB/s = bytes of HF tensors the engine received /
+Per (model, layout) a fresh group of ranks (spawned, one torch thread each) starts one engine, then runs
+``1 + --repeats`` rounds; a round = one sync per variant (each bucket size over gloo, then
+``weight_transport=disk``), the order rotated every round so that the load of a shared machine spreads over
+all variants. Round 0 is the warm-up (reported separately as ``first_s``, not in the median); "sync s" is the
+median of the other rounds. Right before each gloo sync, the raw bandwidth of that bucket size
+(``engine.raw_bandwidth(bucket)``: 3 plain gloo broadcasts of one bucket from sender 0 to the engine; median
+over the rounds). Effective MB/s = bytes of HF tensors the engine received /
 seconds of ``update_weights`` (conversion, TP gather, transfer, store round trips and the engine's reload
 included). Memory: a thread samples VmRSS every ~2 ms on each rank during ``update_weights``; "peak extra" is
 the peak minus the RSS just before (after ``malloc_trim``), compared with bucket + largest HF tensor (a
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -213,14 +217,6 @@ def _measure(rank: int, world: int, point: dict) -> dict:
                 engine.sender.store.set(f"bench/rtt{i}", "x" * 512)
                 rtts.append(time.perf_counter() - t)
             out["store_set_ms"] = statistics.median(rtts) * 1e3
-        for mib in buckets:
-            engine.sender.bucket_bytes = int(mib * MIB)
-            dist.barrier()
-            raw = engine.raw_bandwidth(int(mib * MIB)) if rank == 0 else None
-            dist.barrier()
-            syncs = [_timed_sync(engine, policy, groups) for _ in range(1 + point["repeats"])]
-            out["buckets"][mib] = {"raw_bytes_s": raw, "syncs": syncs}
-        engine.transport = "disk"
         reload_s: list[float] = []
         if rank == 0:
             real_call = engine.process.call
@@ -233,8 +229,23 @@ def _measure(rank: int, world: int, point: dict) -> dict:
                 return value
 
             engine.process.call = timed_call
-        out["disk"] = {"syncs": [_timed_sync(engine, policy, groups) for _ in range(1 + point["repeats"])],
-                       "reload_s": reload_s}
+        variants = [*buckets, "disk"]
+        out["buckets"] = {mib: {"raw_bytes_s": [], "syncs": []} for mib in buckets}
+        out["disk"] = {"syncs": [], "reload_s": reload_s}
+        for round_ in range(1 + point["repeats"]):  # round 0 = warm-up; order rotated every round
+            shift = round_ % len(variants)
+            for variant in variants[shift:] + variants[:shift]:
+                if variant == "disk":
+                    engine.transport = "disk"
+                    out["disk"]["syncs"].append(_timed_sync(engine, policy, groups))
+                    continue
+                engine.transport = "gloo"
+                engine.sender.bucket_bytes = int(variant * MIB)
+                dist.barrier()
+                if rank == 0:
+                    out["buckets"][variant]["raw_bytes_s"].append(engine.raw_bandwidth(int(variant * MIB)))
+                dist.barrier()
+                out["buckets"][variant]["syncs"].append(_timed_sync(engine, policy, groups))
         completions = engine.generate([[5, 6, 7]], SamplingSpec(max_tokens=2, stop_token_ids=(2,)), seed=0)
         out["generated"] = len(completions[0].token_ids)
     finally:
@@ -298,12 +309,14 @@ def summarize(model: str, layout: str, buckets: list[float], ranks: list[dict]) 
         nbytes, tensors = received.pop()
         check(nbytes == convert_bytes, f"{model} {layout}: engine got {nbytes} bytes, conversion gave {convert_bytes}")
         sync_s = statistics.median(s["s"] for s in timed0)
-        raw = r0["buckets"][mib]["raw_bytes_s"]
+        raws = r0["buckets"][mib]["raw_bytes_s"]
+        raw = statistics.median(raws)
         peak = max(max(s["peak_extra_mib"] for s in syncs[1:]) for syncs in per_rank)
         bound = (mib * MIB + largest) / MIB
         row["buckets"].append({
             "bucket_mib": mib, "first_s": per_rank[0][0]["s"], "sync_s": sync_s, "syncs_s": [s["s"] for s in timed0],
-            "mb_s": nbytes / sync_s / 1e6, "raw_mb_s": raw / 1e6, "ratio_to_raw": nbytes / sync_s / raw,
+            "min_s": min(s["s"] for s in timed0), "mb_s": nbytes / sync_s / 1e6, "raw_mb_s": raw / 1e6,
+            "raw_mb_s_all": [r / 1e6 for r in raws], "ratio_to_raw": nbytes / sync_s / raw,
             "tensors": tensors, "engine_buckets": timed0[-1]["engine"]["buckets"],
             "engine_s": statistics.median(s["engine"]["seconds"] for s in timed0),
             "sender_s": statistics.median(s["sender"]["seconds"] for s in timed0),
@@ -315,7 +328,7 @@ def summarize(model: str, layout: str, buckets: list[float], ranks: list[dict]) 
     disk = [r["disk"]["syncs"] for r in ranks]
     disk_s = statistics.median(s["s"] for s in disk[0][1:])
     row["disk"] = {"first_s": disk[0][0]["s"], "sync_s": disk_s, "syncs_s": [s["s"] for s in disk[0][1:]],
-                   "mb_s": convert_bytes / disk_s / 1e6,
+                   "min_s": min(s["s"] for s in disk[0][1:]), "mb_s": convert_bytes / disk_s / 1e6,
                    "reload_s": statistics.median(r0["disk"]["reload_s"][1:]),
                    "peak_extra_mib": max(max(s["peak_extra_mib"] for s in syncs[1:]) for syncs in disk)}  # fmt: skip
     check(all(r["generated"] >= 1 for r in ranks), f"{model} {layout}: no tokens generated after the syncs")
@@ -368,6 +381,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON results (default bench/results/weight_sync.json; none with --small)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up (ranks, engines) on a kill
     if args.small:
         args.models, args.layouts, args.buckets, args.repeats = ["tiny"], ["tp1"], [1.0], 1
     out = args.out or (None if args.small else Path(__file__).resolve().parent / "results" / "weight_sync.json")
