@@ -51,4 +51,6 @@ echo "run_megatron.sh: outputs (metrics.jsonl, tensorboard/, reward_loss.png, su
 # directories writable, free space; a failure is one line on stderr and exit code 2, before any rank starts.
 world=(); [[ "$NPROC$NNODES" =~ ^[0-9]+$ ]] && world=(--world-size "$((NPROC * NNODES))")  # elastic MIN:MAX: skip
 "$PY" -m megatron_rl.demo.preflight --config "$CONFIG" "${world[@]}" "$@" || exit $?
-exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.demo.main --config "$CONFIG" "$@"
+# torchrun through megatron_rl.distributed.launch: an error the ranks report (a config or checkpoint mistake) is
+# one line and its exit code instead of torchrun's failure report.
+exec "$PY" -m megatron_rl.distributed.launch --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.demo.main --config "$CONFIG" "$@"

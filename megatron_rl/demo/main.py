@@ -18,14 +18,15 @@ A configuration mistake (``ConfigError``: a bad key or value, a world size the p
 printed once, by rank 0, without a traceback, and every rank exits with code 2. So is a resume that finds no
 checkpoint that verifies (a ``ValueError`` naming each one; a damaged newest one alone is skipped with a
 warning, see ``megatron_rl/checkpoint/dist.py``) and a save that hits a full or read-only disk (one line naming
-the directory and the intact previous checkpoint; exit code 1). Anything else is a bug and keeps its traceback.
+the directory and the intact previous checkpoint; exit code 1). Under ``run_megatron.sh`` the launcher prints
+that line instead of torchrun's failure report (``megatron_rl/distributed/launch.py``). Anything else is a bug
+and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -101,10 +102,12 @@ def report_config_error(err: ConfigError) -> int:
 
 
 def report_error(message: str, *, kind: str, code: int) -> int:
-    """Rank 0 prints ``message`` once (no traceback: every rank raised the same error); returns ``code``."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"megatron_rl: {kind}: {message}", file=sys.stderr, flush=True)
-    return code
+    """``message`` shown once (no traceback: every rank raised the same error; under ``run_megatron.sh`` the
+    launcher prints it instead of torchrun's failure report, ``megatron_rl/distributed/launch.py``); returns
+    ``code``."""
+    from megatron_rl.distributed.launch import report_error as report
+
+    return report(f"megatron_rl: {kind}: {message}", code=code)
 
 
 class CheckpointProblem(Exception):
