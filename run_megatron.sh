@@ -45,10 +45,10 @@ else
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), config $CONFIG${*:+, overrides: $*}"
-echo "run_megatron.sh: outputs (metrics.jsonl, tensorboard/, reward_loss.png, summary.txt, checkpoints/) go to" \
-  "logging.output_dir of the config (configs/demo_cpu.yaml: outputs/demo_cpu); rank 0 prints the full path"
 # Pre-flight on this node (no model, no process group): config valid for this world size, output and checkpoint
-# directories writable, free space; a failure is one line on stderr and exit code 2, before any rank starts.
+# directories writable, free space, a resume target of this model and algorithm; it prints the output and
+# checkpoint directories of the config as resolved (overrides included). A failure is one line on stderr and
+# exit code 2, before any rank starts.
 world=(); [[ "$NPROC$NNODES" =~ ^[0-9]+$ ]] && world=(--world-size "$((NPROC * NNODES))")  # elastic MIN:MAX: skip
 "$PY" -m megatron_rl.demo.preflight --config "$CONFIG" "${world[@]}" "$@" || exit $?
 # torchrun through megatron_rl.distributed.launch: an error the ranks report (a config or checkpoint mistake) is
