@@ -7,7 +7,7 @@ demo's fields. ``batch.n_samples_per_prompt`` (where the group size used to live
 ``demo.n_samples_per_prompt``: only the demo's rollouts use it.
 
 Validation follows ``megatron_rl.config``: ``DemoConfig`` checks its fields on construction, ``DemoJobConfig``
-the rules between the demo and the library config (``check_demo_config``).
+the rules between the demo and the library config (``check_demo_config``, ``check_rollout_shapes``).
 """
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ class DemoConfig(ConfigSection):
     baseline_episodes: int = field(default=2000, metadata=NON_NEGATIVE)
     """Episodes a uniformly random policy plays to estimate the random-baseline reward of the summary."""
 
+    def max_sequence_length(self) -> int:
+        """Tokens of the longest sequence the game can make: ``num_turns x (max_new_tokens + 3)`` (a 3-token
+        first prompt, then per turn a response of at most ``max_new_tokens`` and, but after the last turn, a
+        3-token observation; demo/environment.py). Both rollout layouts reach it (demo/rollout.py)."""
+        return self.num_turns * (self.max_new_tokens + 3)
+
 
 def check_demo_config(config: MegatronRLConfig, tokenizer: DigitTokenizer) -> None:
     """The demo's rules on the library config: its own 16-token vocabulary, a model trained from scratch."""
@@ -69,6 +75,35 @@ def check_demo_config(config: MegatronRLConfig, tokenizer: DigitTokenizer) -> No
                           "own 16-token vocabulary; unset model.hf_path")
 
 
+def check_rollout_shapes(config: MegatronRLConfig, demo: DemoConfig) -> None:
+    """The demo's longest sequence (``DemoConfig.max_sequence_length``) must fit the model's positions and, with a
+    token budget, one micro-batch (packed to the alignment of ``data/packing.py: packing_alignment``). The config
+    alone decides both, so they are ConfigErrors at load (the pre-flight's, before any rank starts) instead of
+    the trainer's ValueError after the first rollouts."""
+    from megatron_rl.data.packing import packing_alignment
+
+    longest = demo.max_sequence_length()
+    shape = (f"demo.num_turns x (demo.max_new_tokens + 3) = {demo.num_turns} x ({demo.max_new_tokens} + 3) = "
+             f"{longest} tokens")
+    if longest > config.model.max_position_embeddings:
+        raise ConfigError(
+            f"model.max_position_embeddings={config.model.max_position_embeddings} is below the demo's longest "
+            f"sequence, {shape}; set model.max_position_embeddings={longest} (or more), or lower demo.num_turns / "
+            "demo.max_new_tokens"
+        )
+    budget = config.batch.max_tokens_per_micro_batch
+    parallel = config.parallel
+    align = packing_alignment(parallel.tensor_model_parallel_size, parallel.context_parallel_size,
+                              parallel.sequence_parallel)
+    packed = -(-longest // align) * align
+    if budget is not None and budget < packed:
+        raise ConfigError(
+            f"batch.max_tokens_per_micro_batch={budget} is below one sequence of the demo, {shape}"
+            + (f", packed to {packed} (a multiple of {align})" if packed != longest else "")
+            + f"; set batch.max_tokens_per_micro_batch={packed} (or more), or lower demo.num_turns / demo.max_new_tokens"
+        )
+
+
 @dataclass(kw_only=True)
 class DemoJobConfig:
     """What the main job runs with: the library config (``rl``) and the demo section (``demo``)."""
@@ -80,6 +115,7 @@ class DemoJobConfig:
 
     def __post_init__(self) -> None:
         check_demo_config(self.rl, DigitTokenizer())
+        check_rollout_shapes(self.rl, self.demo)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout: the library's sections, then ``demo`` (``load_demo_config`` reads it back)."""

@@ -40,11 +40,23 @@ def test_demo_overrides_and_the_moved_group_size_key():
         ("demo.group_size=3", "did you mean 'demo.n_samples_per_prompt'"),
         ("model.vocab_size=32", "model.vocab_size=32 but the demo tokenizer has 16"),
         ("optimizer.lr=.inf", "optimizer.lr=inf is out of range"),
+        # the rollout shapes the config decides (3 turns x (3 new tokens + 3) = 18 tokens), found at load
+        ("model.max_position_embeddings=17", "set model.max_position_embeddings=18 (or more)"),
+        ("batch.max_tokens_per_micro_batch=17", "set batch.max_tokens_per_micro_batch=18 (or more)"),
     ],
 )
 def test_demo_config_errors_name_the_key(override, needle):
-    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("(", r"\(")):
-        load_demo_config(CPU, [override])
+    overrides = [override, "batch.micro_batch_size=null"] if "max_tokens" in override else [override]
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
+        load_demo_config(CPU, overrides)
+
+
+def test_rollout_shapes_at_the_bound_and_packed_for_cp():
+    assert load_demo_config(CPU, ["model.max_position_embeddings=18", "batch.micro_batch_size=null",
+                                  "batch.max_tokens_per_micro_batch=18"])
+    with pytest.raises(ValueError, match=r"packed to 20 \(a multiple of 4\); set batch.max_tokens_per_micro_batch=20"):
+        load_demo_config(CPU, ["parallel.context_parallel_size=2", "batch.micro_batch_size=null",
+                               "batch.max_tokens_per_micro_batch=18"])
 
 
 def test_dump_round_trip(tmp_path):
