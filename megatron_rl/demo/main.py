@@ -10,7 +10,8 @@ Place in the data flow: the outermost loop, an application of the library (nothi
 At the end (rank 0): ``reward_loss.png`` and ``summary.txt`` in ``logging.output_dir``. Rollouts of step ``k``
 depend only on ``(seed, k)`` and the weights, so a run resumed from the checkpoint of step ``k`` continues exactly
 as the uninterrupted run would have. Ctrl-C keeps the last complete checkpoint (saves are atomic); running the
-same command again resumes from it.
+same command again resumes from it; running it again after the last step prints one line (the step the run
+finished at, and what to change) and rewrites nothing.
 
     python -m megatron_rl.demo.main --config configs/demo_cpu.yaml [section.key=value ...]
 
@@ -165,6 +166,8 @@ def run(job: Job) -> int:
     """Resume if possible, then RL steps until ``demo.num_steps``; returns the process exit code."""
     config = job.config
     start_step = resume(job)
+    if start_step >= config.demo.num_steps:
+        return report_finished(job, start_step)
     reporter = open_reporter(job, start_step)
     baseline = random_baseline(job) if job.is_rank0 else 0.0
     next_token_logprobs = policy_next_token_logprobs(job.policy, job.tokenizer.pad_token_id)
@@ -186,6 +189,19 @@ def run(job: Job) -> int:
         summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
               f"summary.txt); checkpoints: {job.save_dir}", flush=True)
+    return 0
+
+
+def report_finished(job: Job, step: int) -> int:
+    """The run in ``save_dir`` already reached ``demo.num_steps``: one line on rank 0 saying so and what to
+    change; exit code 0 (the state the command asks for holds, as for ``make`` on a built target). Nothing in
+    the output directory is rewritten: its config.yaml and summary.txt keep describing the run that happened."""
+    if job.is_rank0:
+        demo, output_dir = job.config.demo, job.config.rl.logging.output_dir
+        print(f"megatron_rl: the run in {job.save_dir} finished at step {step} (demo.num_steps={demo.num_steps}); "
+              f"nothing to do, nothing rewritten. To train on, raise demo.num_steps (e.g. demo.num_steps="
+              f"{step + demo.num_steps}); for a new run, set a new logging.output_dir (now {output_dir})",
+              flush=True)
     return 0
 
 

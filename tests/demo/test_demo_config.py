@@ -90,3 +90,22 @@ def test_main_world_size_error_before_any_collective(monkeypatch, capsys):
     assert main(["--config", str(CPU), "parallel.tensor_model_parallel_size=2"]) == 2
     assert "world size 3 is not divisible" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+def test_a_finished_run_says_so_in_one_line_and_rewrites_nothing(monkeypatch, capsys, tmp_path):
+    """Run again after its last step (here: the checkpoint is at step 5, demo.num_steps=5): exit code 0, one
+    line naming the step and the keys to change, and no file of the output directory is written."""
+    from types import SimpleNamespace
+
+    import megatron_rl.demo.main as main_module
+
+    out = tmp_path / "out"
+    out.mkdir()
+    job = SimpleNamespace(config=load_demo_config(CPU, ["demo.num_steps=5", f"logging.output_dir={out}"]),
+                          save_dir=out / "checkpoints", is_rank0=True)
+    monkeypatch.setattr(main_module, "resume", lambda job: 5)
+    assert main_module.run(job) == 0
+    printed, err = capsys.readouterr()
+    assert err == "" and printed.count("\n") == 1, printed
+    assert "finished at step 5" in printed and "demo.num_steps=10" in printed and "logging.output_dir" in printed
+    assert list(out.iterdir()) == []  # no config.yaml, summary.txt, plot, metrics or TensorBoard events
