@@ -101,6 +101,9 @@ def test_run_megatron_dp2_then_resume(tmp_path: Path) -> None:
     env["MASTER_PORT"] = str(free_port())
     out = finish(launch(env, [*common, "demo.num_steps=3"]))
     assert "resuming after step 2" in out
+    from megatron_rl.warnings_filter import MEGATRON_CORE_CALL_WARNINGS
+
+    assert not [text for _, text in MEGATRON_CORE_CALL_WARNINGS if text in out], out  # a quiet resume
     rows = check_run(out_dir, 3)
     assert rows[:2] == first  # steps 1-2 are not re-run; step 3 continues from the loaded checkpoint
 
