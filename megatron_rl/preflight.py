@@ -114,21 +114,39 @@ def check_resume_target(config: MegatronRLConfig) -> None:
     save_dir = checkpoint_dir(config)
     if not config.checkpoint.resume or not any(p.name.startswith("step_") for p in save_dir.iterdir()):
         return
+    target = _resume_target(save_dir, config.checkpoint.resume_fallback)
+    diffs = _run_differences(target, save_dir, config) if target is not None else []
+    if diffs:
+        raise ConfigError(
+            f"checkpoint.save_dir={str(save_dir)!r} holds another run ({target[0].name}): {'; '.join(diffs)}. Resume "
+            f"it with that run's settings, or start this run elsewhere (a new logging.output_dir or checkpoint.save_dir)"
+        )
+
+
+def _resume_target(save_dir: Path, fallback: bool) -> tuple[Path, dict] | None:
+    """``(checkpoint directory, manifest)`` the ranks would try first; None when none has a manifest (the ranks
+    then report every candidate's reason)."""
+    from megatron_rl.checkpoint import layout  # megatron-core: imported only when there is something to resume
+
+    try:
+        candidates = layout.resume_candidates(save_dir, fallback)
+    except ValueError:
+        return None
+    manifests = ((ckpt, layout.manifest_or_problem(ckpt)[0]) for ckpt in candidates)
+    return next(((ckpt, manifest) for ckpt, manifest in manifests if manifest is not None), None)
+
+
+def _run_differences(target: tuple[Path, dict], save_dir: Path, config: MegatronRLConfig) -> list[str]:
+    """``"key: checkpoint a vs config b"`` for each way the saved run differs from ``config`` (see
+    ``check_resume_target``)."""
     import yaml
 
-    from megatron_rl.checkpoint import layout  # megatron-core: imported only when there is something to resume
+    from megatron_rl.checkpoint import layout
     from megatron_rl.checkpoint.critic import critic_save_dir
     from megatron_rl.checkpoint.dist import model_shape_mismatches
     from megatron_rl.config import config_to_dict
 
-    try:
-        candidates = layout.resume_candidates(save_dir, config.checkpoint.resume_fallback)
-    except ValueError:
-        return  # nothing resumable: the ranks report it with every candidate's reason
-    manifests = ((ckpt, layout.manifest_or_problem(ckpt)[0]) for ckpt in candidates)
-    ckpt, manifest = next(((c, m) for c, m in manifests if m is not None), (None, None))
-    if ckpt is None:
-        return
+    ckpt, manifest = target
     current = config_to_dict(config)
     diffs = [f"model.{d}" for d in model_shape_mismatches(manifest["model"], current["model"], "checkpoint")]
     try:
@@ -136,17 +154,14 @@ def check_resume_target(config: MegatronRLConfig) -> None:
     except (OSError, yaml.YAMLError):
         saved = {}
     for section, key in RUN_DEFINING_KEYS:
-        if section in saved and saved[section].get(key) != current[section][key]:
-            diffs.append(f"{section}.{key}: checkpoint {saved[section].get(key)!r} vs config {current[section][key]!r}")
+        was = saved.get(section, {}).get(key) if isinstance(saved.get(section), dict) else None
+        if was is not None and was != current[section][key]:
+            diffs.append(f"{section}.{key}: checkpoint {was!r} vs config {current[section][key]!r}")
     has_critic = {"checkpoint": bool(layout.checkpoint_dirs(critic_save_dir(save_dir))),
                   "config": config.critic.active(config.algorithm)}
     if has_critic["checkpoint"] != has_critic["config"]:
         diffs.append("critic: " + " vs ".join(f"{side} {'with' if has else 'without'}" for side, has in has_critic.items()))
-    if diffs:
-        raise ConfigError(
-            f"checkpoint.save_dir={str(save_dir)!r} holds another run ({ckpt.name}): {'; '.join(diffs)}. Resume it "
-            f"with that run's settings, or start this run elsewhere (a new logging.output_dir or checkpoint.save_dir)"
-        )
+    return diffs
 
 
 def check_run(config: MegatronRLConfig, world_size: int | None = None) -> list[str]:
