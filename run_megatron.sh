@@ -8,6 +8,9 @@
 #   RDZV_ENDPOINT  use c10d rendezvous at host:port instead of MASTER_ADDR/PORT
 #   extra arguments: dotted key=value overrides, e.g. optimizer.lr=1e-4 logging.output_dir=outputs/x
 # Set-up (the venv) is the README's job: this script installs nothing.
+# Exit code: 0 when the run completed, or had already reached demo.num_steps (one line says so; nothing is
+# rewritten); 2 for a usage error (config, directories, a checkpoint of another run: one line, before or after
+# the ranks start); 1 for a full or read-only disk during a save; otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PY:-$(bash scripts/setup.sh --venv)/bin/python}
