@@ -8,6 +8,9 @@
 #   RDZV_ENDPOINT  use c10d rendezvous at host:port instead of MASTER_ADDR/PORT
 #   extra arguments: dotted key=value overrides, e.g. optimizer.lr=1e-4 logging.output_dir=outputs/x
 # Set-up (the venv) is the README's job: this script installs nothing.
+# Exit code: 0 when the run completed, or had already reached demo.num_steps (one line says so; nothing is
+# rewritten); 2 for a usage error (config, directories, a checkpoint of another run: one line, before or after
+# the ranks start); 1 for a full or read-only disk during a save; otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PY:-$(bash scripts/setup.sh --venv)/bin/python}
@@ -45,10 +48,12 @@ else
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), config $CONFIG${*:+, overrides: $*}"
-echo "run_megatron.sh: outputs (metrics.jsonl, tensorboard/, reward_loss.png, summary.txt, checkpoints/) go to" \
-  "logging.output_dir of the config (configs/demo_cpu.yaml: outputs/demo_cpu); rank 0 prints the full path"
 # Pre-flight on this node (no model, no process group): config valid for this world size, output and checkpoint
-# directories writable, free space; a failure is one line on stderr and exit code 2, before any rank starts.
+# directories writable, free space, a resume target of this model and algorithm; it prints the output and
+# checkpoint directories of the config as resolved (overrides included). A failure is one line on stderr and
+# exit code 2, before any rank starts.
 world=(); [[ "$NPROC$NNODES" =~ ^[0-9]+$ ]] && world=(--world-size "$((NPROC * NNODES))")  # elastic MIN:MAX: skip
 "$PY" -m megatron_rl.job.preflight --config "$CONFIG" "${world[@]}" "$@" || exit $?
-exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.job.main --config "$CONFIG" "$@"
+# torchrun through megatron_rl.distributed.launch: an error the ranks report (a config or checkpoint mistake) is
+# one line and its exit code instead of torchrun's failure report.
+exec "$PY" -m megatron_rl.distributed.launch --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.job.main --config "$CONFIG" "$@"

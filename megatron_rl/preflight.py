@@ -8,7 +8,11 @@ found here costs a second instead of a rank start-up, a model build, or ``save_i
 - ``logging.output_dir`` and the checkpoint directory are created and proven writable (a probe file is
   written, renamed and deleted: a read-only mount or a missing permission fails here, not at the first save);
 - the free space of the checkpoint filesystem is compared with ``checkpoint.keep_last + 1`` checkpoints of
-  the estimated size (``estimate_checkpoint_bytes``): a warning when it is lower.
+  the estimated size (``estimate_checkpoint_bytes``): a warning when it is lower;
+- ``parallel.device=cuda`` needs a visible CUDA device (``bootstrap.select_device``, the rule the ranks apply);
+- a run that will resume (``checkpoint.resume`` and a ``step_*`` directory in the checkpoint directory) must
+  resume a checkpoint of this model and algorithm (``check_resume_target``): resuming another run's directory
+  would fail in the ranks (another shape) or silently switch algorithms (a critic dropped).
 
 Failures raise ``ValueError`` (a ``ConfigError`` for config values) naming the key or directory, the value and
 the fix; the command line (``main``) prints it once, without a traceback, and exits with code 2.
@@ -87,6 +91,79 @@ def check_free_space(directory: Path, config: MegatronRLConfig) -> str | None:
     return message
 
 
+def check_device(config: MegatronRLConfig) -> None:
+    """``parallel.device=cuda`` without a visible CUDA device: the ranks' ``ConfigError``, raised here first."""
+    if config.parallel.device == "cuda":
+        from megatron_rl.distributed.bootstrap import select_device
+
+        select_device(config.parallel, local_world_size=1, local_rank=0)
+
+
+RUN_DEFINING_KEYS = (("algorithm", "advantage_estimator"), ("algorithm", "policy_loss_type"))
+"""Saved config keys that make a checkpoint another run's when they differ (beyond the model's shape)."""
+
+
+def check_resume_target(config: MegatronRLConfig) -> None:
+    """ConfigError when the checkpoint a resume would load belongs to another run: another model shape
+    (``checkpoint.dist.SHAPE_FIELDS``), advantage estimator, policy loss, or a critic on one side only.
+
+    The checkpoint is the first of ``layout.resume_candidates`` with a readable manifest (the one the ranks try
+    first); whether its files verify is left to the ranks. The message names the directory, the checkpoint's
+    step and each difference, and the fix (a new output directory, or the keys of that run).
+    """
+    save_dir = checkpoint_dir(config)
+    if not config.checkpoint.resume or not any(p.name.startswith("step_") for p in save_dir.iterdir()):
+        return
+    target = _resume_target(save_dir, config.checkpoint.resume_fallback)
+    diffs = _run_differences(target, save_dir, config) if target is not None else []
+    if diffs:
+        raise ConfigError(
+            f"checkpoint.save_dir={str(save_dir)!r} holds another run ({target[0].name}): {'; '.join(diffs)}. Resume "
+            f"it with that run's settings, or start this run elsewhere (a new logging.output_dir or checkpoint.save_dir)"
+        )
+
+
+def _resume_target(save_dir: Path, fallback: bool) -> tuple[Path, dict] | None:
+    """``(checkpoint directory, manifest)`` the ranks would try first; None when none has a manifest (the ranks
+    then report every candidate's reason)."""
+    from megatron_rl.checkpoint import layout  # megatron-core: imported only when there is something to resume
+
+    try:
+        candidates = layout.resume_candidates(save_dir, fallback)
+    except ValueError:
+        return None
+    manifests = ((ckpt, layout.manifest_or_problem(ckpt)[0]) for ckpt in candidates)
+    return next(((ckpt, manifest) for ckpt, manifest in manifests if manifest is not None), None)
+
+
+def _run_differences(target: tuple[Path, dict], save_dir: Path, config: MegatronRLConfig) -> list[str]:
+    """``"key: checkpoint a vs config b"`` for each way the saved run differs from ``config`` (see
+    ``check_resume_target``)."""
+    import yaml
+
+    from megatron_rl.checkpoint import layout
+    from megatron_rl.checkpoint.critic import critic_save_dir
+    from megatron_rl.checkpoint.dist import model_shape_mismatches
+    from megatron_rl.config import config_to_dict
+
+    ckpt, manifest = target
+    current = config_to_dict(config)
+    diffs = [f"model.{d}" for d in model_shape_mismatches(manifest["model"], current["model"], "checkpoint")]
+    try:
+        saved = yaml.safe_load((ckpt / layout.CONFIG_FILE).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        saved = {}
+    for section, key in RUN_DEFINING_KEYS:
+        was = saved.get(section, {}).get(key) if isinstance(saved.get(section), dict) else None
+        if was is not None and was != current[section][key]:
+            diffs.append(f"{section}.{key}: checkpoint {was!r} vs config {current[section][key]!r}")
+    has_critic = {"checkpoint": bool(layout.checkpoint_dirs(critic_save_dir(save_dir))),
+                  "config": config.critic.active(config.algorithm)}
+    if has_critic["checkpoint"] != has_critic["config"]:
+        diffs.append("critic: " + " vs ".join(f"{side} {'with' if has else 'without'}" for side, has in has_critic.items()))
+    return diffs
+
+
 def check_run(config: MegatronRLConfig, world_size: int | None = None) -> list[str]:
     """Every pre-flight check (module docstring) for ``config`` on ``world_size`` ranks; returns the warnings.
 
@@ -94,17 +171,20 @@ def check_run(config: MegatronRLConfig, world_size: int | None = None) -> list[s
     checkpoint directories as a side effect (the run creates them anyway).
     """
     config.validate(world_size=world_size)
+    check_device(config)
     check_writable(Path(config.logging.output_dir), "logging.output_dir")
     save_dir = checkpoint_dir(config)
     check_writable(save_dir, "checkpoint.save_dir")
+    check_resume_target(config)
     low_space = check_free_space(save_dir, config)
     return [low_space] if low_space else []
 
 
 def main(argv: Sequence[str] | None = None,
          load: Callable[[str, Sequence[str]], MegatronRLConfig] = load_config) -> int:
-    """``python -m megatron_rl.preflight --config X [--world-size N] [key=value ...]``: 0 when the run can start,
-    2 (after one line on stderr, no traceback) when it cannot. ``load`` reads an application's config (the
+    """``python -m megatron_rl.preflight --config X [--world-size N] [key=value ...]``: 0 when the run can start
+    (one line on stdout naming the output and checkpoint directories of the config as resolved, overrides
+    included), 2 (after one line on stderr, no traceback) when it cannot. ``load`` reads an application's config (the
     main job passes its own, ``megatron_rl/job/preflight.py``)."""
     parser = argparse.ArgumentParser(description="megatron_rl pre-flight checks (no model, no process group)")
     parser.add_argument("--config", required=True, help="YAML of config overrides")
@@ -117,13 +197,16 @@ def main(argv: Sequence[str] | None = None,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # warnings are printed below, once, in one line each
-            found = check_run(load(args.config, args.overrides), args.world_size)
+            config = load(args.config, args.overrides)
+            found = check_run(config, args.world_size)
     except ConfigError as err:
         print(f"megatron_rl pre-flight: config error: {err}", file=sys.stderr, flush=True)
         return 2
     except ValueError as err:
         print(f"megatron_rl pre-flight: {err}", file=sys.stderr, flush=True)
         return 2
+    print(f"megatron_rl pre-flight: ok; outputs go to {Path(config.logging.output_dir).resolve()} "
+          f"(logging.output_dir), checkpoints to {checkpoint_dir(config).resolve()}", flush=True)
     for message in found:
         print(f"megatron_rl pre-flight: warning: {message}", file=sys.stderr, flush=True)
     return 0

@@ -10,6 +10,11 @@ warning whose category and *exact* text is listed in ``KNOWN_FALLBACK_WARNINGS``
 rank 0 the first time one fires. Every other warning (including other texts from the same modules) passes
 through untouched. ``MEGATRON_RL_DEBUG=1`` shows them all, unfiltered.
 
+Warnings that megatron-core's own calls into torch raise (``MEGATRON_CORE_CALL_WARNINGS``: a resume printed
+eight, and a train step one per row-parallel layer where deprecation warnings are shown) are dropped without a
+summary line: no argument of megatron_rl reaches those calls, so no user and no megatron_rl change can act on
+them (docs/MEGATRON_CORE.md W17 names each call site and its removal condition).
+
 Implementation: a wrapper around ``warnings.showwarning`` (the one hook Python calls for a warning that its
 filters let through); the filters, and anything that records warnings (``catch_warnings(record=True)``,
 pytest), keep working as before.
@@ -45,6 +50,24 @@ KNOWN_LOG_PREFIXES: tuple[str, ...] = (
 """Start of megatron-core 0.19.2 log records (``logging.WARNING``) about its own defaults: GPTModel is what
 megatron_rl builds (HybridModel migration: docs/MEGATRON_CORE.md), and we never ask for async saves. Dropped
 unless ``MEGATRON_RL_DEBUG=1``; removal condition: megatron_rl moves to HybridModel / the log goes away."""
+
+MEGATRON_CORE_CALL_WARNINGS: frozenset[tuple[type[Warning], str]] = frozenset({
+    # dist_checkpointing.load -> load_common_state_dict and TorchDistLoadShardedStrategy.load (0.19.2) call
+    # torch.distributed.checkpoint.load(..., no_dist=True), the latter with the reader positional
+    (UserWarning, "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in "
+                  "a single process."),
+    (UserWarning, "The argument order of load has been changed. Please check the document to avoid future "
+                  "breakages."),
+    # 0.16.1's TorchDistLoadShardedStrategy.load calls the deprecated checkpoint.load_state_dict
+    (FutureWarning, "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` "
+                    "instead."),
+    # both: mcore_to_pyt_state_dict hands torch DCP legacy ShardedTensors
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor."),
+    # both: RowParallelLinear.forward passes tp_group=None literally (it holds the right self.tp_group)
+    (DeprecationWarning, "Warning: tp_group is None, using default tp group. Passing tp_group will be mandatory "
+                         "soon"),
+})  # fmt: skip
+"""(category, exact text) of warnings raised inside megatron-core 0.16.1 / 0.19.2's own calls (W17): dropped."""
 
 CPU_ONLY_WARNINGS: frozenset[str] = frozenset({
     "When using async grad allreduce it is recommended to set the environment variable "
@@ -93,6 +116,8 @@ def install() -> None:
 
     def showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                     file: TextIO | None = None, line: str | None = None) -> Any:
+        if (category, str(message)) in MEGATRON_CORE_CALL_WARNINGS:
+            return None
         if not is_known_fallback(message, category):
             return previous(message, category, filename, lineno, file, line)
         if not _state["summarized"]:

@@ -103,6 +103,67 @@ def test_preflight_checks_the_world_size_and_warns_on_low_space(tmp_path, monkey
         assert check_run(cfg, world_size=2)
 
 
+def test_preflight_refuses_cuda_without_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="parallel.device='cuda' but no CUDA device is visible"):
+        check_run(load_config(None, ["parallel.device=cuda"]), world_size=1)
+
+
+def _saved_run(save_dir: Path, overrides: list[str], *, critic: bool = False) -> None:
+    """What the pre-flight reads of a saved run: ``step_00000007`` with its manifest and config.yaml (no
+    weights), and a critic checkpoint directory when the run had one."""
+    import dataclasses
+
+    from megatron_rl.checkpoint import layout
+    from megatron_rl.config import dump_config
+
+    saved = load_config(None, overrides)
+    for directory in [save_dir] + ([save_dir / "critic"] if critic else []):
+        ckpt = directory / "step_00000007"
+        ckpt.mkdir(parents=True)
+        layout.write_manifest(ckpt, {}, {"model": dataclasses.asdict(saved.model)})
+        dump_config(saved, ckpt / layout.CONFIG_FILE)
+        layout.write_latest(directory, ckpt)
+
+
+@pytest.mark.parametrize("saved, requested, needles", [
+    (["model.hidden_size=64"], ["model.hidden_size=128"], ["model.hidden_size: checkpoint 64 vs config 128"]),
+    (["algorithm.advantage_estimator=grpo"], ["algorithm.advantage_estimator=rloo"],
+     ["algorithm.advantage_estimator: checkpoint 'grpo' vs config 'rloo'"]),
+    ([], ["critic.enabled=true", "critic.lr=1e-3"], ["critic: checkpoint without vs config with"]),
+])
+def test_preflight_refuses_to_resume_another_run(tmp_path, saved, requested, needles):
+    save_dir = tmp_path / "out" / "checkpoints"
+    _saved_run(save_dir, saved)
+    config = load_config(None, [f"logging.output_dir={tmp_path / 'out'}", *requested])
+    with pytest.raises(ConfigError, match="holds another run \\(step_00000007\\)") as info:
+        check_run(config, world_size=1)
+    assert all(needle in str(info.value) for needle in needles), str(info.value)
+    assert "new logging.output_dir" in str(info.value)
+    check_run(load_config(None, [f"logging.output_dir={tmp_path / 'out'}", *saved]), world_size=1)  # same run: ok
+    check_run(dataclasses_replace_resume_off(config), world_size=1)  # no resume: nothing to compare
+
+
+def dataclasses_replace_resume_off(config):
+    import dataclasses
+
+    return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, resume=False))
+
+
+def test_preflight_names_the_resolved_output_dir(tmp_path):
+    """The launcher's second line: the output directory of the config as used (overrides included)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.demo.preflight", "--config", "configs/demo_cpu.yaml", "--world-size", "2",
+         f"logging.output_dir={tmp_path / 'mine'}"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"megatron_rl pre-flight: ok; outputs go to {tmp_path / 'mine'} "
+                                        f"(logging.output_dir), checkpoints to {tmp_path / 'mine' / 'checkpoints'}"]
+
+
 # ------------------------------------------------------------------ library inputs on a real policy
 
 

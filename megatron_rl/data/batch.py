@@ -17,7 +17,7 @@ index/mask scatter is needed. The tensors wrap the numpy buffers without a copy 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,14 @@ import torch
 from megatron_rl.data.generator_output import GeneratorOutput, is_scalar_reward, validate_generator_output
 
 SEQUENCE_KEY = "sequences"
+ARGUMENT_NAMES = {name: name for name in ("prompts", "responses", "rewards", "loss_masks", "logprobs")}
+"""How ``convert_prompts_responses_to_batch_tensors``'s errors name its inputs when called directly."""
+GENERATOR_OUTPUT_NAMES = {
+    "prompts": "GeneratorOutput['prompt_token_ids']", "responses": "GeneratorOutput['response_ids']",
+    "rewards": "GeneratorOutput['rewards']", "loss_masks": "GeneratorOutput['loss_masks']",
+    "logprobs": "GeneratorOutput['rollout_logprobs']",
+}
+"""... and when converting a ``GeneratorOutput`` (``TrainingBatch.from_generator_output``): its public keys."""
 ATTENTION_MASK_KEY = "attention_mask"
 
 
@@ -37,17 +45,21 @@ def convert_prompts_responses_to_batch_tensors(
     loss_masks: Sequence[Sequence[int]],
     logprobs: Sequence[Sequence[float]] | None = None,
     max_seq_len: int | None = None,
+    *,
+    names: Mapping[str, str] = ARGUMENT_NAMES,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Build the left-padded block of docs/DESIGN.md section 2 from per-sequence lists.
 
     Returns ``(sequences [B,S] int64, attention_mask [B,S] int64, response_mask [B,R] int64,
     rewards [B,R] float32, loss_masks [B,R] float32, logprobs [B,R] float32 | None)``. A scalar reward lands
     on the row's last response token (column ``R-1``). Past ``max_seq_len`` this warns and keeps every token.
-    Empty prompts or responses raise ``ValueError`` (see generator_output.py for why).
+    Empty prompts or responses raise ``ValueError`` (see generator_output.py for why). Errors name the inputs
+    by ``names`` (argument -> the caller's name for it: ``GENERATOR_OUTPUT_NAMES`` for a ``GeneratorOutput``).
     """
-    _check_row_counts(prompts=prompts, responses=responses, rewards=rewards, loss_masks=loss_masks, logprobs=logprobs)
-    prompt_lens = _row_lengths(prompts, "prompts")
-    response_lens = _row_lengths(responses, "responses")
+    _check_row_counts(names, prompts=prompts, responses=responses, rewards=rewards, loss_masks=loss_masks,
+                      logprobs=logprobs)
+    prompt_lens = _row_lengths(prompts, names["prompts"])
+    response_lens = _row_lengths(responses, names["responses"])
     total_lens = prompt_lens + response_lens
     _warn_if_too_long(total_lens, max_seq_len)
     seq_width, resp_width = int(total_lens.max()), int(response_lens.max())
@@ -55,19 +67,21 @@ def convert_prompts_responses_to_batch_tensors(
     sequences = _right_aligned_block(zip(prompts, responses), total_lens, seq_width, pad_token_id, np.int64)
     attention_mask = right_aligned_mask(torch.from_numpy(total_lens), seq_width)  # [B, S]
     response_mask = right_aligned_mask(torch.from_numpy(response_lens), resp_width)  # [B, R]
-    loss_mask_t = _token_aligned_block(loss_masks, response_lens, resp_width, "loss_masks")
-    rewards_t = _rewards_block(rewards, response_lens, resp_width)
-    logprobs_t = None if logprobs is None else _token_aligned_block(logprobs, response_lens, resp_width, "logprobs")
-    _check_values(loss_mask_t, rewards_t, logprobs_t)
+    loss_mask_t = _token_aligned_block(loss_masks, response_lens, resp_width, "loss_masks", names)
+    rewards_t = _rewards_block(rewards, response_lens, resp_width, names)
+    logprobs_t = None if logprobs is None else _token_aligned_block(logprobs, response_lens, resp_width, "logprobs",
+                                                                    names)
+    _check_values(loss_mask_t, rewards_t, logprobs_t, names)
     return sequences, attention_mask, response_mask, rewards_t, loss_mask_t, logprobs_t
 
 
-def _check_values(loss_mask: torch.Tensor, rewards: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+def _check_values(loss_mask: torch.Tensor, rewards: torch.Tensor, logprobs: torch.Tensor | None,
+                  names: Mapping[str, str]) -> None:
     """Vectorized value checks on the ``[B, R]`` blocks: binary loss masks, finite rewards and log-probs."""
     not_binary = ((loss_mask != 0) & (loss_mask != 1)).any(dim=1)
     if not_binary.any():
         i = int(not_binary.nonzero()[0])
-        raise ValueError(f"loss_masks[{i}] holds values other than 0 and 1: a loss mask selects tokens, it does "
+        raise ValueError(f"{names['loss_masks']}[{i}] holds values other than 0 and 1: a loss mask selects tokens, it does "
                          "not weight them (the reduction lives in the advantages); use 0/1.")
     for name, block in (("rewards", rewards), ("logprobs", logprobs)):
         if block is None:
@@ -75,7 +89,7 @@ def _check_values(loss_mask: torch.Tensor, rewards: torch.Tensor, logprobs: torc
         bad = ~torch.isfinite(block).all(dim=1)
         if bad.any():
             i = int(bad.nonzero()[0])
-            raise ValueError(f"{name}[{i}] holds a NaN or infinite value: fix the generator/reward function.")
+            raise ValueError(f"{names[name]}[{i}] holds a NaN or infinite value: fix the generator/reward function.")
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,13 +120,14 @@ def response_values(x: torch.Tensor, response_mask: torch.Tensor) -> list[torch.
     return list(torch.split(x[right_aligned], lengths.tolist()))
 
 
-def _check_row_counts(**fields: Sequence[Any] | None) -> None:
+def _check_row_counts(names: Mapping[str, str], **fields: Sequence[Any] | None) -> None:
     num_rows = len(fields["prompts"])
     if num_rows == 0:
-        raise ValueError("prompts is empty: a batch needs at least one sequence.")
+        raise ValueError(f"{names['prompts']} is empty: a batch needs at least one sequence.")
     for name, rows in fields.items():
         if rows is not None and len(rows) != num_rows:
-            raise ValueError(f"{name} has {len(rows)} rows but prompts has {num_rows}: give one entry per sequence.")
+            raise ValueError(f"{names[name]} has {len(rows)} rows but {names['prompts']} has {num_rows}: give one "
+                             "entry per sequence.")
 
 
 def _lengths(rows: Sequence[Sequence[Any]]) -> np.ndarray:
@@ -171,15 +186,16 @@ def _as_array(piece: Sequence[float], dtype: type) -> np.ndarray:
 
 
 def _token_aligned_block(
-    rows: Sequence[Sequence[float]], response_lens: np.ndarray, width: int, name: str
+    rows: Sequence[Sequence[float]], response_lens: np.ndarray, width: int, name: str, names: Mapping[str, str]
 ) -> torch.Tensor:
     """``[B, R]`` float32 per-token values right-aligned like the responses (lengths checked first)."""
-    _check_token_lengths(rows, response_lens, name)
+    _check_token_lengths(rows, response_lens, name, names)
     return _right_aligned_block(((row,) for row in rows), response_lens, width, 0.0, np.float32)
 
 
 def _check_token_lengths(
-    rows: Sequence[Sequence[float]], response_lens: np.ndarray, name: str, row_ids: list[int] | None = None
+    rows: Sequence[Sequence[float]], response_lens: np.ndarray, name: str, names: Mapping[str, str],
+    row_ids: list[int] | None = None,
 ) -> None:
     """ValueError unless ``len(rows[j]) == response_lens[j]``; ``row_ids`` maps a subset back to batch rows."""
     lengths = _lengths(rows)
@@ -188,17 +204,20 @@ def _check_token_lengths(
         j = int(bad[0])
         i = row_ids[j] if row_ids is not None else j
         raise ValueError(
-            f"{name}[{i}] has length {int(lengths[j])} but responses[{i}] has length {int(response_lens[j])}: "
+            f"{names[name]}[{i}] has length {int(lengths[j])} but {names['responses']}[{i}] has length "
+            f"{int(response_lens[j])}: "
             "give one value per response token."
         )
 
 
-def _rewards_block(rewards: Sequence[float | Sequence[float]], response_lens: np.ndarray, width: int) -> torch.Tensor:
+def _rewards_block(rewards: Sequence[float | Sequence[float]], response_lens: np.ndarray, width: int,
+                   names: Mapping[str, str]) -> torch.Tensor:
     """``[B, R]`` float32: a scalar reward is a one-value row (so it lands on column R-1), per-token rewards are
     right-aligned like the responses."""
     scalar = np.fromiter(map(is_scalar_reward, rewards), bool, count=len(rewards))
     token_rows = np.flatnonzero(~scalar).tolist()
-    _check_token_lengths([rewards[i] for i in token_rows], response_lens[token_rows], "rewards", token_rows)
+    _check_token_lengths([rewards[i] for i in token_rows], response_lens[token_rows], "rewards", names,
+                          token_rows)
     rows = (((r,),) if s else (r,) for r, s in zip(rewards, scalar.tolist()))
     return _right_aligned_block(rows, np.where(scalar, 1, response_lens), width, 0.0, np.float32)
 
@@ -337,6 +356,7 @@ class TrainingBatch:
                 out["loss_masks"],
                 out.get("rollout_logprobs"),
                 max_seq_len,
+                names=GENERATOR_OUTPUT_NAMES,
             )
         )
         tensors = {

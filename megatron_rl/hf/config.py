@@ -28,13 +28,19 @@ from megatron_rl.config import ModelConfig
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-def load_hf_config(hf_dir: str | os.PathLike) -> Any:
-    """The ``transformers`` config of a local checkpoint directory; ValueError for a missing directory, a
-    missing config.json or an unsupported ``model_type``."""
+HF_DIR_KEY = "hf_dir"
+"""How errors name the checkpoint directory by default: the ``hf_dir`` argument of the ``megatron_rl.hf``
+functions. Callers that read it from the config pass ``key="model.hf_path"``, so the message names what the
+user set."""
+
+
+def load_hf_config(hf_dir: str | os.PathLike, *, key: str = HF_DIR_KEY) -> Any:
+    """The ``transformers`` config of a local checkpoint directory; ValueError (naming ``key``) for a missing
+    directory, a missing config.json or an unsupported ``model_type``."""
     path = Path(hf_dir)
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"model.hf_path={str(hf_dir)!r} has no config.json; point it at a local Hugging Face checkpoint "
+            f"{key}={str(hf_dir)!r} has no config.json; point it at a local Hugging Face checkpoint "
             "directory (config.json + *.safetensors + tokenizer files)"
         )
     from transformers import AutoConfig
@@ -43,12 +49,12 @@ def load_hf_config(hf_dir: str | os.PathLike) -> Any:
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, OSError) as err:
         raise ValueError(
-            f"model.hf_path={str(hf_dir)!r}: config.json cannot be read as a supported architecture ({err}); "
+            f"{key}={str(hf_dir)!r}: config.json cannot be read as a supported architecture ({err}); "
             f"supported model_type values: {', '.join(SUPPORTED_MODEL_TYPES)}"
         ) from err
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"model.hf_path={str(hf_dir)!r} has model_type={hf_config.model_type!r} "
+            f"{key}={str(hf_dir)!r} has model_type={hf_config.model_type!r} "
             f"(architectures={getattr(hf_config, 'architectures', None)}); supported model_type values: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -83,14 +89,15 @@ def _reject_unsupported(hf_config: Any, where: str) -> None:
         raise ValueError(f"{where}: unsupported model features: {'; '.join(problems)}")
 
 
-def model_config_from_hf(hf_dir: str | os.PathLike, base: ModelConfig | None = None) -> ModelConfig:
+def model_config_from_hf(hf_dir: str | os.PathLike, base: ModelConfig | None = None, *,
+                         key: str = HF_DIR_KEY) -> ModelConfig:
     """``ModelConfig`` with every shape field taken from ``hf_dir/config.json`` and ``hf_path=hf_dir``.
 
     Fields that are not part of the checkpoint (``params_dtype``, ``attention_backend``, ``init_method_std``)
     come from ``base`` (defaults when None).
     """
-    hf_config = load_hf_config(hf_dir)
-    _reject_unsupported(hf_config, f"model.hf_path={str(hf_dir)!r} ({hf_config.model_type})")
+    hf_config = load_hf_config(hf_dir, key=key)
+    _reject_unsupported(hf_config, f"{key}={str(hf_dir)!r} ({hf_config.model_type})")
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return dataclasses.replace(

@@ -14,33 +14,37 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.hf.config import HF_DIR_KEY
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
 """Files that hold a tokenizer's vocabulary (one of them must exist; ``tokenizer_config.json`` alone does not)."""
 
 
-def _no_tokenizer(hf_dir: str | os.PathLike, why: str) -> ValueError:
+def _no_tokenizer(hf_dir: str | os.PathLike, why: str, key: str) -> ValueError:
     return ValueError(
-        f"model.hf_path={str(hf_dir)!r}: {why}; add the tokenizer files there (tokenizer.save_pretrained(hf_path)) "
+        f"{key}={str(hf_dir)!r}: {why}; add the tokenizer files there (tokenizer.save_pretrained({key})) "
         "or pass the pad id explicitly: policy_from_hf(..., pad_token_id=<your pad id>)"
     )
 
 
-def load_tokenizer(hf_dir: str | os.PathLike) -> Any:
-    """``AutoTokenizer`` of ``hf_dir``; ValueError if there is none, a made-up one, or one without a pad token."""
+def load_tokenizer(hf_dir: str | os.PathLike, *, key: str = HF_DIR_KEY) -> Any:
+    """``AutoTokenizer`` of ``hf_dir``; ValueError (naming ``key``, ``hf/config.py: HF_DIR_KEY``) if there is
+    none, a made-up one, or one without a pad token."""
     from transformers import AutoTokenizer
 
     path = Path(hf_dir)
     if not path.is_dir():
-        raise ValueError(f"model.hf_path={str(hf_dir)!r} is not a directory; point it at a local HF checkpoint")
+        raise ValueError(f"{key}={str(hf_dir)!r} is not a directory; point it at a local HF checkpoint")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise _no_tokenizer(hf_dir, f"no loadable tokenizer: no tokenizer files (none of {', '.join(TOKENIZER_FILES)})")
+        raise _no_tokenizer(hf_dir, f"no loadable tokenizer: no tokenizer files (none of {', '.join(TOKENIZER_FILES)})",
+                            key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise _no_tokenizer(hf_dir, f"no loadable tokenizer ({err})") from err
+        raise _no_tokenizer(hf_dir, f"no loadable tokenizer ({err})", key) from err
     if len(tokenizer) <= 1:
-        raise _no_tokenizer(hf_dir, f"the tokenizer has {len(tokenizer)} token(s), not a real vocabulary")
-    pad_token_id(tokenizer, hf_dir)
+        raise _no_tokenizer(hf_dir, f"the tokenizer has {len(tokenizer)} token(s), not a real vocabulary", key)
+    pad_token_id(tokenizer, f"{key}={str(hf_dir)!r}")
     return tokenizer
 
 
@@ -55,9 +59,10 @@ def pad_token_id(tokenizer: Any, where: str | os.PathLike = "tokenizer") -> int:
     return int(tokenizer.pad_token_id)
 
 
-def resolve_pad_token_id(hf_dir: str | os.PathLike, explicit: int | None = None) -> tuple[int, str]:
+def resolve_pad_token_id(hf_dir: str | os.PathLike, explicit: int | None = None, *,
+                         key: str = HF_DIR_KEY) -> tuple[int, str]:
     """``(pad id, where it came from)``: ``explicit`` when given, else the tokenizer's (``load_tokenizer``)."""
     if explicit is not None:
         return int(explicit), "pad_token_id argument"
-    tokenizer = load_tokenizer(hf_dir)
-    return pad_token_id(tokenizer, hf_dir), f"tokenizer {tokenizer.pad_token!r}"
+    tokenizer = load_tokenizer(hf_dir, key=key)
+    return pad_token_id(tokenizer, f"{key}={str(hf_dir)!r}"), f"tokenizer {tokenizer.pad_token!r}"

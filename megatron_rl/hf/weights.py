@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megatron_rl.checkpoint.dist import model_shape_mismatches
 from megatron_rl.config import MegatronRLConfig, ModelConfig
 from megatron_rl.distributed.bootstrap import ParallelGroups
-from megatron_rl.hf.config import describe_hf_load, load_hf_config, model_config_from_hf, rope_theta
+from megatron_rl.hf.config import HF_DIR_KEY, describe_hf_load, load_hf_config, model_config_from_hf, rope_theta
 from megatron_rl.hf.tokenizer import resolve_pad_token_id
 from megatron_rl.model.optimizer import follow_new_weights
 from megatron_rl.model.policy import MegatronPolicy
@@ -104,27 +104,29 @@ def _all_reduce_max(value: int, groups: ParallelGroups) -> int:
     return int(tensor.item())
 
 
-def check_hf_matches(model_cfg: ModelConfig, hf_dir: str | os.PathLike) -> None:
-    """ValueError if ``model_cfg`` does not have the shapes of the checkpoint in ``hf_dir``."""
-    hf_model = dataclasses.asdict(model_config_from_hf(hf_dir))
+def check_hf_matches(model_cfg: ModelConfig, hf_dir: str | os.PathLike, *, key: str = HF_DIR_KEY) -> None:
+    """ValueError (naming ``key``, ``hf/config.py: HF_DIR_KEY``) if ``model_cfg`` does not have the shapes of
+    the checkpoint in ``hf_dir``."""
+    hf_model = dataclasses.asdict(model_config_from_hf(hf_dir, key=key))
     diffs = model_shape_mismatches(hf_model, dataclasses.asdict(model_cfg), "HF config.json")
     if diffs:
         raise ValueError(
-            f"model.hf_path={str(hf_dir)!r} does not match the model config ({'; '.join(diffs)}); "
-            "build the model from megatron_rl.hf.model_config_from_hf(hf_path)"
+            f"{key}={str(hf_dir)!r} does not match the model config ({'; '.join(diffs)}); "
+            f"build the model from megatron_rl.hf.model_config_from_hf({key})"
         )
 
 
 def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups,
-                    model_cfg: ModelConfig | None = None) -> None:
+                    model_cfg: ModelConfig | None = None, *, key: str = HF_DIR_KEY) -> None:
     """Copy the safetensors of ``hf_dir`` into this rank's bare GPTModel chunks (collective over TP/PP).
 
-    ``model_cfg`` (the ModelConfig the chunks were built from) is checked against ``hf_dir`` first.
+    ``model_cfg`` (the ModelConfig the chunks were built from) is checked against ``hf_dir`` first. Errors name
+    the directory by ``key`` (``hf/config.py: HF_DIR_KEY``).
     """
     if model_cfg is not None:
-        check_hf_matches(model_cfg, hf_dir)
+        check_hf_matches(model_cfg, hf_dir, key=key)
     if not list(Path(hf_dir).glob("*.safetensors")):
-        raise ValueError(f"model.hf_path={str(hf_dir)!r} has no *.safetensors files (only safetensors are read)")
+        raise ValueError(f"{key}={str(hf_dir)!r} has no *.safetensors files (only safetensors are read)")
     bridge = _bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
         bridge.load_weights(model_chunks, str(hf_dir))
@@ -133,10 +135,11 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
 def load_hf_into_policy(policy: MegatronPolicy, hf_dir: str | os.PathLike | None = None) -> None:
     """Load ``hf_dir`` (default ``config.model.hf_path``) into a ``MegatronPolicy``; refreshes the optimizer's
     main (fp32) copies of the parameters, which were taken when the optimizer was built."""
+    key = HF_DIR_KEY if hf_dir is not None else "model.hf_path"
     hf_dir = hf_dir or policy.config.model.hf_path
     if hf_dir is None:
         raise ValueError("model.hf_path is not set; pass the local HF checkpoint directory")
-    load_hf_weights([policy.module], hf_dir, policy.groups, policy.config.model)
+    load_hf_weights([policy.module], hf_dir, policy.groups, policy.config.model, key=key)
     follow_new_weights(policy.optimizer)
 
 
@@ -147,15 +150,17 @@ def policy_from_hf(config: MegatronRLConfig, groups: ParallelGroups, *, role: Li
     are kept from ``config.model``. ``pad_token_id`` overrides the tokenizer's (needed when ``hf_dir`` has no
     tokenizer files: ValueError otherwise). Rank 0 prints one line with the values taken from the checkpoint.
     The returned policy's ``config`` holds the HF model section. Collective: call on every rank."""
+    key = HF_DIR_KEY if hf_dir is not None else "model.hf_path"  # errors name what the caller set
     hf_dir = hf_dir or config.model.hf_path
     if hf_dir is None:
-        raise ValueError("model.hf_path is not set; set it to the local HF checkpoint directory")
-    config = dataclasses.replace(config, model=model_config_from_hf(hf_dir, base=config.model))
-    pad_id, pad_source = resolve_pad_token_id(hf_dir, pad_token_id)
+        raise ValueError("model.hf_path is not set (and no hf_dir= was passed); set it to the local HF "
+                         "checkpoint directory")
+    config = dataclasses.replace(config, model=model_config_from_hf(hf_dir, base=config.model, key=key))
+    pad_id, pad_source = resolve_pad_token_id(hf_dir, pad_token_id, key=key)
     if groups.rank == 0:
         print(describe_hf_load(hf_dir, config.model, pad_id, pad_source), flush=True)
     policy = MegatronPolicy(config, groups, role=role, pad_token_id=pad_id, **policy_kwargs)
-    load_hf_into_policy(policy)
+    load_hf_into_policy(policy, hf_dir if key == HF_DIR_KEY else None)
     return policy
 
 

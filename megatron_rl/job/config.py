@@ -177,6 +177,7 @@ def check_job_config(config: JobConfig) -> None:
         raise ConfigError(f"job.environment={env!r} is not one of {['auto', *sorted(ENVIRONMENTS)]}")
     if env == "next_digit":
         check_demo_config(config.rl, DigitTokenizer())
+        check_rollout_shapes(config)
     elif env == "single_turn":
         for key, value in (("model.hf_path", config.rl.model.hf_path), ("data.train_files", config.data.train_files),
                            ("reward.function", config.reward.function)):
@@ -186,6 +187,39 @@ def check_job_config(config: JobConfig) -> None:
     if config.eval.interval > 0 and env == "single_turn" and not config.data.val_files:
         raise ConfigError(f"eval.interval={config.eval.interval} but data.val_files is not set; set it to a "
                           "held-out prompt file, or eval.interval=0")
+
+
+def check_rollout_shapes(config: JobConfig) -> None:
+    """The digit game's longest sequence, ``next_digit.num_turns x (job.max_new_tokens + 3)`` (a 3-token first
+    prompt, then per turn a response of at most ``max_new_tokens`` and, but after the last turn, a 3-token
+    observation), must fit the model's positions and, with a token budget, one micro-batch (packed to the
+    alignment of ``data/packing.py: packing_alignment``). The config alone decides both, so they are
+    ConfigErrors at load (the pre-flight's, before any rank starts) instead of the trainer's ValueError after
+    the first rollouts."""
+    from megatron_rl.data.packing import packing_alignment
+
+    turns, new_tokens = config.next_digit.num_turns, config.job.max_new_tokens
+    longest = turns * (new_tokens + 3)
+    shape = (f"next_digit.num_turns x (job.max_new_tokens + 3) = {turns} x ({new_tokens} + 3) = {longest} tokens")
+    rl = config.rl
+    if longest > rl.model.max_position_embeddings:
+        raise ConfigError(
+            f"model.max_position_embeddings={rl.model.max_position_embeddings} is below the game's longest "
+            f"sequence, {shape}; set model.max_position_embeddings={longest} (or more), or lower "
+            "next_digit.num_turns / job.max_new_tokens"
+        )
+    budget = rl.batch.max_tokens_per_micro_batch
+    parallel = rl.parallel
+    align = packing_alignment(parallel.tensor_model_parallel_size, parallel.context_parallel_size,
+                              parallel.sequence_parallel)
+    packed = -(-longest // align) * align
+    if budget is not None and budget < packed:
+        raise ConfigError(
+            f"batch.max_tokens_per_micro_batch={budget} is below one sequence of the game, {shape}"
+            + (f", packed to {packed} (a multiple of {align})" if packed != longest else "")
+            + f"; set batch.max_tokens_per_micro_batch={packed} (or more), or lower next_digit.num_turns / "
+            "job.max_new_tokens"
+        )
 
 
 MOVED_KEYS = {

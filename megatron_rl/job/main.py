@@ -115,10 +115,12 @@ def report_config_error(err: ConfigError) -> int:
 
 
 def report_error(message: str, *, kind: str, code: int) -> int:
-    """Rank 0 prints ``message`` once (no traceback: every rank raised the same error); returns ``code``."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"megatron_rl: {kind}: {message}", file=sys.stderr, flush=True)
-    return code
+    """``message`` shown once (no traceback: every rank raised the same error; under ``run_megatron.sh`` the
+    launcher prints it instead of torchrun's failure report, ``megatron_rl/distributed/launch.py``); returns
+    ``code``."""
+    from megatron_rl.distributed.launch import report_error as report
+
+    return report(f"megatron_rl: {kind}: {message}", code=code)
 
 
 class EngineProblem(Exception):
@@ -214,6 +216,8 @@ def run(job: Job) -> int:
     """Resume if possible, then RL steps until ``job.num_steps``; returns the process exit code."""
     config = job.config
     start_step = resume(job)
+    if start_step >= config.job.num_steps:
+        return report_finished(job, start_step)
     if start_step > 0:  # the engine started on the initial weights: give it the checkpoint's (free for builtin)
         job.engine.update_weights(job.policy)
     reporter = open_reporter(job, start_step)
@@ -241,6 +245,18 @@ def run(job: Job) -> int:
         summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
               f"summary.txt); checkpoints: {job.save_dir}", flush=True)
+    return 0
+
+
+def report_finished(job: Job, step: int) -> int:
+    """The run in ``save_dir`` already reached ``job.num_steps``: one line on rank 0 saying so and what to
+    change; exit code 0 (the state the command asks for holds, as for ``make`` on a built target). Nothing in
+    the output directory is rewritten: its config.yaml and summary.txt keep describing the run that happened."""
+    if job.is_rank0:
+        num_steps, output_dir = job.config.job.num_steps, job.config.rl.logging.output_dir
+        print(f"megatron_rl: the run in {job.save_dir} finished at step {step} (job.num_steps={num_steps}); "
+              f"nothing to do, nothing rewritten. To train on, raise job.num_steps (e.g. job.num_steps="
+              f"{step + num_steps}); for a new run, set a new logging.output_dir (now {output_dir})", flush=True)
     return 0
 
 

@@ -133,6 +133,7 @@ def layouts(ranks):
     return ranks[0]
 
 
+@pytest.mark.slow  # the ranks fixture spawns 2 ranks
 def test_a_rank0_filesystem_error_raises_on_every_rank(ranks):
     assert [r["rank0_failure"] for r in ranks] == ["FileExistsError", "RuntimeError"]
 

@@ -70,6 +70,28 @@ def test_bad_input_names_the_field(change, match):
         convert_prompts_responses_to_batch_tensors(0, **args)
 
 
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("prompt_token_ids", [[11], [21], []], r"GeneratorOutput\['prompt_token_ids'\]\[2\] is empty"),
+        ("rollout_logprobs", [[-0.5], [-1.0] * 4, [-0.25, 0.0]],
+         r"GeneratorOutput\['rollout_logprobs'\]\[2\] has length 2 but GeneratorOutput\['response_ids'\]\[2\]"),
+        ("rollout_logprobs", [[float("nan")], [-1.0] * 4, [-0.25]], r"GeneratorOutput\['rollout_logprobs'\]\[0\] holds a NaN"),
+        ("rewards", [1.0, [0.1], -1.0], r"GeneratorOutput\['rewards'\]\[1\] has length 1"),
+    ],
+)
+def test_generator_output_errors_use_its_public_keys(field, value, match):
+    """Converting a ``GeneratorOutput`` (here with ``validated=True``: the Trainer's path after its own check)
+    names its keys, never the converter's argument names (``prompts``, ``logprobs``)."""
+    from megatron_rl.data.batch import TrainingBatch
+
+    out = dict(prompt_token_ids=PROMPTS, response_ids=RESPONSES, rewards=REWARDS, loss_masks=LOSS_MASKS,
+               rollout_logprobs=LOGPROBS, uids=[0, 1, 2])
+    out[field] = value
+    with pytest.raises(ValueError, match=match):
+        TrainingBatch.from_generator_output(out, 0, validated=True)
+
+
 @settings(max_examples=60, deadline=None)
 @given(rollouts())
 def test_matches_loop_reference(out):

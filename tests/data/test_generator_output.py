@@ -94,8 +94,8 @@ def test_step_wise_rules(change, match):
 @pytest.mark.parametrize(
     "field, index, value, needle",
     [
-        ("loss_masks", 1, [1, 2], r"loss_masks\[1\] holds values other than 0 and 1"),
-        ("loss_masks", 0, [0.5], r"loss_masks\[0\] holds values other than 0 and 1"),
+        ("loss_masks", 1, [1, 2], r"GeneratorOutput\['loss_masks'\]\[1\] holds values other than 0 and 1"),
+        ("loss_masks", 0, [0.5], r"GeneratorOutput\['loss_masks'\]\[0\] holds values other than 0 and 1"),
         ("rewards", 2, float("nan"), r"rewards\[2\] holds a NaN"),
         ("rewards", 0, [float("inf")], r"rewards\[0\] holds a NaN or infinite"),
         ("rollout_logprobs", 1, [-0.2, float("nan")], r"logprobs\[1\] holds a NaN"),

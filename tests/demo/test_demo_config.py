@@ -41,11 +41,23 @@ def test_demo_overrides_and_the_moved_group_size_key():
         ("job.group_size=3", "did you mean 'job.n_samples_per_prompt'"),
         ("model.vocab_size=32", "model.vocab_size=32 but the demo tokenizer has 16"),
         ("optimizer.lr=.inf", "optimizer.lr=inf is out of range"),
+        # the rollout shapes the config decides (3 turns x (3 new tokens + 3) = 18 tokens), found at load
+        ("model.max_position_embeddings=17", "set model.max_position_embeddings=18 (or more)"),
+        ("batch.max_tokens_per_micro_batch=17", "set batch.max_tokens_per_micro_batch=18 (or more)"),
     ],
 )
 def test_demo_config_errors_name_the_key(override, needle):
-    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("(", r"\(")):
-        load_demo_config(CPU, [override])
+    overrides = [override, "batch.micro_batch_size=null"] if "max_tokens" in override else [override]
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
+        load_demo_config(CPU, overrides)
+
+
+def test_rollout_shapes_at_the_bound_and_packed_for_cp():
+    assert load_demo_config(CPU, ["model.max_position_embeddings=18", "batch.micro_batch_size=null",
+                                  "batch.max_tokens_per_micro_batch=18"])
+    with pytest.raises(ValueError, match=r"packed to 20 \(a multiple of 4\); set batch.max_tokens_per_micro_batch=20"):
+        load_demo_config(CPU, ["parallel.context_parallel_size=2", "batch.micro_batch_size=null",
+                               "batch.max_tokens_per_micro_batch=18"])
 
 
 def test_dump_round_trip(tmp_path):
@@ -79,3 +91,22 @@ def test_main_world_size_error_before_any_collective(monkeypatch, capsys):
     assert main(["--config", str(CPU), "parallel.tensor_model_parallel_size=2"]) == 2
     assert "world size 3 is not divisible" in capsys.readouterr().err
     assert not dist.is_initialized()
+
+
+def test_a_finished_run_says_so_in_one_line_and_rewrites_nothing(monkeypatch, capsys, tmp_path):
+    """Run again after its last step (here: the checkpoint is at step 5, demo.num_steps=5): exit code 0, one
+    line naming the step and the keys to change, and no file of the output directory is written."""
+    from types import SimpleNamespace
+
+    import megatron_rl.demo.main as main_module
+
+    out = tmp_path / "out"
+    out.mkdir()
+    job = SimpleNamespace(config=load_demo_config(CPU, ["demo.num_steps=5", f"logging.output_dir={out}"]),
+                          save_dir=out / "checkpoints", is_rank0=True)
+    monkeypatch.setattr(main_module, "resume", lambda job: 5)
+    assert main_module.run(job) == 0
+    printed, err = capsys.readouterr()
+    assert err == "" and printed.count("\n") == 1, printed
+    assert "finished at step 5" in printed and "demo.num_steps=10" in printed and "logging.output_dir" in printed
+    assert list(out.iterdir()) == []  # no config.yaml, summary.txt, plot, metrics or TensorBoard events

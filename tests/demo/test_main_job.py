@@ -92,14 +92,28 @@ def test_run_megatron_dp2_then_resume(tmp_path: Path) -> None:
     common = [*FAST, f"logging.output_dir={out_dir}"]
     out = finish(launch(env, [*common, "demo.num_steps=2"], readme_form=True))
     assert "outputs in" in out and "random policy" in out
+    lines = out.splitlines()
+    launcher = next(i for i, line in enumerate(lines) if line.startswith("run_megatron.sh:"))
+    assert f"outputs go to {out_dir} (logging.output_dir)" in lines[launcher + 1]  # the config used, not the default
     first = check_run(out_dir, 2)
     assert "random policy" in (out_dir / "summary.txt").read_text()
 
     env["MASTER_PORT"] = str(free_port())
     out = finish(launch(env, [*common, "demo.num_steps=3"]))
     assert "resuming after step 2" in out
+    from megatron_rl.warnings_filter import MEGATRON_CORE_CALL_WARNINGS
+
+    assert not [text for _, text in MEGATRON_CORE_CALL_WARNINGS if text in out], out  # a quiet resume
     rows = check_run(out_dir, 3)
     assert rows[:2] == first  # steps 1-2 are not re-run; step 3 continues from the loaded checkpoint
+
+    # the same command once more, with another layout: the run is finished, one line says so, nothing rewritten
+    written = {p: p.read_bytes() for p in out_dir.rglob("*") if p.is_file()}
+    env["MASTER_PORT"] = str(free_port())
+    out = finish(launch(env, [*common, "demo.num_steps=3", "parallel.context_parallel_size=2"]))
+    assert len([line for line in out.splitlines() if "finished at step 3" in line]) == 1, out
+    assert "demo.num_steps=6" in out and "Traceback" not in out
+    assert {p: p.read_bytes() for p in out_dir.rglob("*") if p.is_file()} == written  # config.yaml still DP2
 
 
 def test_two_node_launch_tp2(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from multirank import run_ranks
 
+pytestmark = pytest.mark.slow  # spawns ranks
+
 
 def _all_reduce_rank(rank: int, world_size: int, scale: float) -> dict:
     dist.init_process_group("gloo")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs an example script in a subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 

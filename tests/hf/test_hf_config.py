@@ -64,3 +64,25 @@ def test_tokenizer_and_pad_token(hf_models, tmp_path):
         pad_token_id(tok, "here")
     with pytest.raises(ValueError, match="no loadable tokenizer|not a directory"):
         load_tokenizer(tmp_path)
+
+
+def test_errors_name_the_directory_as_the_caller_set_it(hf_models, tmp_path):
+    """``hf_dir=`` passed to a function is named ``hf_dir=...``; the config's ``model.hf_path`` is named so.
+    Both are found before any collective (no process group here: ``groups=None``)."""
+    import dataclasses
+
+    from megatron_rl.config import MegatronRLConfig
+    from megatron_rl.hf import policy_from_hf
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    config = MegatronRLConfig()
+    with pytest.raises(ValueError, match=f"^hf_dir='{empty}' has no config.json"):
+        policy_from_hf(config, None, hf_dir=empty)
+    from_config = dataclasses.replace(config, model=dataclasses.replace(config.model, hf_path=str(empty)))
+    with pytest.raises(ValueError, match=f"^model.hf_path='{empty}' has no config.json"):
+        policy_from_hf(from_config, None)
+    with pytest.raises(ValueError, match=f"^hf_dir='{empty}': no loadable tokenizer"):
+        load_tokenizer(empty)
+    with pytest.raises(ValueError, match=f"^hf_dir='{empty}' has no config.json"):
+        model_config_from_hf(empty)

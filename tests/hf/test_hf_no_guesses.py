@@ -22,6 +22,8 @@ import pytest
 from megatron_rl import warnings_filter
 from megatron_rl.hf.tokenizer import TOKENIZER_FILES, load_tokenizer
 
+pytestmark = pytest.mark.slow  # a subprocess per test
+
 CHILD = """
 import sys
 from megatron_rl.config import MegatronRLConfig

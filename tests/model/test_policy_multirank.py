@@ -19,6 +19,8 @@ from batches import full_grads as _full_grads, left_padded_tensors, micro_batch_
 from megatron_rl.metrics import Metric
 from multirank import run_ranks
 
+pytestmark = pytest.mark.slow  # spawns ranks
+
 PROMPT_LENS = [3, 9, 2, 5, 12, 4, 6]
 RESPONSE_LENS = [6, 2, 11, 4, 1, 8, 5]  # uneven token counts; B=7 is odd, so DP2 adds a dummy row
 MB_COUNTS = (1, 2, 4)

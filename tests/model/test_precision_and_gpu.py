@@ -21,6 +21,8 @@ from batches import left_padded_tensors
 from megatron_rl.metrics import Metric
 from multirank import run_ranks
 
+pytestmark = pytest.mark.slow  # spawns ranks
+
 PROMPT_LENS = [5, 2, 9, 3, 1]
 RESPONSE_LENS = [4, 7, 1, 6, 2]
 BF16_TOL = 2e-2
