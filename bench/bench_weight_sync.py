@@ -206,8 +206,8 @@ def _measure(rank: int, world: int, point: dict) -> dict:
     started = time.perf_counter()
     engine = VLLMEngine.start(policy, rollout, hf_dir=point["hf_dir"], work_dir=point["work_dir"])
     start_s = time.perf_counter() - started
-    out: dict = {"rank": rank, "load_s": load_s, "engine_start_s": start_s, "rss_mib": status_kib("VmRSS") / 1024,
-                 "buckets": {}}  # fmt: skip
+    out: dict = {"rank": rank, "load_s": load_s, "engine_start_s": start_s,
+                 "rss_mib": status_kib("VmRSS") / 1024}  # fmt: skip
     try:
         out["convert"] = [_convert_only(policy, engine.hf_source, groups) for _ in range(2)][-1]
         if rank == 0:
@@ -360,6 +360,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _git_commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -389,7 +399,7 @@ def main() -> None:
     meta = {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(), "shared": True,
                         "torch": torch.__version__},
-            "dtype": "bfloat16", "repeats": args.repeats,
+            "commit": _git_commit(), "dtype": "bfloat16", "repeats": args.repeats,
             "notes": "sync_s = median of the timed syncs; first_s = the warm-up sync, not in the median"}  # fmt: skip
     try:
         for model in args.models:
