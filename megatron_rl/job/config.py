@@ -189,6 +189,11 @@ def check_job_config(config: JobConfig) -> None:
                           "held-out prompt file, or eval.interval=0")
 
 
+def next_digit_longest_sequence(num_turns: int, max_new_tokens: int) -> int:
+    """Tokens of the digit game's longest sequence in either rollout layout (``check_rollout_shapes``)."""
+    return num_turns * (max_new_tokens + 3)
+
+
 def check_rollout_shapes(config: JobConfig) -> None:
     """The digit game's longest sequence, ``next_digit.num_turns x (job.max_new_tokens + 3)`` (a 3-token first
     prompt, then per turn a response of at most ``max_new_tokens`` and, but after the last turn, a 3-token
@@ -199,7 +204,7 @@ def check_rollout_shapes(config: JobConfig) -> None:
     from megatron_rl.data.packing import packing_alignment
 
     turns, new_tokens = config.next_digit.num_turns, config.job.max_new_tokens
-    longest = turns * (new_tokens + 3)
+    longest = next_digit_longest_sequence(turns, new_tokens)
     shape = (f"next_digit.num_turns x (job.max_new_tokens + 3) = {turns} x ({new_tokens} + 3) = {longest} tokens")
     rl = config.rl
     if longest > rl.model.max_position_embeddings:

@@ -98,7 +98,7 @@ def test_a_finished_run_says_so_in_one_line_and_rewrites_nothing(monkeypatch, ca
     line naming the step and the keys to change, and no file of the output directory is written."""
     from types import SimpleNamespace
 
-    import megatron_rl.demo.main as main_module
+    import megatron_rl.job.main as main_module
 
     out = tmp_path / "out"
     out.mkdir()
@@ -108,5 +108,5 @@ def test_a_finished_run_says_so_in_one_line_and_rewrites_nothing(monkeypatch, ca
     assert main_module.run(job) == 0
     printed, err = capsys.readouterr()
     assert err == "" and printed.count("\n") == 1, printed
-    assert "finished at step 5" in printed and "demo.num_steps=10" in printed and "logging.output_dir" in printed
+    assert "finished at step 5" in printed and "job.num_steps=10" in printed and "logging.output_dir" in printed
     assert list(out.iterdir()) == []  # no config.yaml, summary.txt, plot, metrics or TensorBoard events

@@ -201,16 +201,17 @@ def test_policy_next_token_logprobs_is_the_full_distribution() -> None:
 
 @pytest.mark.parametrize("num_turns, max_new_tokens", [(3, 3), (1, 1), (4, 6)])
 def test_max_sequence_length_is_the_longest_rollout(num_turns: int, max_new_tokens: int) -> None:
-    """``DemoConfig.max_sequence_length`` (what the pre-flight checks) against real rollouts of a policy that
+    """``next_digit_longest_sequence`` (what the pre-flight checks) against real rollouts of a policy that
     never stops, so every response takes ``max_new_tokens``: the longest sequence of either layout."""
-    from megatron_rl.demo.config import DemoConfig
+    from megatron_rl.job.config import next_digit_longest_sequence
 
     table = torch.zeros(TOK.vocab_size, TOK.vocab_size)
     table[:, TOK.eos_token_id] = -1e9
-    played = play_episodes(NextDigitGame(TOK, num_turns=num_turns),
-                           fixed_policy(table), SamplingParams(max_new_tokens=max_new_tokens, stop_token_id=TOK.eos_token_id),
-                           num_prompts=2, n_samples_per_prompt=2, rng=random.Random(0), generator=sampling_generator(0, 0))
-    expected = DemoConfig(num_turns=num_turns, max_new_tokens=max_new_tokens).max_sequence_length()
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_id=TOK.eos_token_id)
+    played = play_episodes(NextDigitGame(TOK, num_turns=num_turns), BuiltinEngine(fixed_policy(table)),
+                           params.to_spec(), num_prompts=2, n_samples_per_prompt=2, rng=random.Random(0),
+                           seed=rollout_seed(0, 0))
+    expected = next_digit_longest_sequence(num_turns, max_new_tokens)
     for step_wise in (True, False):
         out = episodes_to_generator_output(played, step_wise=step_wise)
         longest = max(len(p) + len(r) for p, r in zip(out["prompt_token_ids"], out["response_ids"]))
