@@ -24,9 +24,10 @@ it kills the whole group, so no engine process outlives the trainer.
 Weight sync (``weight_sync.py`` is the sender): sender ``p`` (one per pipeline stage) and every engine worker
 form a group of ``1 + workers`` ranks (sender = rank 0) on a shared ``TCPStore``. Per bucket the sender
 publishes ``mrl/v{version}/p{p}/b{k}`` = JSON ``{"nbytes", "last", "tensors": [[name, dtype, shape, offset,
-nbytes], ...]}`` in the store, then broadcasts the bucket as one flat uint8 tensor; the worker unpacks views
-of it and feeds them to vLLM's ``reload_weights`` as one weights iterator (all stages, in order), so vLLM's
-layer-wise reload sees every weight exactly once.
+nbytes], ...]}`` in the store, then broadcasts the bucket as one flat uint8 tensor; the worker receives the
+buckets in a background thread (up to ``PREFETCH_BUCKETS`` ahead, so transfer and reload overlap), unpacks
+views of them and feeds them to vLLM's ``reload_weights`` as one weights iterator (all stages, in order), so
+vLLM's layer-wise reload sees every weight exactly once.
 """
 
 from __future__ import annotations
@@ -81,11 +82,10 @@ class WorkerExtension:
         digests: dict[str, str] = {}
 
         def weights() -> Iterator[tuple[str, Any]]:
-            for stage, group in enumerate(self._mrl_groups):
-                for name, tensor in _receive_stage(self._mrl_store, group, version, stage, self._mrl_device, stats):
-                    if record_digests:
-                        digests[name] = tensor_digest(tensor)
-                    yield name, tensor
+            for name, tensor in _prefetched(self._mrl_store, self._mrl_groups, version, self._mrl_device, stats):
+                if record_digests:
+                    digests[name] = tensor_digest(tensor)
+                yield name, tensor
 
         self.reload_weights(weights_iterator=weights())
         refresh_tied_output_layer(self.model_runner.get_model())
@@ -178,8 +178,40 @@ def tensor_digest(tensor: Any) -> str:
     return hashlib.sha256(head + flat.numpy().tobytes()).hexdigest()
 
 
+PREFETCH_BUCKETS = 2
+"""Buckets received ahead of vLLM's reload: transfer and reload overlap (the engine holds up to this many more)."""
+
+
+def _prefetched(store: Any, groups: list, version: int, device: Any, stats: dict) -> Iterator[tuple[str, Any]]:
+    """Every stage's tensors in order, received by a background thread up to ``PREFETCH_BUCKETS`` buckets ahead
+    of the consumer (gloo/NCCL calls and vLLM's copies release the GIL, so the two overlap). Each bucket gets its
+    own buffer: vLLM's layer-wise reload keeps views of a layer's tensors until the layer is complete."""
+    import queue
+
+    ready: queue.Queue = queue.Queue(maxsize=PREFETCH_BUCKETS)
+
+    def receive() -> None:
+        try:
+            for stage, group in enumerate(groups):
+                for bucket in _receive_stage(store, group, version, stage, device, stats):
+                    ready.put(bucket)
+            ready.put(None)
+        except BaseException as err:  # handed to the consumer, which raises it in the reload's thread
+            ready.put(err)
+
+    threading.Thread(target=receive, name="megatron_rl-weight-receive", daemon=True).start()
+    while True:
+        item = ready.get()
+        if item is None:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield from item
+
+
 def _receive_stage(store: Any, group: Any, version: int, stage: int, device: Any, stats: dict
-                   ) -> Iterator[tuple[str, Any]]:
+                   ) -> Iterator[list[tuple[str, Any]]]:
+    """One stage's buckets, each as its list of ``(hf_name, tensor view of the bucket's buffer)``."""
     import torch
 
     bucket = 0
@@ -189,11 +221,13 @@ def _receive_stage(store: Any, group: Any, version: int, stage: int, device: Any
         broadcast(group, buffer)
         stats["bytes"] += manifest["nbytes"]
         stats["buckets"] += 1
+        tensors = []
         for name, dtype, shape, offset, nbytes in manifest["tensors"]:
             if dtype not in _DTYPES:
                 raise ValueError(f"weight sync: tensor {name!r} has unsupported dtype {dtype!r}")
             stats["tensors"] += 1
-            yield name, buffer[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)
+            tensors.append((name, buffer[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape)))
+        yield tensors
         if manifest["last"]:
             return
         bucket += 1
