@@ -112,7 +112,7 @@ def test_run_megatron_dp2_then_resume(tmp_path: Path) -> None:
     env["MASTER_PORT"] = str(free_port())
     out = finish(launch(env, [*common, "demo.num_steps=3", "parallel.context_parallel_size=2"]))
     assert len([line for line in out.splitlines() if "finished at step 3" in line]) == 1, out
-    assert "demo.num_steps=6" in out and "Traceback" not in out
+    assert "job.num_steps=6" in out and "Traceback" not in out
     assert {p: p.read_bytes() for p in out_dir.rglob("*") if p.is_file()} == written  # config.yaml still DP2
 
 
