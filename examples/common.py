@@ -12,6 +12,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 WORDS = (
@@ -44,12 +45,13 @@ def _temporary_dir() -> Path:
     return path
 
 
-def save_word_tokenizer(path: Path) -> int:
-    """A word-level tokenizer over ``SPECIAL + WORDS`` with pad ``<pad>`` (id 0); returns its size."""
+def save_word_tokenizer(path: Path, words: Sequence[str] = WORDS) -> int:
+    """A whitespace word-level tokenizer over ``SPECIAL + words`` (pad ``<pad>`` id 0, eos ``<eos>`` id 2);
+    returns its size."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {word: i for i, word in enumerate(SPECIAL + WORDS)}
+    vocab = {word: i for i, word in enumerate([*SPECIAL, *words])}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")

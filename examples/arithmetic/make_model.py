@@ -13,23 +13,18 @@ The result is an ordinary Hugging Face checkpoint (``config.json``, ``model.safe
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-SPECIAL = ["<pad>", "<unk>", "<eos>"]
 WORDS = [str(d) for d in range(10)] + ["plus", "one", "two", "equals"]
 
 
 def save_tokenizer(path: Path) -> int:
-    """A whitespace word-level tokenizer over ``SPECIAL + WORDS`` (pad id 0, eos id 2); returns its size."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """The example's tokenizer: ``<pad> <unk> <eos>`` (ids 0-2) and ``WORDS``; returns its size."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: common.py
+    from common import save_word_tokenizer
 
-    vocab = {word: i for i, word in enumerate(SPECIAL + WORDS)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
-    fast.save_pretrained(path)
-    return len(vocab)
+    return save_word_tokenizer(path, WORDS)
 
 
 def make_model(path: Path, seed: int = 0) -> Path:
