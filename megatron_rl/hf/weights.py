@@ -177,14 +177,24 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for the weights of *this* pipeline stage only, on the parameters' device.
 
-    Unlike ``iter_hf_weights`` nothing crosses pipeline stages: each tensor is all-gathered over TP for itself
-    (collective over the TP group: every TP rank of the stage must run this to the end) and converted to HF
-    names (a fused QKV or gated fc1 yields several). The last stage's copy of a tied output layer is skipped
-    (the first stage yields ``model.embed_tokens.weight``). Peak extra memory: one gathered tensor and its
-    HF conversion. Used by the weight sync into a rollout engine (``megatron_rl/inference/weight_sync.py``).
+    Yields on tensor-parallel rank 0 of the stage only (the TP rank of the weight-sync sender); the other TP
+    ranks send their shards to it and yield nothing, but must still run this to the end (collective over the
+    TP group). Nothing crosses pipeline stages (unlike ``iter_hf_weights``). Names, order, dtypes and values
+    are those of mbridge's export (``iter_hf_weights``); a fused QKV or gated fc1 yields several; the last
+    stage's copy of a tied output layer is skipped (the first stage yields ``model.embed_tokens.weight``);
+    vocabulary padding rows are dropped. Used by the weight sync into a rollout engine
+    (``megatron_rl/inference/weight_sync.py``).
+
+    Extra memory on TP rank 0, per parameter of TP > 1 (``_gather_on_first``): one buffer of the full tensor,
+    received in place, which *is* mbridge's merged tensor for a dim-0 split (embedding, output layer, QKV,
+    plain or gated fc1: the yielded tensors are views of it); QKV's q/k/v are then copied one at a time (as
+    mbridge's own split copies them); a row-parallel weight (split along dim 1: linear_proj, fc2) costs one
+    more copy, the concatenation along dim 1 (2x a tensor far smaller than the embedding). Nothing else is
+    kept: a yielded tensor lives as long as the caller holds it.
     """
     bridge = _bridge_for(model_chunks, hf_dir, groups)
     tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
+    first_tp_rank = groups.tp_rank == 0
     with torch.no_grad():
         for chunk in model_chunks:
             chunk = _unwrap(chunk)
@@ -194,16 +204,117 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
                     continue
                 name = local_to_global[local_name]
                 if getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
-                    shards = [torch.empty_like(param) for _ in range(groups.tp_size)]
-                    dist.all_gather(shards, param.detach().contiguous(), group=groups.tp_group)
-                    full = bridge._weight_merge_across_tp(name, shards, param)
-                    del shards
-                else:
-                    full = param.detach()
-                hf_names, hf_tensors = bridge._weight_to_hf_format(name, full)
-                del full
-                for hf_name, tensor in zip(hf_names, hf_tensors):
-                    yield hf_name, tensor
+                    plan = _merge_plan(bridge, name, param)
+                    pieces = 2 if plan == "gated" else 1
+                    if first_tp_rank:  # the buffer is passed on unnamed, so that the merge can free it
+                        yield from _merged_to_hf(bridge, name, param, plan,
+                                                 _gather_on_first(param.detach(), groups, pieces))
+                    else:
+                        _send_to_first(param.detach(), groups, pieces)
+                elif first_tp_rank:
+                    yield from _to_hf(bridge, name, param.detach())
+
+
+def _merge_plan(bridge: Any, name: str, param: torch.Tensor) -> str:
+    """How mbridge's ``Bridge._weight_merge_across_tp`` merges ``name``: ``rows`` (a concatenation along dim 0),
+    ``gated`` (fc1 of a gated MLP: each rank's ``[gate_r; up_r]`` -> ``[gate_0; gate_1; ...; up_0; up_1; ...]``),
+    ``cols`` (a concatenation along dim 1) or ``mbridge`` (anything else, or a bridge that overrides the merge
+    or the HF conversion: its own methods on a merged copy)."""
+    if "mlp.experts" in name or not _mbridge_base_conversion(bridge):
+        return "mbridge"
+    if _is_fc1(name):
+        return "gated" if bridge._get_mcore_config_by_name(name).gated_linear_unit else "rows"
+    if _is_qkv(name) or param.partition_dim == 0:
+        return "rows"
+    return "cols" if param.partition_dim == 1 else "mbridge"
+
+
+def _send_to_first(shard: torch.Tensor, groups: ParallelGroups, pieces: int) -> None:
+    """A TP rank > 0's part of ``_gather_on_first``: its shard, in ``pieces`` row blocks, to TP rank 0."""
+    for i, piece in enumerate(shard.contiguous().chunk(pieces)):
+        if piece.is_cuda:
+            dist.gather(piece, None, group=groups.tp_group, group_dst=0)
+        else:
+            dist.send(piece, group=groups.tp_group, group_dst=0, tag=i)
+
+
+def _gather_on_first(shard: torch.Tensor, groups: ParallelGroups, pieces: int) -> torch.Tensor:
+    """On TP rank 0: the stage's TP shards of one parameter in ONE new tensor ``[pieces, tp, rows / pieces, ...]``
+    (block ``p`` of rank ``r``'s shard at ``[p, r]``), written in place by the transport.
+
+    Gloo's ``gather`` and ``all_gather_into_tensor`` stage the whole result in a temporary of their own
+    (measured with torch 2.13: 2x the tensor on the receiver), so on CPU the blocks come as point-to-point
+    messages received straight into the buffer; NCCL's ``gather`` writes into the given views directly.
+    """
+    tp = groups.tp_size
+    blocks = shard.contiguous().chunk(pieces)
+    gathered = torch.empty((pieces, tp, *blocks[0].shape), dtype=shard.dtype, device=shard.device)
+    for p, block in enumerate(blocks):
+        if block.is_cuda:
+            dist.gather(block, list(gathered[p].unbind(0)), group=groups.tp_group, group_dst=0)
+        else:
+            works = [dist.irecv(gathered[p, r], group=groups.tp_group, group_src=r, tag=p) for r in range(1, tp)]
+            gathered[p, 0].copy_(block)
+            for work in works:
+                work.wait()
+    return gathered
+
+
+def _merged_to_hf(bridge: Any, name: str, param: torch.Tensor, plan: str, gathered: torch.Tensor
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of one TP-split parameter from ``_gather_on_first``'s buffer: bitwise what mbridge's
+    ``_weight_merge_across_tp`` then ``_weight_to_hf_format`` give, without the merge's full copy for the
+    ``rows`` and ``gated`` plans (the buffer, viewed as ``[tp * rows, ...]``, is already the merged tensor)."""
+    block_shape = gathered.shape[3:]
+    if plan in ("rows", "gated"):
+        full = gathered.view(-1, *block_shape)
+    elif plan == "cols":
+        full = torch.cat(gathered[0].unbind(0), dim=1)  # row-parallel: one extra copy
+    else:
+        full = bridge._weight_merge_across_tp(name, list(gathered[0].unbind(0)), param)
+    del gathered
+    yield from _to_hf(bridge, name, full)
+
+
+def _to_hf(bridge: Any, name: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """mbridge's ``_weight_to_hf_format`` of a merged tensor, QKV's q/k/v made one at a time (mbridge makes the
+    three copies together)."""
+    if not (_is_qkv(name) and _mbridge_base_conversion(bridge)):
+        hf_names, hf_tensors = bridge._weight_to_hf_format(name, full)
+        del full
+        yield from zip(hf_names, hf_tensors)
+        return
+    hf_names = bridge._weight_name_mapping_mcore_to_hf(name)
+    assert len(hf_names) == 3, (name, hf_names)
+    # Same arithmetic as mbridge's ``Bridge._weight_to_hf_format`` (so the same values and layouts).
+    cfg = bridge.hf_config
+    hidden, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", hidden // heads)
+    bias = ".bias" in name
+    qkv = full.view(*([kv_heads, -1] if bias else [kv_heads, -1, hidden]))
+    del full
+    q_len = head_dim * heads // kv_heads
+    bounds = [(0, q_len), (q_len, q_len + head_dim), (q_len + head_dim, None)]
+    for hf_name, (start, stop) in zip(hf_names, bounds):
+        yield hf_name, qkv[:, start:stop].reshape(*([-1] if bias else [-1, hidden]))
+
+
+def _is_qkv(name: str) -> bool:
+    return "self_attention.linear_qkv." in name and "layer_norm" not in name
+
+
+def _is_fc1(name: str) -> bool:
+    return "linear_fc1.weight" in name or "linear_fc1.bias" in name
+
+
+def _mbridge_base_conversion(bridge: Any) -> bool:
+    """True when the bridge uses mbridge's own ``Bridge`` merge and HF conversion (which the shortcuts above
+    reproduce); a model bridge that overrides either gets its own methods on the full merged tensor."""
+    from mbridge.core.bridge import Bridge
+
+    cls = type(bridge)
+    return (cls._weight_to_hf_format is Bridge._weight_to_hf_format
+            and cls._weight_merge_across_tp is Bridge._weight_merge_across_tp)
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
