@@ -5,7 +5,8 @@ the next rollouts; ``VLLMEngine.update_weights`` calls ``WeightSender.send`` on 
 
 Who sends what (no full gather anywhere)::
 
-    every rank of PP stage p    TP all-gather of one tensor at a time (hf/weights.py: iter_stage_hf_weights)
+    every rank of PP stage p    TP gather of one tensor at a time to the stage's TP rank 0 (hf/weights.py:
+                                iter_stage_hf_weights; the other TP ranks only send their shards)
     sender of stage p           the rank with tp = dp = cp = 0 of stage p; packs the converted HF tensors into
                                 a bucket of ``bucket_bytes`` (one preallocated uint8 buffer) and broadcasts each
                                 full bucket to the engine's workers over its own group {sender p, workers}
@@ -95,6 +96,7 @@ class WeightSender:
             else:  # larger than a bucket: sent alone
                 self._send(_single(name, tensor), version, index, last=False, stats=stats)
                 index += 1
+            del tensor  # not alive while the next one is gathered
         if bucket is not None:
             self._flush(bucket, version, index, last=True, stats=stats)
         stats.seconds = time.perf_counter() - started
