@@ -349,6 +349,8 @@ class VLLMEngine:
             self.sender.close()
             self.sender = None
         self.store = None
+        if self.transport == "disk" and not self.config.sync_dir and self.groups.rank == 0:
+            shutil.rmtree(self._sync_dir(), ignore_errors=True)  # the default one under /dev/shm: ours alone
 
 
 def _raise_everywhere(error: str | None, kind: type[Exception]) -> None:
