@@ -14,6 +14,7 @@ MODE:
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,9 @@ def _rollout_config(overrides: list[str]):
 
 
 def main(mode: str, hf_dir: str, work_dir: str, *overrides: str) -> int:
+    # Ctrl-C as in a terminal: a process started in the background by a non-interactive shell (e.g. a CI runner's
+    # `cmd &`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from megatron_rl.inference.engine import SamplingSpec
     from megatron_rl.inference.vllm_engine import EngineStartError, VLLMEngine
 
