@@ -6,7 +6,7 @@ DP rank; this module turns it into the value handed to megatron-core's pipeline 
 whole mini-batch (all micro-batches, all DP ranks). This is the only place where that arithmetic lives.
 
 Derivation (megatron-core 0.16.1 and 0.19.2, measured in docs/CPU_ADAPTATION.md section 4; tested with
-context parallelism in tests/cp/test_cp_grads.py):
+context parallelism in tests/cp/test_cp_policy.py):
 
     Let L = sum over DP ranks d and micro-batches m of L_{d,m}   (the global summed loss we want to train on).
     Context parallelism (cp ranks per DP rank): CP rank c runs the model on its tokens only, but its per-token
