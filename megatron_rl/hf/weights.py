@@ -41,6 +41,7 @@ from megatron_rl.hf.config import HF_DIR_KEY, describe_hf_load, load_hf_config, 
 from megatron_rl.hf.tokenizer import resolve_pad_token_id
 from megatron_rl.model.optimizer import follow_new_weights
 from megatron_rl.model.policy import MegatronPolicy
+from megatron_rl.model.weights import unwrap
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth")
 
@@ -83,7 +84,7 @@ def _set_name_maps(bridge: Any, tied: bool) -> None:
     bridge._get_hf_shared_weight_keys = lambda: ["model.embed_tokens.weight"] if tied else []
 
 
-def _bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups) -> Any:
+def bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups) -> Any:
     embedding_or_output = _vocab_parallel_rows(model_chunks[0])
     dtype = next(model_chunks[0].parameters()).dtype
     padded = _all_reduce_max(embedding_or_output, groups)
@@ -127,7 +128,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
         check_hf_matches(model_cfg, hf_dir, key=key)
     if not list(Path(hf_dir).glob("*.safetensors")):
         raise ValueError(f"{key}={str(hf_dir)!r} has no *.safetensors files (only safetensors are read)")
-    bridge = _bridge_for(model_chunks, hf_dir, groups)
+    bridge = bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
         bridge.load_weights(model_chunks, str(hf_dir))
 
@@ -167,14 +168,14 @@ def policy_from_hf(config: MegatronRLConfig, groups: ParallelGroups, *, role: Li
 def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank."""
-    bridge = _bridge_for(model_chunks, hf_dir, groups)
+    bridge = bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
         for name, tensor in bridge.export_weights(model_chunks):
             yield name, tensor.detach().to("cpu", copy=True).contiguous()
 
 
-def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups,
+                          *, bridge: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for the weights of *this* pipeline stage only, on the parameters' device.
 
     Yields on tensor-parallel rank 0 of the stage only (the TP rank of the weight-sync sender); the other TP
@@ -183,7 +184,8 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
     are those of mbridge's export (``iter_hf_weights``); a fused QKV or gated fc1 yields several; the last
     stage's copy of a tied output layer is skipped (the first stage yields ``model.embed_tokens.weight``);
     vocabulary padding rows are dropped. Used by the weight sync into a rollout engine
-    (``megatron_rl/inference/weight_sync.py``).
+    (``megatron_rl/inference/weight_sync.py``), which passes ``bridge`` (``bridge_for`` of the same chunks,
+    built once) so that a sync reads no config file and runs no extra collective.
 
     Extra memory on TP rank 0, per parameter of TP > 1 (``_gather_on_first``): one buffer of the full tensor,
     received in place, which *is* mbridge's merged tensor for a dim-0 split (embedding, output layer, QKV,
@@ -192,12 +194,13 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
     more copy, the concatenation along dim 1 (2x a tensor far smaller than the embedding). Nothing else is
     kept: a yielded tensor lives as long as the caller holds it.
     """
-    bridge = _bridge_for(model_chunks, hf_dir, groups)
+    if bridge is None:
+        bridge = bridge_for(model_chunks, hf_dir, groups)
     tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
     first_tp_rank = groups.tp_rank == 0
     with torch.no_grad():
         for chunk in model_chunks:
-            chunk = _unwrap(chunk)
+            chunk = unwrap(chunk)
             local_to_global = bridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
             for local_name, param in chunk.named_parameters():
                 if tied and local_name == "output_layer.weight":
@@ -315,12 +318,6 @@ def _mbridge_base_conversion(bridge: Any) -> bool:
     cls = type(bridge)
     return (cls._weight_to_hf_format is Bridge._weight_to_hf_format
             and cls._weight_merge_across_tp is Bridge._weight_merge_across_tp)
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):
-        module = module.module
-    return module
 
 
 def export_hf(model_chunks: list[torch.nn.Module], out_dir: str | os.PathLike, hf_dir: str | os.PathLike,

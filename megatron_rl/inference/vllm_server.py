@@ -71,7 +71,7 @@ class WorkerExtension:
         self._mrl_store = store
         self._mrl_device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         self._mrl_groups = [
-            _new_group(dist.PrefixStore(f"{SYNC_PREFIX}/sender{p}", store), rank, 1 + num_workers, backend, timeout_s)
+            new_group(dist.PrefixStore(f"{SYNC_PREFIX}/sender{p}", store), rank, 1 + num_workers, backend, timeout_s)
             for p in range(num_senders)
         ]
         self._mrl_digests: dict[str, str] = {}
@@ -139,7 +139,7 @@ def refresh_tied_output_layer(model: Any) -> bool:
     return True
 
 
-def _new_group(store: Any, rank: int, size: int, backend: str, timeout_s: float) -> Any:
+def new_group(store: Any, rank: int, size: int, backend: str, timeout_s: float) -> Any:
     """A process group outside torch.distributed's default group (vLLM and the trainer each have their own)."""
     import torch.distributed as dist
 
@@ -275,8 +275,7 @@ class Server:
         self.llm = LLM(
             model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
             enforce_eager=True, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.WorkerExtension" if __name__ != "__main__"
-            else "megatron_rl.inference.vllm_server.WorkerExtension",
+            worker_extension_cls="megatron_rl.inference.vllm_server.WorkerExtension",  # imported by name
             gpu_memory_utilization=args.gpu_memory_utilization,
             tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=True,
         )

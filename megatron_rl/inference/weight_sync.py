@@ -65,27 +65,31 @@ class WeightSender:
         self.device = torch.device("cpu") if backend == "gloo" else groups.device
         self.group: Any = None
         self.store: Any = None
+        self.bridge: Any = None
+        """mbridge's converter for this stage, built at the first ``send``."""
         self.skip_bucket: int | None = None
         """Test hook: drop the bucket with this index (a planted bug the sync tests must catch)."""
 
     def join(self, host: str, port: int, num_workers: int, timeout_s: float) -> None:
         if not self.sender:
             return
-        from megatron_rl.inference.vllm_server import _new_group
+        from megatron_rl.inference.vllm_server import new_group
 
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         prefix = dist.PrefixStore(f"{SYNC_PREFIX}/sender{self.groups.pp_rank}", self.store)
-        self.group = _new_group(prefix, 0, 1 + num_workers, self.backend, timeout_s)
+        self.group = new_group(prefix, 0, 1 + num_workers, self.backend, timeout_s)
 
     def send(self, model_chunks: list[torch.nn.Module], hf_dir: str, version: int) -> SyncStats:
         """Stream this stage's weights as version ``version`` (collective over the TP group of the stage)."""
-        from megatron_rl.hf.weights import iter_stage_hf_weights
+        from megatron_rl.hf.weights import bridge_for, iter_stage_hf_weights
 
         started = time.perf_counter()
+        if self.bridge is None:  # the model's layout and HF config do not change between syncs
+            self.bridge = bridge_for(model_chunks, hf_dir, self.groups)
         stats = SyncStats()
         bucket = _Bucket(self.bucket_bytes, self.device) if self.sender else None
         index = 0
-        for name, tensor in iter_stage_hf_weights(model_chunks, hf_dir, self.groups):
+        for name, tensor in iter_stage_hf_weights(model_chunks, hf_dir, self.groups, bridge=self.bridge):
             if bucket is None:
                 continue
             if not bucket.fits(tensor) and bucket.entries:

@@ -34,7 +34,7 @@ _TIED_COPY = "output_layer.weight"
 _EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
@@ -96,7 +96,7 @@ def _gather_tp(tensor: torch.Tensor, groups: ParallelGroups, dim: int, gated: bo
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, torch.Tensor]:
     """The whole model's state dict, TP- and PP-unsharded, on CPU, on every rank (collective)."""
-    model = _unwrap(model)
+    model = unwrap(model)
     stage: dict[str, torch.Tensor] = {}
     for name, tensor in _local_tensors(model).items():
         if _is_tied_copy(model, name):
@@ -119,7 +119,7 @@ def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor
     KeyError naming the missing keys if ``full_sd`` lacks a tensor this stage needs; ValueError on a shape
     that does not match.
     """
-    model = _unwrap(model)
+    model = unwrap(model)
     local = _local_tensors(model)
     missing = [n for n in local if _source_name(model, n) not in full_sd]
     if missing:
