@@ -161,6 +161,11 @@ class ParallelConfig(ConfigSection):
     CP rank r runs chunks r and 2*cp-1-r (docs/DESIGN.md "Context parallelism")."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
+    expert_model_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
+    """Expert parallelism (megatron-core name; mixture-of-experts models only): the experts of each MoE layer are
+    split over this many ranks, which are data-parallel ranks for the dense parts (docs/MOE.md)."""
+    expert_tensor_parallel_size: int | None = field(default=None, metadata=AT_LEAST_1)
+    """Tensor parallelism inside each expert (megatron-core name); None = tensor_model_parallel_size."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where the ranks run: ``auto`` = one CUDA GPU per rank with NCCL when CUDA is visible, else CPU with gloo;
     ``cuda`` requires a GPU per rank; ``cpu`` runs the ranks on CPU with gloo even when CUDA is present (e.g. more
@@ -173,8 +178,14 @@ class ParallelConfig(ConfigSection):
                 "set sequence_parallel=false or tensor_model_parallel_size > 1"
             )
 
+    @property
+    def expert_tensor_size(self) -> int:
+        """expert_tensor_parallel_size with its default (the tensor-parallel size) resolved."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
     def check_world_size(self, world_size: int) -> None:
-        """The world size must divide by tp * pp * cp; checked where the world size is known (bootstrap)."""
+        """The world size must divide by tp * pp * cp (and by etp * ep * pp for the experts); checked where the
+        world size is known (bootstrap)."""
         model_parallel = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
                           * self.context_parallel_size)
         if world_size % model_parallel != 0:
@@ -182,6 +193,13 @@ class ParallelConfig(ConfigSection):
                 f"world size {world_size} is not divisible by tensor_model_parallel_size * "
                 f"pipeline_model_parallel_size * context_parallel_size = {model_parallel}; change the number of "
                 "processes (NPROC) or the parallel sizes"
+            )
+        expert_parallel = self.expert_tensor_size * self.expert_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % expert_parallel != 0:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by expert_tensor_parallel_size * "
+                f"expert_model_parallel_size * pipeline_model_parallel_size = {expert_parallel}; change the number "
+                "of processes (NPROC) or parallel.expert_model_parallel_size"
             )
 
 
@@ -225,6 +243,31 @@ class ModelConfig(ConfigSection):
     picked silently); 'te' = TransformerEngine spec, an explicit opt-in that has not run on our machines."""
     init_method_std: float = field(default=0.02, metadata=POSITIVE)
     """Std of the random weight init (ignored when hf_path is set)."""
+    num_moe_experts: int | None = field(default=None, metadata=AT_LEAST_1)
+    """Mixture-of-experts: routed experts per layer (megatron-core name); None = a dense model (docs/MOE.md).
+    Every layer is an MoE layer (Qwen3-MoE, Mixtral)."""
+    moe_ffn_hidden_size: int | None = field(default=None, metadata=AT_LEAST_1)
+    """Intermediate width of each expert's SwiGLU; None = ffn_hidden_size."""
+    moe_router_topk: int = field(default=2, metadata=AT_LEAST_1)
+    """Experts each token is routed to."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores over the experts."""
+    moe_router_pre_softmax: bool = False
+    """softmax over all experts before the top-k (Mixtral, Qwen3-MoE with norm_topk_prob=False); False = top-k of
+    the logits, then softmax over the k chosen (Qwen3-MoE with norm_topk_prob=True)."""
+    moe_router_load_balancing_type: Literal["seq_aux_loss", "none"] = "seq_aux_loss"
+    """Load-balancing loss: ``seq_aux_loss`` is the switch-transformer loss of each sequence, averaged over the
+    sequences of the mini-batch, so it does not depend on packing, micro-batches or layout (megatron-core's
+    per-micro-batch ``aux_loss`` does; docs/MOE.md section 3); ``none`` disables it."""
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=NON_NEGATIVE)
+    """Weight of the load-balancing loss; 0 disables it."""
+    moe_z_loss_coeff: float | None = field(default=None, metadata=NON_NEGATIVE)
+    """Weight of the router z-loss (mean over the mini-batch's tokens of logsumexp(router logits)^2); None
+    disables it."""
+    moe_router_replay: Literal["none", "r2", "r3"] = "none"
+    """Routing replay (docs/MOE.md section 5): ``r2`` records each token's experts in the old-log-prob forward
+    and replays them in that step's training forwards; ``r3`` replays the experts the rollout engine chose
+    (``routed_experts`` in the rollouts); ``none`` routes afresh in every forward."""
 
     def _check_rules(self) -> None:
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -232,6 +275,21 @@ class ModelConfig(ConfigSection):
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups={self.num_query_groups}; choose num_query_groups dividing the head count"
             )
+        if self.num_moe_experts is None:
+            moe_set = [name for name in ("moe_ffn_hidden_size", "moe_z_loss_coeff") if getattr(self, name) is not None]
+            moe_set += ["moe_aux_loss_coeff"] if self.moe_aux_loss_coeff > 0 else []
+            moe_set += ["moe_router_replay"] if self.moe_router_replay != "none" else []
+            if moe_set:
+                raise ConfigError(f"model.{moe_set[0]} is set but model.num_moe_experts is None (a dense model); set "
+                                  "num_moe_experts or remove the MoE keys")
+            return
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ConfigError(f"model.moe_router_topk={self.moe_router_topk} exceeds model.num_moe_experts="
+                              f"{self.num_moe_experts}; choose topk <= num_moe_experts")
+        if self.moe_aux_loss_coeff > 0 and self.moe_router_load_balancing_type == "none":
+            raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} with "
+                              "model.moe_router_load_balancing_type='none'; set the type to 'seq_aux_loss' or the "
+                              "coefficient to 0")
 
 
 @dataclass(kw_only=True)
@@ -524,6 +582,11 @@ KEY_ALIASES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("adv_estimator", "estimator"), ("algorithm.advantage_estimator",)),
     "loss_agg_mode": ("algorithm.loss_reduction",),
     "num_hidden_layers": ("model.num_layers",),
+    **dict.fromkeys(("ep", "ep_size", "expert_parallel_size"), ("parallel.expert_model_parallel_size",)),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), ("model.num_moe_experts",)),
+    **dict.fromkeys(("num_experts_per_tok", "topk", "router_topk"), ("model.moe_router_topk",)),
+    "moe_intermediate_size": ("model.moe_ffn_hidden_size",),
+    **dict.fromkeys(("router_aux_loss_coef", "aux_loss_coeff"), ("model.moe_aux_loss_coeff",)),
     "intermediate_size": ("model.ffn_hidden_size",),
     "num_key_value_heads": ("model.num_query_groups",),
     "rope_theta": ("model.rotary_base",),

@@ -9,8 +9,9 @@ was measured on, the reason and the condition under which it can be deleted.
     P1, P4, P5  patches/cuda_calls.py  one TorchFunctionMode: device="cuda" -> cpu, Tensor.cuda() -> self,
                                        Tensor.type() reports "torch.cuda.*" names
     P2, P3      patches/cuda_calls.py  torch.cuda.current_device -> cpu, torch.cuda.synchronize -> no-op
-    P9          patches/cuda_calls.py  torch.cuda.current_stream -> a no-op stream (0.19.x only)
+    P9          patches/cuda_calls.py  torch.cuda.current_stream -> a no-op stream
     P6          patches/rng.py         the model-parallel RNG tracker keeps CPU generator states
+    P10, P11    patches/moe.py         the MoE alltoall dispatcher: its side stream, split sizes on the host
 
 P7 (a norm that supports sequence parallelism) and P8 (THD-capable core attention) are layer-spec
 substitutions made by ``megatron_rl.model.builder``, not patches.
@@ -79,9 +80,9 @@ _APPLIED: list[str] | None = None
 
 def registry() -> list[Patch]:
     """All CPU patches, in the order they are applied."""
-    from megatron_rl.patches import cuda_calls, rng
+    from megatron_rl.patches import cuda_calls, moe, rng
 
-    return [*cuda_calls.PATCHES, *rng.PATCHES]
+    return [*cuda_calls.PATCHES, *rng.PATCHES, *moe.PATCHES]
 
 
 def in_supported_range(version: str) -> bool:

@@ -3,7 +3,7 @@
 P1, P4 and P5 go through one ``TorchFunctionMode`` (torch routes factory functions and Tensor methods
 through it): a ``device`` keyword naming CUDA becomes CPU, ``Tensor.cuda()`` returns the tensor itself, and
 ``Tensor.type()`` reports the CUDA type name that megatron-core asserts on. P2 and P3 replace two
-``torch.cuda`` attributes, and P9 (0.19.x) a third: ``torch.cuda.current_stream`` returns a stream stand-in
+``torch.cuda`` attributes, and P9 a third: ``torch.cuda.current_stream`` returns a stream stand-in
 whose waits do nothing. Everything here is a no-op translation: no numerics change.
 """
 
@@ -70,8 +70,22 @@ def _synchronize(device: object = None) -> None:
     """Nothing to wait for: CPU ops are synchronous."""
 
 
-class _NoOpStream:
-    """What ``torch.cuda.current_stream()`` returns on CPU (P9): CPU work is synchronous, so every wait is done."""
+class _DoneEvent:
+    """An event that has already happened (CPU work is synchronous)."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def wait(self, stream: object = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        return True
+
+
+class NoOpStream:
+    """What ``torch.cuda.current_stream()`` returns on CPU (P9), and the MoE dispatcher's side stream (P10):
+    CPU work is synchronous, so every wait is done."""
 
     def wait_event(self, event: object) -> None:
         """Nothing to wait for (events are recorded by CUDA graph replays, which do not exist on CPU)."""
@@ -86,11 +100,15 @@ class _NoOpStream:
         """All work is complete."""
         return True
 
+    def record_event(self, event: object = None) -> _DoneEvent:
+        """An event that is already complete."""
+        return _DoneEvent()
 
-_NO_OP_STREAM = _NoOpStream()
+
+_NO_OP_STREAM = NoOpStream()
 
 
-def _current_stream(device: object = None) -> _NoOpStream:
+def _current_stream(device: object = None) -> NoOpStream:
     return _NO_OP_STREAM
 
 
@@ -137,11 +155,12 @@ PATCHES = [
     ),
     patches.Patch(
         name="P9 torch.cuda.current_stream",
-        versions=("0.19.2",),
+        versions=_MEASURED_ON,
         reason=(
             "torch.cuda.current_stream().wait_event(...) before every DDP grad reduction "
-            "(distributed/param_and_grad_buffer.py:632, start_grad_sync, absent in 0.16.1; also :691 and :814, "
-            "only with num_distributed_optimizer_instances > 1)"
+            "(distributed/param_and_grad_buffer.py:632 in 0.19.2, start_grad_sync; also :691 and :814, "
+            "only with num_distributed_optimizer_instances > 1); the MoE alltoall dispatcher compares "
+            "torch.cuda.current_stream() with its side stream (token_dispatcher.py:922 in 0.19.2, :871 in 0.16.1)"
         ),
         removal="megatron-core guards the CUDA-graph event wait by device type (or only waits when an event exists)",
         apply=_replace_current_stream,

@@ -3,7 +3,8 @@
     torchrun env (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), or nothing for one process
       -> the device (``parallel.device``: cuda:LOCAL_RANK, or CPU; ``select_device``)
       -> torch.distributed process group (NCCL on CUDA, gloo on CPU; CPU patches applied once on CPU)
-      -> megatron-core parallel_state (order tp-cp-ep-dp-pp: TP ranks are adjacent)
+      -> megatron-core parallel_state (order tp-cp-ep-dp-pp: TP ranks are adjacent; EP ranks are DP ranks of
+         the dense layers, docs/MOE.md)
       -> seeds (python, numpy, torch, megatron's model-parallel RNG tracker)
       -> ParallelGroups, passed explicitly to everything after this point
 
@@ -62,6 +63,16 @@ class ParallelGroups:
     """megatron.core.process_groups_config.ProcessGroupCollection of all the above (megatron's names)."""
     device: torch.device
     """Where tensors of this rank live (cuda:LOCAL_RANK or cpu)."""
+    ep_size: int = 1
+    """Expert-parallel size (MoE): the experts of a layer are split over the ``ep_group``."""
+    ep_rank: int = 0
+    etp_size: int = 1
+    """Expert-tensor-parallel size (each expert's linear layers split over ``etp_group``)."""
+    etp_rank: int = 0
+    ep_group: ProcessGroup | None = None
+    etp_group: ProcessGroup | None = None
+    expert_dp_group: ProcessGroup | None = None
+    """Ranks holding the same experts (DDP reduces expert gradients over it)."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -165,6 +176,8 @@ def initialize_distributed(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
     )
     groups = _collect_groups(parallel, device)
@@ -201,6 +214,13 @@ def _collect_groups(parallel: ParallelConfig, device: torch.device) -> ParallelG
         pos_embd_group=ps.get_position_embedding_group(check_initialized=False),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         device=device,
+        ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        expert_dp_group=ps.get_expert_data_parallel_group(),
     )
 
 

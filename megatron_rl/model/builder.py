@@ -5,6 +5,8 @@ Place in the data flow (docs/DESIGN.md section 1): the "Megatron model (TP/PP)" 
 
 The model is Llama-style: RoPE, RMSNorm, SwiGLU MLP (``gated_linear_unit``: fc1 holds [gate; up]), GQA, no
 linear biases except the optional QKV bias (Qwen2), optional q/k RMSNorm (Qwen3), tied or untied output layer.
+With ``model.num_moe_experts`` every layer's MLP is megatron-core's MoE layer instead (top-k router, SwiGLU
+experts, alltoall dispatcher, expert parallelism; ``model/moe.py``, docs/MOE.md).
 Logits stay vocab-sharded (``parallel_output=True``): ``[b, s, V_padded/tp]`` (``[1, T, V_padded/tp]`` packed)
 on the last stage; feed them to ``megatron_rl.model.logprobs``.
 
@@ -21,8 +23,8 @@ Layer spec:
 Settings (docs/CPU_ADAPTATION.md section 3): ``use_cpu_initialization=True`` (identical full weights for every TP layout
 under one seed; the model is moved to ``groups.device`` afterwards), ``perform_initialization=True``, all
 fusions off, and ``variable_seq_lengths=True`` so pipeline stages accept packed micro-batches of different
-lengths; 0.16.1 only allows that with ``moe_token_dispatcher_type="alltoall"``, which has no effect on a
-dense model. ``finalize_model_grads_func`` is NOT set here: the training wrapper sets it on
+lengths; 0.16.1 only allows that with ``moe_token_dispatcher_type="alltoall"`` (MoE's dispatcher, which has no
+effect on a dense model). ``finalize_model_grads_func`` is NOT set here: the training wrapper sets it on
 ``model.config`` (without it the schedule performs no DP/SP/embedding gradient sync).
 
 Vocabulary: padded up to a multiple of ``tensor_model_parallel_size`` (``padded_vocab_size``); the padded
@@ -44,6 +46,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.distributed.bootstrap import ParallelGroups
+from megatron_rl.model import moe
 from megatron_rl.model.attention import PackedDotProductAttention
 from megatron_rl.model.norm import RMSNorm
 from megatron_rl.model.rotary import PackedRopeSelfAttention
@@ -76,6 +79,7 @@ def _validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
                model_cfg.num_query_groups)
     if model_cfg.kv_channels is None:
         _divisible("hidden_size", model_cfg.hidden_size, "model.num_attention_heads", model_cfg.num_attention_heads)
+    moe.validate(model_cfg, parallel_cfg)
 
 
 def use_transformer_engine(model_cfg: ModelConfig) -> bool:
@@ -95,7 +99,7 @@ def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfi
     """megatron-core TransformerConfig for ``model_cfg`` under ``parallel_cfg`` (ValueError on bad shapes)."""
     _validate(model_cfg, parallel_cfg)
     dtype = _DTYPES[model_cfg.params_dtype]
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
         ffn_hidden_size=model_cfg.ffn_hidden_size,
@@ -124,22 +128,29 @@ def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfi
         use_cpu_initialization=True,
         perform_initialization=True,
         variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall",  # required by variable_seq_lengths in 0.16.1; no MoE here
+        moe_token_dispatcher_type="alltoall",  # MoE's dispatcher; for dense models required by variable_seq_lengths
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **moe.transformer_config_kwargs(model_cfg, parallel_cfg),
     )
+    if model_cfg.num_moe_experts is not None:
+        moe.configure_losses(config, model_cfg)
+    return config
 
 
-def _local_layer_spec(qk_layernorm: bool) -> ModuleSpec:
-    """megatron's local GPT layer spec with the THD attention (P8) and the SP-aware RMSNorm (P7)."""
+def _local_layer_spec(qk_layernorm: bool, moe_layer: bool = False) -> ModuleSpec:
+    """megatron's local GPT layer spec with the THD attention (P8) and the SP-aware RMSNorm (P7); the MLP is
+    megatron's MoE layer with our router for ``moe_layer`` (model/moe.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     layer = spec.submodules
+    if moe_layer:
+        layer.mlp = moe.moe_mlp_spec(qk_layernorm)
     layer.input_layernorm = RMSNorm
     layer.pre_mlp_layernorm = RMSNorm
     layer.self_attention.module = PackedRopeSelfAttention  # RoPE from per-token positions (model/rotary.py)
@@ -159,7 +170,8 @@ def _block_spec(config: TransformerConfig, model_cfg: ModelConfig, pp_rank: int,
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.qk_layernorm)
     # An explicit block spec sets the final norm (megatron would take the module global LayerNormImpl).
     num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[_local_layer_spec(model_cfg.qk_layernorm)] * num_layers,
+    layer = _local_layer_spec(model_cfg.qk_layernorm, moe_layer=model_cfg.num_moe_experts is not None)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
                                       layer_norm=RMSNorm)
 
 

@@ -66,6 +66,8 @@ class CallPlan:
     seq_length: int
     """The largest pack of the call (all DP ranks), per CP rank (``/cp``): the p2p shape when packs are
     extended to one length."""
+    num_tokens: int = 0
+    """Tokens of the caller's rows (all DP ranks, padding excluded): the MoE z-loss normalizer (model/moe.py)."""
 
 
 def plan_call(
@@ -108,6 +110,7 @@ def plan_call(
             for rows in plan
         ],
         seq_length=seq_length // groups.cp_size,
+        num_tokens=int(sum(lengths[: len(batch)])),
     )
 
 

@@ -55,7 +55,7 @@ from megatron_rl.data.packing import packing_alignment
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.distributed.metrics import reduce_metrics
 from megatron_rl.metrics import Metric, merge_metrics, metrics_to_host
-from megatron_rl.model import schedule
+from megatron_rl.model import moe, schedule
 from megatron_rl.model.builder import build_gpt_model
 from megatron_rl.model.optimizer import build_optimizer, build_scheduler, follow_new_weights, wrap_ddp
 from megatron_rl.model.plan import CallPlan, plan_call
@@ -185,9 +185,20 @@ class MegatronPolicy:
         schedule.dry_run_loss(call, loss_fn, loss_config, compute_entropy)
         self.model.train()
         head = self._loss_head(loss_fn, loss_config, compute_entropy, len(call.microbatches))
-        stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=False)
+        moe_tokens = self._moe_tokens(call)
+        stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=False, moe_tokens=moe_tokens)
         local = merge_metrics(*metrics_to_host(stores)) if self.groups.is_last_stage else {}  # one device sync
-        return reduce_metrics(local, self.groups.dp_group, self.groups.pp_group)
+        metrics = reduce_metrics(local, self.groups.dp_group, self.groups.pp_group)
+        if moe_tokens is not None:
+            moe_values = moe.loss_metrics(moe_tokens, self.groups, self.config.model.num_layers)
+            metrics.update({name: Metric(value, 1.0, "mean") for name, value in moe_values.items()})
+        return metrics
+
+    def _moe_tokens(self, call: CallPlan) -> moe.CallTokens | None:
+        """What an MoE model's routers need for their auxiliary losses over this call (None: dense, or none on)."""
+        if self.config.model.num_moe_experts is None or not moe.losses_enabled(self.config.model):
+            return None
+        return moe.call_tokens(call.num_rows, call.num_tokens, self.groups)
 
     def finalize_grads(self) -> None:
         """DP average of the grad buffers, SP-norm and tied-embedding all-reduces; once per optimizer step."""

@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_rl.data.packing import unpack_response
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.metrics import Metric
-from megatron_rl.model import scaling
+from megatron_rl.model import moe, scaling
 from megatron_rl.model.context_parallel import gather_tokens, select_positions
 from megatron_rl.model.logprobs import vocab_parallel_log_softmax, vocab_parallel_logprobs_entropy
 from megatron_rl.model.plan import CallPlan, MicroBatch
@@ -41,23 +41,27 @@ Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 """``head(item, logits [1, T, V/tp]) -> (loss, reported)``: what the last stage does with a micro-batch."""
 
 
-def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module, *, head: Head):
-    """megatron-core's ``forward_step_func``: one packed micro-batch through this rank's model chunk."""
+def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module, *, head: Head,
+                 moe_tokens: moe.CallTokens | None = None):
+    """megatron-core's ``forward_step_func``: one packed micro-batch through this rank's model chunk (an MoE
+    model's routers learn which sequence each token belongs to, model/moe.py)."""
     item = next(data_iterator)
     p = item.model_pack  # this CP rank's tokens under context parallelism
-    output = model(p.input_ids, p.position_ids, None, packed_seq_params=p.packed_seq_params())
+    with moe.tokens_of(moe_tokens.for_micro_batch(item) if moe_tokens is not None else None):
+        output = model(p.input_ids, p.position_ids, None, packed_seq_params=p.packed_seq_params())
     return output, partial(head, item)
 
 
 def run_schedule(
-    model: torch.nn.Module, call: CallPlan, head: Head, groups: ParallelGroups, *, forward_only: bool
+    model: torch.nn.Module, call: CallPlan, head: Head, groups: ParallelGroups, *, forward_only: bool,
+    moe_tokens: moe.CallTokens | None = None,
 ) -> list[dict]:
     """megatron-core's schedule over this rank's micro-batches; returns what ``head`` reported (last stage).
 
     Process groups are explicit (``pg_collection``), which megatron-core pairs with an explicit p2p communicator.
     """
     return get_forward_backward_func()(
-        forward_step_func=partial(forward_step, head=head),
+        forward_step_func=partial(forward_step, head=head, moe_tokens=moe_tokens),
         data_iterator=iter(call.microbatches),
         model=[model],
         num_microbatches=len(call.microbatches),

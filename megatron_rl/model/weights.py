@@ -15,9 +15,12 @@ two functions. ``full_state_dict`` has the keys and shapes of a TP1/PP1 model of
                              tied model has none); it is loaded from ``embedding.word_embeddings.weight``
     padded vocabulary        full dicts keep the padded rows; loading a dict with fewer vocab rows pads zeros,
                              with more (saved under a larger TP) drops the extra padding rows
+    experts (MoE)            ``mlp.experts.local_experts.{j}`` of EP rank e is global expert ``e * n_local + j``;
+                             expert linears are split over the expert-tensor-parallel group (not the TP group)
 
 Both functions accept a wrapped model (DDP, Float16Module: anything with ``.module``) and are collective over
-the TP group (all_gather) and the PP group (all_gather_object) when those are larger than 1.
+the TP group (all_gather) and the PP group (all_gather_object) when those are larger than 1, and over the
+expert-tensor and expert-parallel groups for an MoE model.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from megatron_rl.distributed.bootstrap import ParallelGroups
 
 _LAYER = re.compile(r"^(.*decoder\.layers\.)(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _TIED_COPY = "output_layer.weight"
 _EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -49,12 +53,28 @@ def _local_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _global_name(model: torch.nn.Module, name: str) -> str:
+def _global_name(model: torch.nn.Module, name: str, groups: ParallelGroups | None = None) -> str:
     match = _LAYER.match(name)
     if match is None:
         return name
     layer_number = model.decoder.layers[int(match[2])].layer_number  # 1-based, global across PP stages
-    return f"{match[1]}{layer_number - 1}.{match[3]}"
+    name = f"{match[1]}{layer_number - 1}.{match[3]}"
+    expert = _LOCAL_EXPERT.match(name)
+    if expert is None or groups is None or groups.ep_size == 1:
+        return name
+    per_rank = model.config.num_moe_experts // groups.ep_size
+    return f"{expert[1]}{groups.ep_rank * per_rank + int(expert[2])}{expert[3]}"
+
+
+def _is_expert(name: str) -> bool:
+    return _LOCAL_EXPERT.match(name) is not None
+
+
+def _tp_of(name: str, groups: ParallelGroups) -> tuple[int, int, object]:
+    """(size, rank, group) of the tensor-parallel split of ``name``: the expert-TP group for experts."""
+    if _is_expert(name):
+        return groups.etp_size, groups.etp_rank, groups.etp_group
+    return groups.tp_size, groups.tp_rank, groups.tp_group
 
 
 def _is_gated_fc1(model: torch.nn.Module, name: str) -> bool:
@@ -87,9 +107,9 @@ def _shard_tp(full: torch.Tensor, local_shape: torch.Size, dim: int, gated: bool
     return full.chunk(tp, dim=dim)[rank]
 
 
-def _gather_tp(tensor: torch.Tensor, groups: ParallelGroups, dim: int, gated: bool) -> torch.Tensor:
-    shards = [torch.empty_like(tensor) for _ in range(groups.tp_size)]
-    dist.all_gather(shards, tensor.contiguous(), group=groups.tp_group)
+def _gather_tp(tensor: torch.Tensor, size: int, group: object, dim: int, gated: bool) -> torch.Tensor:
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(shards, tensor.contiguous(), group=group)
     return _unshard_tp(shards, dim, gated)
 
 
@@ -98,13 +118,20 @@ def full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
     """The whole model's state dict, TP- and PP-unsharded, on CPU, on every rank (collective)."""
     model = unwrap(model)
     stage: dict[str, torch.Tensor] = {}
+    experts: dict[str, torch.Tensor] = {}
     for name, tensor in _local_tensors(model).items():
         if _is_tied_copy(model, name):
             continue
         value = tensor.detach()
-        if getattr(tensor, "tensor_model_parallel", False) and groups.tp_size > 1:
-            value = _gather_tp(value, groups, tensor.partition_dim, _is_gated_fc1(model, name))
-        stage[_global_name(model, name)] = value.cpu().clone()
+        size, _, group = _tp_of(name, groups)
+        if getattr(tensor, "tensor_model_parallel", False) and size > 1:
+            value = _gather_tp(value, size, group, tensor.partition_dim, _is_gated_fc1(model, name))
+        (experts if _is_expert(name) else stage)[_global_name(model, name, groups)] = value.cpu().clone()
+    if groups.ep_size > 1:  # each EP rank holds its own experts: gather them all
+        parts: list[dict[str, torch.Tensor] | None] = [None] * groups.ep_size
+        dist.all_gather_object(parts, experts, group=groups.ep_group)
+        experts = {name: value for part in parts for name, value in part.items()}
+    stage.update(experts)
     if groups.pp_size == 1:
         return stage
     stages: list[dict[str, torch.Tensor] | None] = [None] * groups.pp_size
@@ -121,14 +148,15 @@ def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor
     """
     model = unwrap(model)
     local = _local_tensors(model)
-    missing = [n for n in local if _source_name(model, n) not in full_sd]
+    missing = [n for n in local if _source_name(model, n, groups) not in full_sd]
     if missing:
         raise KeyError(f"load_full_state_dict: full state dict lacks {missing[:5]} ({len(missing)} missing)")
     for name, tensor in local.items():
-        full = full_sd[_source_name(model, name)].to(tensor.device, tensor.dtype)
+        full = full_sd[_source_name(model, name, groups)].to(tensor.device, tensor.dtype)
         if getattr(tensor, "tensor_model_parallel", False):
+            size, rank, _ = _tp_of(name, groups)
             full = _shard_tp(full, tensor.shape, tensor.partition_dim, _is_gated_fc1(model, name),
-                             groups.tp_size, groups.tp_rank, vocab=name in (_EMBEDDING, _TIED_COPY))
+                             size, rank, vocab=name in (_EMBEDDING, _TIED_COPY))
         if full.shape != tensor.shape:
             raise ValueError(
                 f"load_full_state_dict: {name} needs shape {tuple(tensor.shape)} on this rank, the full state "
@@ -137,8 +165,8 @@ def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor
         tensor.data.copy_(full)
 
 
-def _source_name(model: torch.nn.Module, name: str) -> str:
+def _source_name(model: torch.nn.Module, name: str, groups: ParallelGroups) -> str:
     """Key of ``name``'s tensor in a full state dict (the tied output layer reads the embedding)."""
     if _is_tied_copy(model, name):
         return _EMBEDDING
-    return _global_name(model, name)
+    return _global_name(model, name, groups)
