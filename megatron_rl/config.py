@@ -165,7 +165,9 @@ class ParallelConfig(ConfigSection):
     """Expert parallelism (megatron-core name; mixture-of-experts models only): the experts of each MoE layer are
     split over this many ranks, which are data-parallel ranks for the dense parts (docs/MOE.md)."""
     expert_tensor_parallel_size: int | None = field(default=None, metadata=AT_LEAST_1)
-    """Tensor parallelism inside each expert (megatron-core name); None = tensor_model_parallel_size."""
+    """Tensor parallelism inside each expert (megatron-core name); None = 1: each expert whole on its EP rank,
+    also under TP ("parallel folding"; megatron-core's own default is tensor_model_parallel_size). Values > 1
+    need CUDA: gloo has no uneven all-gather, which the dispatcher then uses."""
     device: Literal["auto", "cuda", "cpu"] = "auto"
     """Where the ranks run: ``auto`` = one CUDA GPU per rank with NCCL when CUDA is visible, else CPU with gloo;
     ``cuda`` requires a GPU per rank; ``cpu`` runs the ranks on CPU with gloo even when CUDA is present (e.g. more
@@ -180,8 +182,8 @@ class ParallelConfig(ConfigSection):
 
     @property
     def expert_tensor_size(self) -> int:
-        """expert_tensor_parallel_size with its default (the tensor-parallel size) resolved."""
-        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        """expert_tensor_parallel_size with its default (1) resolved."""
+        return self.expert_tensor_parallel_size or 1
 
     def check_world_size(self, world_size: int) -> None:
         """The world size must divide by tp * pp * cp (and by etp * ep * pp for the experts); checked where the

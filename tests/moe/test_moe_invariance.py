@@ -1,5 +1,5 @@
 """MoE gradient invariance: policy loss + load-balancing loss + z-loss under EP2, EP2xDP2, EP2xTP2 (sequence
-parallel), EP2xPP2 and 1/2/4 micro-batches equals the single-process gradient (docs/MOE.md section 3).
+parallel), EP2xPP2, TP2, CP2 and 1/2/4 micro-batches equals the single-process gradient (docs/MOE.md section 3).
 
 The reference is one process (EP1) with one micro-batch; it also checks that its own gradient does not depend on
 the micro-batch count and that the auxiliary terms move the gradient well beyond the tolerance (so the test
@@ -29,13 +29,14 @@ MB_COUNTS = (1, 2, 4)
 TOLERANCE = 1e-5
 
 
-def moe_config(tp: int = 1, pp: int = 1, ep: int = 1, *, sequence_parallel: bool = False, aux: float = 0.1,
-               z: float | None = 0.01):
+def moe_config(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, *, sequence_parallel: bool = False,
+               aux: float = 0.1, z: float | None = 0.01):
     from megatron_rl.config import MegatronRLConfig, ModelConfig, OptimizerConfig, ParallelConfig
 
     return MegatronRLConfig(
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                expert_model_parallel_size=ep, sequence_parallel=sequence_parallel),
+                                context_parallel_size=cp, expert_model_parallel_size=ep,
+                                sequence_parallel=sequence_parallel),
         model=ModelConfig(attention_backend="local", num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
                           moe_aux_loss_coeff=aux, moe_z_loss_coeff=z),
         optimizer=OptimizerConfig(optimizer="sgd", lr=0.05),
@@ -108,8 +109,10 @@ def _layout_rank(rank, world_size, layout, tensors, full_sd):
     return out
 
 
-LAYOUTS = {  # name: (world size, parallel sizes)
+LAYOUTS = {  # name: (world size, parallel sizes); expert_tensor_parallel_size is 1 (CPU)
     "ep2": (2, {"ep": 2}),
+    "tp2": (2, {"tp": 2}),  # the router sees every token on both TP ranks
+    "cp2": (2, {"cp": 2}),  # expert counts of a sequence summed over its CP halves
     "ep2xdp2": (4, {"ep": 2}),
     "ep2xtp2": (4, {"ep": 2, "tp": 2, "sequence_parallel": True}),
     "ep2xpp2": (4, {"ep": 2, "pp": 2}),
@@ -160,7 +163,7 @@ def test_reference_gradient_independent_of_micro_batches_and_aux_matters(referen
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_gradient_invariance(layout, layout_results, reference):
     results = layout_results(layout)
-    assert results[0]["ep"] == 2
+    assert results[0]["ep"] == LAYOUTS[layout][1].get("ep", 1)
     for rank_out in results:
         for count in MB_COUNTS:
             err = _rel_err(rank_out[f"grad_{count}"], reference["grad_1"])
