@@ -177,7 +177,7 @@ def initialize_distributed(
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
-        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_size,
         distributed_timeout_minutes=timeout_minutes,
     )
     groups = _collect_groups(parallel, device)

@@ -74,6 +74,10 @@ def validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
     if model_cfg.num_moe_experts % ep != 0:
         raise ValueError(f"model.num_moe_experts={model_cfg.num_moe_experts} is not divisible by "
                          f"parallel.expert_model_parallel_size={ep}; choose an EP size dividing the expert count")
+    if parallel_cfg.tensor_model_parallel_size > 1 and not parallel_cfg.sequence_parallel:
+        raise ValueError(f"parallel.tensor_model_parallel_size={parallel_cfg.tensor_model_parallel_size} with "
+                         "model.num_moe_experts needs parallel.sequence_parallel=true (megatron-core's MoE layer "
+                         "refuses tensor parallelism without it)")
     etp = parallel_cfg.expert_tensor_size
     ffn = model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size
     if ffn % etp != 0:

@@ -111,7 +111,7 @@ def _layout_rank(rank, world_size, layout, tensors, full_sd):
 
 LAYOUTS = {  # name: (world size, parallel sizes); expert_tensor_parallel_size is 1 (CPU)
     "ep2": (2, {"ep": 2}),
-    "tp2": (2, {"tp": 2}),  # the router sees every token on both TP ranks
+    "tp2": (2, {"tp": 2, "sequence_parallel": True}),  # each TP rank routes its half of the tokens
     "cp2": (2, {"cp": 2}),  # expert counts of a sequence summed over its CP halves
     "ep2xdp2": (4, {"ep": 2}),
     "ep2xtp2": (4, {"ep": 2, "tp": 2, "sequence_parallel": True}),
