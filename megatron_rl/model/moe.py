@@ -38,6 +38,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.model import scaling
 
 
 def transformer_config_kwargs(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> dict[str, Any]:
@@ -298,7 +299,7 @@ def call_tokens(num_seqs: int, num_tokens: int, groups: Any) -> CallTokens:
     else:
         count_group = groups.cp_group if groups.cp_size > 1 else None
     return CallTokens(
-        num_seqs=num_seqs, num_tokens=num_tokens, grad_scale=float(groups.dp_size * groups.cp_size),
+        num_seqs=num_seqs, num_tokens=num_tokens, grad_scale=scaling.moe_grad_scale(groups.dp_size, groups.cp_size),
         sp_rank=groups.tp_rank if sp else 0, sp_size=groups.tp_size if sp else 1, cp_rank=groups.cp_rank,
         count_group=count_group,
     )

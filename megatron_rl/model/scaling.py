@@ -27,6 +27,27 @@ context parallelism in tests/cp/test_cp_policy.py):
     and s the same; a gather whose backward summed the CP ranks' gradients would give cp * grad(L).) Dropping
     the schedule's factor (s / cp) or adding one (s * cp) breaks the multi-rank gradient tests.
 
+Mixture-of-experts auxiliary losses (model/moe.py; docs/MOE.md section 3). megatron-core's own aux and z losses
+bypass the value above: ``MoEAuxLossAutoScaler`` injects ``loss_scale * cp / num_microbatches`` as their
+gradient (``schedules.py`` ~351-361 in 0.19.2, ~282-292 in 0.16.1; ``loss_scale`` from ``moe_grad_scale_func`` in
+0.19.2, ``grad_scale_func`` in 0.16.1, else 1), so after DDP's 1/(dp*cp) they train the *mean* over micro-batches
+and DP ranks of a per-micro-batch loss, whose value depends on how sequences were packed. megatron_rl leaves them
+off (coefficient 0) and adds its own terms, which are sums over the call's sequences and tokens:
+
+    A = sum over DP ranks d, CP ranks c (and TP ranks under sequence parallelism) and micro-batches m of
+        a_{d,c,m}, the part of J_aux + J_z over the tokens rank (d, c) runs in micro-batch m
+        (each a already carries 1/N_seq or 1/N_tok of the whole call; expert counts are all-reduced over the
+        ranks sharing a sequence, so sum_c a_{d,c,m} is the exact loss of micro-batch m's sequences)
+    The router attaches a_{d,c,m} with the gradient factor g (``_AddLossGradient``, not the schedule), and DDP
+    averages over DP x CP (expert gradients too: megatron-core scales them by 1/(dp*cp) and sums over the
+    expert-data-parallel group, whose experts saw every DP rank's tokens through the all-to-all):
+        (1 / (dp * cp)) * sum_{d,c,m} g * grad(a_{d,c,m}) = g / (dp * cp) * grad(A)
+    so g = dp * cp (``moe_grad_scale``) gives exactly grad(J_aux + J_z), independent of num_microbatches.
+    Under TP without sequence parallelism every TP rank computes the same a (as for the policy loss), and the
+    router weight is not all-reduced over TP: no factor. (megatron-core refuses MoE with TP but without SP.)
+Tested in tests/moe/test_moe_invariance.py (EP2, EP2xDP2, EP2xTP2, EP2xPP2, TP2, CP2 x 1/2/4 micro-batches against
+one process; g = 1 planted fails).
+
 The schedule divides *in place*: a reported metric that shares storage with the loss would be divided too, so
 reported values are detached copies.
 """
@@ -44,6 +65,12 @@ def megatron_loss_scale(num_microbatches: int, dp_size: int) -> int:
     same for every context-parallel size."""
     assert num_microbatches >= 1 and dp_size >= 1, (num_microbatches, dp_size)
     return num_microbatches * dp_size
+
+
+def moe_grad_scale(dp_size: int, cp_size: int) -> float:
+    """Gradient factor of the MoE auxiliary-loss terms (derivation above): cancels DDP's mean over DP x CP."""
+    assert dp_size >= 1 and cp_size >= 1, (dp_size, cp_size)
+    return float(dp_size * cp_size)
 
 
 def scale_loss_for_megatron(

@@ -6,6 +6,7 @@ the micro-batch count and that the auxiliary terms move the gradient well beyond
 would see them mis-scaled). Each layout runs in one spawn that loads the reference weights. Planted bug: the aux
 gradient scale set to 1 (DDP's mean over DP left in) must fail by more than 10x the tolerance.
 
+(TP2, where dp * cp = 1: the expert counts not all-reduced over the TP ranks.)
 Tolerance 1e-5 relative (L2 over all parameters), as for the dense layouts (tests/model/test_policy_multirank.py):
 fp32 sums in a different order (packing, all-to-all, DDP buckets) differ at ~1e-7 relative.
 """
@@ -96,9 +97,14 @@ def _layout_rank(rank, world_size, layout, tensors, full_sd):
         out[f"grad_{count}"], out[f"metrics_{count}"] = _grads(policy, batch, groups.dp_size, count)
     original = moe.call_tokens
 
-    def unscaled(*args, **kwargs):  # planted bug: DDP's mean over DP x CP is not cancelled
+    def unscaled(*args, **kwargs):
+        """Planted bug: DDP's mean over DP x CP is not cancelled; where dp * cp = 1 (TP2), the expert counts of a
+        sequence are not summed over the ranks holding its tokens instead."""
         tokens = original(*args, **kwargs)
-        tokens.grad_scale = 1.0
+        if tokens.grad_scale > 1:
+            tokens.grad_scale = 1.0
+        else:
+            tokens.count_group = None
         return tokens
 
     moe.call_tokens = unscaled
