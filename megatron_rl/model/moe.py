@@ -88,9 +88,22 @@ def validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
                          "local spec only; set attention_backend='local'")
 
 
+def _define_te_general_gemm() -> None:
+    """Workaround W26 (docs/MEGATRON_CORE.md; megatron-core 0.16.1): ``moe_utils`` binds ``te_general_gemm`` only when
+    TransformerEngine imports, yet the router's gating linear reads it unconditionally (``moe_utils.py:1192``), a
+    NameError without TE. Binding it to None selects the plain matmul branch, as 0.19.2 does itself. Removal: when
+    0.16.1 leaves the supported range (0.19.2 defines the name in both branches)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def moe_mlp_spec(qk_layernorm: bool) -> Any:
     """megatron-core's local MoE MLP spec (SequentialMLP experts, alltoall dispatcher) with our router."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    _define_te_general_gemm()
 
     mlp = get_gpt_layer_local_spec(num_experts=2, moe_grouped_gemm=False, qk_layernorm=qk_layernorm,
                                    normalization="RMSNorm").submodules.mlp  # the count is read from the config
