@@ -209,4 +209,6 @@ def build_gpt_model(
         rotary_base=model_cfg.rotary_base,
         pg_collection=groups.pg_collection,
     )
+    if config.num_moe_experts is not None:
+        moe.reduce_dense_marked_experts(model, parallel_cfg)
     return model.to(groups.device)

@@ -99,6 +99,21 @@ def _define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def reduce_dense_marked_experts(model: torch.nn.Module, parallel_cfg: ParallelConfig) -> None:
+    """Workaround W27 (docs/MEGATRON_CORE.md; megatron-core 0.16.1): at EP=1 0.16.1 marks expert weights as dense
+    parameters (``allreduce=True``: ``tensor_parallel/layers.py:886,1209`` and ``moe/experts.py:89`` take "expert
+    parallel" to mean EP > 1), so DDP reduces them over DP only. With TP > 1 (sequence parallel) and expert TP 1,
+    each TP rank's expert gradient comes from its own slice of the tokens and must be summed over TP, which
+    0.19.2 does through the expert-data-parallel group. Tagging them ``sequence_parallel`` makes
+    ``finalize_model_grads`` sum them over TP. A no-op where experts are marked (0.19.2, or EP > 1). Removal: when
+    0.16.1 leaves the supported range."""
+    if parallel_cfg.tensor_model_parallel_size == 1 or parallel_cfg.expert_tensor_size > 1:
+        return
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name and getattr(param, "allreduce", True):
+            param.sequence_parallel = True
+
+
 def moe_mlp_spec(qk_layernorm: bool) -> Any:
     """megatron-core's local MoE MLP spec (SequentialMLP experts, alltoall dispatcher) with our router."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -291,6 +306,9 @@ class CallTokens:
         """``MoETokens`` of one micro-batch (``model/plan.py`` MicroBatch): segment ids of the tokens it runs."""
         packed = item.packed
         seg = segment_ids(packed.cu_seqlens, packed.seq_lens, packed.input_ids.shape[1])
+        real = torch.zeros(packed.num_rows + 1, dtype=torch.bool, device=seg.device)  # last: padding (-1)
+        real[: len(item.rows)] = torch.tensor([row < self.num_seqs for row in item.rows], dtype=torch.bool)
+        seg = torch.where(real[seg], seg, torch.full_like(seg, -1))  # DP padding rows are not sequences
         if item.cp_local is not None:
             seg = seg[item.cp_local.cp_index[self.cp_rank]]
         return MoETokens(
