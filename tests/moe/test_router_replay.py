@@ -29,11 +29,12 @@ PAIRS = (sum(PROMPT_LENS) + sum(RESPONSE_LENS)) * LAYERS  # (token, layer) pairs
 LOGPROB_TOLERANCE = 1e-5  # fp32 sums in another order (packing, TP/CP all-reduces): ~1e-7 measured
 
 
-def replay_config(replay: str = "r2", tp: int = 1, ep: int = 1, cp: int = 1, sequence_parallel: bool = False):
+def replay_config(replay: str = "r2", tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1,
+                  sequence_parallel: bool = False):
     from megatron_rl.config import MegatronRLConfig, ModelConfig, OptimizerConfig, ParallelConfig
 
     return MegatronRLConfig(
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
                                 expert_model_parallel_size=ep, sequence_parallel=sequence_parallel),
         model=ModelConfig(attention_backend="local", num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK,
                           moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.01, moe_router_replay=replay),
@@ -126,9 +127,10 @@ def _router_grads(policy) -> dict[str, float]:
     return {k: float(v.norm()) for k, v in grads.items() if k.endswith("router.weight")}
 
 
-def _train(policy, batch, spy, count: int, dp: int = 1):
+def _train(policy, batch, spy: RoutingSpy | None, count: int, dp: int = 1):
     policy.config.batch.micro_batch_size = micro_batch_size(len(batch), dp, count)
-    with spy.capture(len(batch), batch["sequences"].shape[1]) as seen:
+    capture = spy.capture(len(batch), batch["sequences"].shape[1]) if spy else contextlib.nullcontext()
+    with capture as seen:
         metrics = policy.forward_backward(batch, summed_pg_loss, None)
     policy.finalize_grads()
     grads = _router_grads(policy)
@@ -157,6 +159,8 @@ def _single_rank(rank, world_size, tensors):
     out["recorded"], out["spy_recording"] = recorded, seen
     perturb_routers(policy, 0.5, seed=1)  # the weights move between the recording and the training forward
     out["full_sd"] = {k: v.clone() for k, v in policy.full_state_dict().items()}
+    policy.config.batch.micro_batch_size = 2
+    out["recorded_perturbed"] = policy.forward(batch, record_routing=True)["routed_experts"]
 
     replayed = training_batch(tensors)
     replayed["routed_experts"] = recorded
@@ -189,6 +193,72 @@ def _single_rank(rank, world_size, tensors):
     finally:
         router_replay.ReplayCall.router_tokens = original
     return out
+
+
+def _layout_rank(rank, world_size, layout, spy_applies, tensors, single):
+    """One layout from the single process's perturbed weights: record, replay (1 and 3 micro-batches), log-probs."""
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+    from megatron_rl.model.policy import MegatronPolicy
+
+    cfg = replay_config(**layout)
+    groups = initialize_distributed(cfg.parallel, cfg.seed)
+    policy = MegatronPolicy(cfg, groups)
+    policy.load_full_state_dict(single["full_sd"])
+    batch = training_batch(tensors)
+    policy.config.batch.micro_batch_size = micro_batch_size(len(batch), groups.dp_size, 3)
+    out = {"recorded": policy.forward(batch, record_routing=True)["routed_experts"]}
+    replayed = training_batch(tensors)
+    replayed["routed_experts"] = single["recorded"]
+    out["replay_logprobs"] = policy.forward(replayed)["logprobs"]
+    spy = RoutingSpy(policy) if spy_applies else None
+    for count in (1, 3):
+        out[f"spy_{count}"], out[f"metrics_{count}"], out[f"grads_{count}"] = _train(
+            policy, replayed, spy, count, groups.dp_size)
+    return out
+
+
+LAYOUTS = {  # name: (world size, parallel sizes, whether every router sees the whole pack: the spy applies)
+    "ep2": (2, {"ep": 2}, True),  # DP2: each rank replays its own rows
+    "pp2": (2, {"pp": 2}, True),  # one layer per stage: the table's layer index
+    "cp2": (2, {"cp": 2}, False),  # the router sees chunks r and 2cp-1-r of each sequence
+    "tp2sp": (2, {"tp": 2, "sequence_parallel": True}, False),  # the router sees the TP rank's slice
+}
+
+
+@pytest.fixture(scope="module")
+def layout_results(tensors, single):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            world, layout, spy_applies = LAYOUTS[name]
+            cache[name] = run_ranks(world, _layout_rank, layout, spy_applies, tensors, single, timeout=600)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_replay_across_layouts(layout, layout_results, single):
+    """Recording equals the single process's (same weights); the replayed log-probs equal its replayed
+    log-probs (and differ from the free ones: a token-slicing error would show); where the spy applies, the
+    routing used in training is the replayed one on every rank, for 1 and 3 micro-batches."""
+    results = layout_results(layout)
+    spy_applies = LAYOUTS[layout][2]
+    for rank, out in enumerate(results):
+        assert torch.equal(out["recorded"], single["recorded_perturbed"]), (layout, rank)
+        err = float((out["replay_logprobs"] - single["replay_logprobs"]).abs().max())
+        assert err < LOGPROB_TOLERANCE, (layout, rank, err)
+        for count in (1, 3):
+            assert all(g > 0 for g in out[f"grads_{count}"].values()) and out[f"grads_{count}"], (layout, count)
+            frac = out[f"metrics_{count}"]["moe/replay_topk_mismatch_frac"]
+            assert frac == pytest.approx(single["replay_metrics"]["moe/replay_topk_mismatch_frac"]), (layout, count)
+            if spy_applies:
+                changed, total = differing(out[f"spy_{count}"], single["recorded"])
+                assert changed == 0 and total > 0, (layout, rank, count, changed)
+    assert float((single["free_logprobs"] - single["replay_logprobs"]).abs().max()) > 100 * LOGPROB_TOLERANCE
 
 
 @pytest.fixture(scope="module")
