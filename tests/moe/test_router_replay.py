@@ -317,3 +317,98 @@ def test_planted_reversed_token_order_fails(single):
     changed, total = differing(single["spy_planted"], single["recorded"])
     print(f"planted bug (reversed token order): {changed}/{total} (token, layer) pairs differ")
     assert changed > total // 10
+
+
+# ------------------------------------------------------------------------------------------------ the RL step
+
+
+def _trainer_rank(rank, world_size, replay: str):
+    """One RL step (2 epochs, 2 mini-batches) with rollouts from the built-in engine of an MoE policy."""
+    from megatron_rl.distributed.bootstrap import initialize_distributed
+    from megatron_rl.inference.builtin_engine import BuiltinEngine
+    from megatron_rl.inference.engine import SamplingSpec
+    from megatron_rl.model.policy import MegatronPolicy
+    from megatron_rl.trainer import Trainer
+
+    cfg = replay_config(replay)
+    cfg.batch.update_epochs_per_batch = 2
+    groups = initialize_distributed(cfg.parallel, cfg.seed)
+    policy = MegatronPolicy(cfg, groups)
+    engine = BuiltinEngine.from_policy(policy, pad_token_id=0)
+    prompts = [[5, 6, 7], [5, 6, 7], [9, 10], [9, 10], [11, 12, 13, 14], [11, 12, 13, 14], [3], [3]]
+    completions = engine.generate(prompts, SamplingSpec(max_tokens=6), seed=3)
+    rollouts = {
+        "prompt_token_ids": prompts, "response_ids": [c.token_ids for c in completions],
+        "rewards": [float(i % 3) for i in range(len(prompts))], "loss_masks": [[1] * len(c.token_ids) for c in completions],
+        "uids": [i // 2 for i in range(len(prompts))], "rollout_logprobs": [c.logprobs for c in completions],
+    }
+    routing = [c.extra.get("routed_experts") for c in completions]
+    if replay == "r3":
+        rollouts["routed_experts"] = routing
+    metrics = Trainer(cfg, policy).train_step(rollouts)
+    return {"metrics": metrics, "routing": routing, "lengths": [len(p) + len(c.token_ids)
+                                                             for p, c in zip(prompts, completions)]}
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("replay", ["r2", "r3"])
+def test_trainer_step_with_replay(replay):
+    out = run_ranks(1, _trainer_rank, replay, timeout=600)[0]
+    metrics = out["metrics"]
+    print(replay, {k: v for k, v in metrics.items() if k.startswith(("moe/", "rollout/"))})
+    assert 0 <= metrics["moe/replay_topk_mismatch_frac"] < 1
+    if replay == "r3":
+        assert [r.shape for r in out["routing"]] == [(n, LAYERS, TOPK) for n in out["lengths"]]
+        # the old log-probs replay the engine's routing (the same weights): no worse than routing freely
+        assert metrics["moe/replay_logprob_abs_diff_mean"] <= metrics["moe/noreplay_logprob_abs_diff_mean"] + 1e-6
+    else:
+        assert out["routing"] == [None] * len(out["routing"]) and "moe/replay_logprob_abs_diff_mean" not in metrics
+
+
+# ------------------------------------------------------------------------------------------------ validation (no ranks)
+
+
+def _rollouts(routing):
+    return {"prompt_token_ids": [[1, 2], [3]], "response_ids": [[4], [5, 6]], "rewards": [1.0, 0.0],
+            "loss_masks": [[1], [1, 1]], "uids": [0, 1], "routed_experts": routing}
+
+
+def _routing(lengths=(3, 3), layers=LAYERS, topk=TOPK, dtype=torch.int64, high=NUM_EXPERTS):
+    return [torch.randint(0, high, (n, layers, topk), dtype=dtype) for n in lengths]
+
+
+@pytest.mark.parametrize("routing, message", [
+    (_routing(lengths=(3, 2)), r"routed_experts'\]\[1\] has shape \(2, 2, 2\), expected .* \(3, 2, 2\)"),
+    (_routing(layers=3), r"routed_experts'\]\[0\] has shape \(3, 3, 2\)"),
+    (_routing(topk=1), r"routed_experts'\]\[0\] has shape \(3, 2, 1\)"),
+    (_routing(high=NUM_EXPERTS + 5) + [], r"routed_experts'\]\[\d\] holds expert ids in \[\d+, \d+\], outside \[0, "),
+    (_routing(dtype=torch.float32), r"routed_experts'\]\[0\] is a 3-d float32 array, expected integer"),
+    ([[1, 2, 3], [4, 5, 6]], r"routed_experts'\]\[0\] is a 1-d int64 array"),
+])
+def test_bad_routed_experts_is_a_value_error(routing, message):
+    from megatron_rl.data.generator_output import validate_generator_output
+
+    torch.manual_seed(0)
+    if "outside" in message:
+        routing[0][0, 0, 0] = NUM_EXPERTS + 1
+    with pytest.raises(ValueError, match=message):
+        validate_generator_output(_rollouts(routing), step_wise=False, routing=(LAYERS, TOPK, NUM_EXPERTS))
+
+
+def test_routed_experts_convert_left_padded_and_merge():
+    from megatron_rl.data.batch import TrainingBatch
+    from megatron_rl.data.merge import merge_stepwise_output
+
+    routing = _routing()
+    batch = TrainingBatch.from_generator_output(_rollouts(routing), pad_token_id=0)
+    table = batch["routed_experts"]
+    assert table.shape == (2, 3, LAYERS, TOPK) and table.dtype == torch.uint8
+    assert torch.equal(table[0], routing[0].to(torch.uint8)) and torch.equal(table[1], routing[1].to(torch.uint8))
+    steps = {"prompt_token_ids": [[1, 2], [1, 2, 4, 7]], "response_ids": [[4], [8]], "rewards": [0.0, 1.0],
+             "loss_masks": [[1], [1]], "uids": [0, 0], "trajectory_ids": [0, 0], "is_last_step": [False, True],
+             "routed_experts": _routing(lengths=(3, 5))}
+    merged, counts = merge_stepwise_output(steps)
+    assert counts["num_seq_after_merge"] == 1
+    assert merged["routed_experts"][0] is steps["routed_experts"][1] or (merged["routed_experts"][0] == steps[
+        "routed_experts"][1].numpy()).all()
