@@ -198,7 +198,9 @@ class ReplayCall:
         return {"moe/replay_topk_mismatch_frac": Metric(changed, total, "mean")}
 
     def close(self) -> None:
-        """Clear the routers' action, targets and recordings (megatron keeps them otherwise)."""
+        """Clear the routers' action, targets and recordings. W25 in docs/MEGATRON_CORE.md (0.16.1, 0.19.2):
+        megatron keeps them, and appends every target to ``replay_backward_list``; remove when it clears per
+        step itself."""
         for _, replay in self.routers:
             replay.clear_router_replay_action()
             replay.clear_indices()
