@@ -5,6 +5,8 @@ Place in the data flow (docs/DESIGN.md section 1): everything between a ``Genera
     GeneratorOutput
       -> validate (the one validation of the rollouts) -> merge (step-wise, optional) -> TrainingBatch [B, S] / [B, R]
       -> old log-probs (policy) and reference log-probs (reference model), no grad      [B, R]
+         (MoE routing replay R2: the policy also records its routing -> routed_experts [B, S, L, k], replayed
+          by every forward_backward of the step; R3: the rollouts' routed_experts, replayed from here on)
       -> old values (critic, PPO with a critic), no grad                               [B, R]
       -> token rewards (- KL, optional) -> advantages (step-wise aware; GAE over action tokens) -> whitening
       -> for each epoch, for each prompt-based mini-batch:
@@ -119,6 +121,7 @@ class Trainer:
             batch = self.to_training_batch(rollouts)  # [B, S] / [B, R]
         with timed(metrics, "timing/old_logprobs_s"):
             self.add_old_and_ref_logprobs(batch)  # old_logprobs (+ ref_logprobs) [B, R]
+            metrics.update(self.replay_logprob_metrics(batch))
         if self.critic is not None:
             with timed(metrics, "timing/old_values_s"):
                 self.add_old_values(batch)  # values [B, R]
@@ -143,7 +146,13 @@ class Trainer:
     def validate_and_merge(self, out: GeneratorOutput, metrics: Metrics) -> GeneratorOutput:
         """Check the rollouts (once, here: later stages get ``validated=True``); merge consecutive turns whose
         prompts extend each other (step-wise, optional)."""
-        out = validate_generator_output(out, step_wise=self.step_wise)  # plain lists (tensors detached)
+        model = self.config.model
+        routing = (model.num_layers, model.moe_router_topk, model.num_moe_experts) if model.num_moe_experts else None
+        out = validate_generator_output(out, step_wise=self.step_wise, routing=routing)  # plain lists
+        if model.moe_router_replay == "r3" and out.get("routed_experts") is None:
+            raise ValueError("model.moe_router_replay='r3' replays the rollouts' routing, but GeneratorOutput has no "
+                             "'routed_experts' (the built-in engine records them; vLLM's CPU build cannot return "
+                             "them, enable_return_routed_experts): use moe_router_replay='r2' or an engine that does")
         if not (self.step_wise and self.config.stepwise.merge_stepwise_output):
             return out
         merged, counts = merge_stepwise_output(out, validated=True)
@@ -159,10 +168,38 @@ class Trainer:
 
     @torch.no_grad()
     def add_old_and_ref_logprobs(self, batch: TrainingBatch) -> None:
-        """``old_logprobs`` from the policy before any update; ``ref_logprobs`` when a reference model exists."""
-        batch["old_logprobs"] = self.policy.forward(batch)["logprobs"].to("cpu", torch.float32)
+        """``old_logprobs`` from the policy before any update; ``ref_logprobs`` when a reference model exists.
+
+        Routing replay (``model.moe_router_replay``): r2 records the routing of this forward into
+        ``routed_experts``; r3 keeps the rollouts' (this forward already replays it); otherwise it is dropped."""
+        replay = self.config.model.moe_router_replay
+        if replay != "r3":
+            batch.tensors.pop("routed_experts", None)
+        if replay == "r2":
+            out = self.policy.forward(batch, record_routing=True)
+            batch["routed_experts"] = out["routed_experts"]
+        else:
+            out = self.policy.forward(batch)
+        batch["old_logprobs"] = out["logprobs"].to("cpu", torch.float32)
         if self.reference is not None:
             batch["ref_logprobs"] = self.reference.forward(batch)["logprobs"].to("cpu", torch.float32)
+
+    @torch.no_grad()
+    def replay_logprob_metrics(self, batch: TrainingBatch) -> Metrics:
+        """R3 with rollout log-probs: ``moe/replay_logprob_abs_diff_mean`` (rollout vs the old log-probs, which
+        replay the rollout's routing) and ``moe/noreplay_logprob_abs_diff_mean`` (vs one extra forward that
+        routes freely). Empty otherwise (R2 replays its own forward's routing: ``rollout/logprob_abs_diff_*``
+        is already the mismatch without replay)."""
+        if self.config.model.moe_router_replay != "r3" or "rollout_logprobs" not in batch:
+            return {}
+        free_batch = TrainingBatch({k: v for k, v in batch.tensors.items() if k != "routed_experts"}, batch.uids,
+                                   batch.trajectory_ids, batch.is_last_step)
+        free = self.policy.forward(free_batch)["logprobs"].to("cpu", torch.float32)
+        metrics = {}
+        for name, logprobs in (("replay", batch["old_logprobs"]), ("noreplay", free)):
+            diff = logprob_mismatch_metrics(batch["rollout_logprobs"], logprobs, batch["loss_mask"])
+            metrics[f"moe/{name}_logprob_abs_diff_mean"] = diff["rollout/logprob_abs_diff_mean"]
+        return metrics
 
     @torch.no_grad()
     def add_old_values(self, batch: TrainingBatch) -> None:

@@ -227,7 +227,8 @@ class TrainingBatch:
 
     Standard keys: ``sequences [B,S] int64``, ``attention_mask [B,S] int64``, ``response_mask [B,R] int64``,
     ``loss_mask [B,R] float32``, ``rewards [B,R] float32``; optional ``rollout_logprobs``, ``old_logprobs``,
-    ``ref_logprobs``, ``advantages``, ``returns``, ``values`` (``[B,R] float32``). Per-token tensors are
+    ``ref_logprobs``, ``advantages``, ``returns``, ``values`` (``[B,R] float32``), ``routed_experts``
+    (``[B,S,L,k]`` integer, left-padded like ``sequences``: MoE routing replay, model/router_replay.py). Per-token tensors are
     right-aligned (docs/DESIGN.md section 2), so widening one means left-padding it.
     """
 
@@ -368,11 +369,25 @@ class TrainingBatch:
         }
         if logprobs is not None:
             tensors["rollout_logprobs"] = logprobs
+        if out.get("routed_experts") is not None:
+            tensors["routed_experts"] = routed_experts_block(out["routed_experts"], sequences.shape[1])
         num_seqs = len(out["uids"])
         if step_wise:
             return TrainingBatch(tensors, out["uids"], out["trajectory_ids"], out["is_last_step"])
         # Without step-wise training every sequence is its own trajectory, whatever the generator filled in.
         return TrainingBatch(tensors, out["uids"], list(range(num_seqs)), [True] * num_seqs)
+
+
+def routed_experts_block(rows: Sequence[np.ndarray], width: int) -> torch.Tensor:
+    """``[B, S, L, k]`` routing (MoE replay R3): row i's ``[n_i, L, k]`` array right-aligned like ``sequences``,
+    padding columns 0 (any valid expert). uint8 while every id fits (the replay path's table dtype, up to 256
+    experts), else int32."""
+    arrays = [np.asarray(row) for row in rows]
+    dtype = np.uint8 if max(int(a.max()) if a.size else 0 for a in arrays) < 256 else np.int32
+    block = np.zeros((len(arrays), width, *arrays[0].shape[1:]), dtype=dtype)
+    for i, array in enumerate(arrays):
+        block[i, width - len(array):] = array
+    return torch.from_numpy(block)
 
 
 def _left_pad_cat(tensors: list[torch.Tensor], fill: int) -> torch.Tensor:

@@ -17,12 +17,15 @@ before anything is converted to tensors, so every later stage can rely on these 
 - values: every reward is finite (wherever it sits, also on a step whose reward is not used), every rollout
   log-prob is finite and ``<= LOGPROB_TOLERANCE`` (a log-probability is <= 0; float rounding aside), uids are
   hashable;
+- ``routed_experts[i]`` (optional; MoE routing replay R3, model/router_replay.py) is an integer array
+  ``[p_i + r_i, L, k]``: the engine's top-k experts of every MoE layer for each prompt and response token, one
+  ``(L, k)`` for all rows, ids in ``[0, num_experts)`` when the caller passes ``routing=(L, k, num_experts)``;
 - keys: ``out`` is a mapping holding only ``REQUIRED_FIELDS`` and ``OPTIONAL_FIELDS`` (an unknown key, e.g.
   ``advantages``, would be silently unused, so it is rejected).
 
 Tensors and NumPy arrays holding valid data are accepted wherever a list or a number is: a field, a row, a
 0-d reward. ``validate_generator_output`` returns the rollouts as plain Python lists and numbers (tensors
-detached, copied to the host); ``out`` itself is never modified, and is returned as is when it is plain.
+detached, copied to the host; ``routed_experts`` rows as NumPy integer arrays, not nested lists); ``out`` itself is never modified, and is returned as is when it is plain.
 
 This module is the one owner of these rules: the Trainer validates once at its entry; ``merge_stepwise_output``
 and ``TrainingBatch.from_generator_output`` call it for library users. Every violation raises ``ValueError``
@@ -61,6 +64,9 @@ class GeneratorOutput(TypedDict):
     """True on the last step of each trajectory. Required step-wise."""
     stop_reasons: NotRequired[list[str] | None]
     """Why generation stopped ("stop", "length", ...), per sequence."""
+    routed_experts: NotRequired[list[Any] | None]
+    """MoE routing replay R3: per sequence an integer array ``[p_i + r_i, L, k]``, the engine's top-k experts of
+    each MoE layer for every prompt and response token."""
 
 
 PER_SEQUENCE_FIELDS = (
@@ -73,11 +79,12 @@ PER_SEQUENCE_FIELDS = (
     "trajectory_ids",
     "is_last_step",
     "stop_reasons",
+    "routed_experts",
 )
 """Fields holding one entry per sequence (all must have the same length when present)."""
 
 REQUIRED_FIELDS = ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "uids")
-OPTIONAL_FIELDS = ("rollout_logprobs", "trajectory_ids", "is_last_step", "stop_reasons")
+OPTIONAL_FIELDS = ("rollout_logprobs", "trajectory_ids", "is_last_step", "stop_reasons", "routed_experts")
 """The only other keys a ``GeneratorOutput`` may hold (``None`` = absent). Anything else is rejected."""
 STEP_WISE_FIELDS = ("trajectory_ids", "is_last_step")
 TOKEN_FIELDS = ("prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs")
@@ -91,11 +98,14 @@ def is_scalar_reward(reward: Any) -> bool:
     return isinstance(reward, numbers.Real)
 
 
-def validate_generator_output(out: GeneratorOutput, step_wise: bool) -> GeneratorOutput:
+def validate_generator_output(out: GeneratorOutput, step_wise: bool, *,
+                              routing: tuple[int, int, int] | None = None) -> GeneratorOutput:
     """Check the invariants listed in the module docstring; raise ``ValueError`` on the first violation.
 
-    Returns ``out`` as plain lists and numbers (the same object when it already is). Cost: O(number of
-    sequences) in Python, plus one vectorized pass over rewards and rollout log-probs.
+    ``routing``: ``(L, k, num_experts)`` of the MoE model that will replay ``routed_experts`` (None: their
+    shape and range are checked only for consistency). Returns ``out`` as plain lists and numbers (the same
+    object when it already is). Cost: O(number of sequences) in Python, plus one vectorized pass over rewards,
+    rollout log-probs and each row of routed experts.
     """
     if not isinstance(out, Mapping):
         raise ValueError(f"GeneratorOutput must be a mapping (a dict of per-sequence lists), got a "
@@ -107,6 +117,8 @@ def validate_generator_output(out: GeneratorOutput, step_wise: bool) -> Generato
     for i in range(num_seqs):
         _check_sequence(out, i)
     _check_values(out)
+    if out.get("routed_experts") is not None:
+        out = {**out, "routed_experts": _check_routed_experts(out, routing)}  # a copy: ``out`` is not modified
     if step_wise:
         _check_step_wise(out["trajectory_ids"], out["is_last_step"], out["uids"])
         _check_rewards_on_last_steps(out["rewards"], out["is_last_step"])
@@ -135,6 +147,8 @@ def _as_plain(out: Mapping) -> dict:
     plain = dict(out)
     changed = False
     for name in PER_SEQUENCE_FIELDS:
+        if name == "routed_experts":
+            continue  # rows stay arrays (_check_routed_experts)
         values = plain.get(name)
         converted = _plain(values)
         if isinstance(converted, (list, tuple)):
@@ -223,6 +237,34 @@ def _check_values(out: GeneratorOutput) -> None:
                 f"GeneratorOutput['rollout_logprobs'][{i}][{j}] = {values[above[0]]!r} is above 0: a log-probability "
                 f"is <= 0 (tolerance {LOGPROB_TOLERANCE}); pass log-probs (log_softmax), not logits or probabilities."
             )
+
+
+def _check_routed_experts(out: GeneratorOutput, routing: tuple[int, int, int] | None) -> list[np.ndarray]:
+    """Each row an integer ``[p_i + r_i, L, k]`` array (one ``(L, k)`` for all rows, ``routing``'s when given),
+    expert ids in ``[0, num_experts)``; returns the rows as NumPy arrays (a tensor row copied to the host)."""
+    rows = [_routing_array(row, i) for i, row in enumerate(out["routed_experts"])]
+    want = routing[:2] if routing is not None else rows[0].shape[1:]
+    for i, row in enumerate(rows):
+        tokens = len(out["prompt_token_ids"][i]) + len(out["response_ids"][i])
+        if row.shape != (tokens, *want):
+            raise ValueError(f"GeneratorOutput['routed_experts'][{i}] has shape {row.shape}, expected "
+                             f"[len(prompt) + len(response), L, k] = {(tokens, *want)}: one top-k per token and MoE "
+                             "layer of the model (model.num_layers, model.moe_router_topk).")
+        high = routing[2] if routing is not None else None
+        if row.size and (int(row.min()) < 0 or (high is not None and int(row.max()) >= high)):
+            raise ValueError(f"GeneratorOutput['routed_experts'][{i}] holds expert ids in [{int(row.min())}, "
+                             f"{int(row.max())}], outside [0, num_moe_experts={high}).")
+    return rows
+
+
+def _routing_array(row: Any, i: int) -> np.ndarray:
+    if hasattr(row, "detach"):
+        row = row.detach().cpu().numpy()
+    array = np.asarray(row)
+    if array.ndim != 3 or array.dtype.kind not in "iu":
+        raise ValueError(f"GeneratorOutput['routed_experts'][{i}] is a {array.ndim}-d {array.dtype} array, expected "
+                         "integer expert ids [tokens, L, k].")
+    return array
 
 
 def _check_numbers(rows: list, name: str, fix: str) -> np.ndarray:

@@ -15,7 +15,10 @@ loss_mask 0), or split between the response and the next prompt: both are the sa
 
 Scalar rewards: a merged group takes its last step's reward (the trajectory reward sits on the last step).
 Per-token rewards are concatenated like loss masks. Mixing both kinds inside one group is a ``ValueError``.
-Output keys: the standard per-sequence fields (``rollout_logprobs`` / ``stop_reasons`` only when given);
+Routed experts (R3): a merged group's tokens are exactly its last step's prompt + response, so it takes that
+step's ``routed_experts`` row.
+Output keys: the standard per-sequence fields (``rollout_logprobs`` / ``stop_reasons`` / ``routed_experts``
+only when given);
 other keys are dropped. Cost: O(tokens of the input) per trajectory (list slice comparisons, amortized appends).
 """
 
@@ -40,6 +43,7 @@ class _Group:
     uid: Hashable
     trajectory_id: Hashable
     stop_reason: Any
+    routed_experts: Any = None
 
 
 def merge_stepwise_output(
@@ -89,6 +93,7 @@ def _new_group(out: GeneratorOutput, i: int) -> _Group:
         uid=out["uids"][i],
         trajectory_id=out["trajectory_ids"][i],
         stop_reason=stop_reasons[i] if stop_reasons is not None else None,
+        routed_experts=_row(out, "routed_experts", i),
     )
 
 
@@ -106,6 +111,12 @@ def _append_step(group: _Group, out: GeneratorOutput, i: int) -> None:
     group.reward = _merged_reward(group, out["rewards"][i], num_obs, i)
     stop_reasons = out.get("stop_reasons")
     group.stop_reason = stop_reasons[i] if stop_reasons is not None else None
+    group.routed_experts = _row(out, "routed_experts", i)  # the last step's tokens are the whole group's
+
+
+def _row(out: GeneratorOutput, name: str, i: int) -> Any:
+    values = out.get(name)
+    return values[i] if values is not None else None
 
 
 def _merged_reward(group: _Group, reward: Any, num_obs: int, i: int) -> Any:
@@ -138,4 +149,6 @@ def _to_generator_output(groups: list[_Group], original: GeneratorOutput) -> Gen
         merged["rollout_logprobs"] = [g.logprobs for g in groups]
     if original.get("stop_reasons") is not None:
         merged["stop_reasons"] = [g.stop_reason for g in groups]
+    if original.get("routed_experts") is not None:
+        merged["routed_experts"] = [g.routed_experts for g in groups]
     return merged

@@ -16,6 +16,11 @@ log-probs and draws with an identically seeded CPU ``torch.Generator``, so the d
 A call with a new ``seed`` starts a fresh stream; a call that repeats the previous call's seed continues the same
 stream, so a multi-turn episode that passes its step's seed on every turn draws one sequence (what makes a
 resumed run replay the uninterrupted one). The engine samples from the live policy: ``update_weights`` is free.
+
+MoE routing replay R3 (``model.moe_router_replay: r3``): ``from_policy`` also records the routing, one extra
+forward over the finished sequences (prompt + response, recording each MoE layer's top-k:
+``MegatronPolicy.next_token_logprobs(record_routing=True)``); each ``Completion.extra["routed_experts"]`` is an
+integer array ``[len(prompt) + len(response), L, k]``, for ``GeneratorOutput['routed_experts']``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megatron_rl.data.batch import left_pad as left_padded
@@ -30,6 +36,8 @@ from megatron_rl.inference.engine import Completion, SamplingSpec
 
 NextTokenLogprobs = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 """``contexts (n token lists) -> [n, V]`` float log-probs of the next token (temperature 1)."""
+RoutedExperts = Callable[[Sequence[Sequence[int]]], list[np.ndarray]]
+"""``sequences (n token lists) -> n arrays [len, L, k]``: each token's top-k experts per MoE layer (R3)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +167,18 @@ def policy_next_token_logprobs(policy, pad_token_id: int) -> NextTokenLogprobs:
     return next_token_logprobs
 
 
+def policy_routed_experts(policy, pad_token_id: int) -> RoutedExperts:
+    """``sequences -> [len_i, L, k]`` arrays: the routing ``policy`` chooses for every token (one recording
+    forward, any layout; collective)."""
+
+    def routed_experts(sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        _, routing = policy.next_token_logprobs(*left_padded(sequences, pad_token_id), record_routing=True)
+        width = routing.shape[1]
+        return [routing[i, width - len(seq):].numpy() for i, seq in enumerate(sequences)]
+
+    return routed_experts
+
+
 def _dedupe(contexts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], torch.Tensor]:
     """Distinct contexts (first-seen order) and, per input context, its index among them."""
     unique = list(dict.fromkeys(tuple(c) for c in contexts))
@@ -169,15 +189,20 @@ def _dedupe(contexts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], t
 class BuiltinEngine:
     """``RolloutEngine`` over a ``next_token_logprobs`` function (the live policy, or a stand-in in tests)."""
 
-    def __init__(self, next_token_logprobs: NextTokenLogprobs) -> None:
+    def __init__(self, next_token_logprobs: NextTokenLogprobs, routed_experts: RoutedExperts | None = None) -> None:
         self.next_token_logprobs = next_token_logprobs
+        self.routed_experts = routed_experts
+        """Set (R3): each completion's ``extra["routed_experts"]`` (module docstring)."""
         self._seed: int | None = None
         self._generator = torch.Generator(device="cpu")
 
     @classmethod
     def from_policy(cls, policy, pad_token_id: int) -> BuiltinEngine:
-        """The engine that samples from ``policy`` (a ``MegatronPolicy``) itself; collective."""
-        return cls(policy_next_token_logprobs(policy, pad_token_id))
+        """The engine that samples from ``policy`` (a ``MegatronPolicy``) itself; collective. Records the routing
+        when the policy's ``model.moe_router_replay`` is "r3"."""
+        record = getattr(policy.config.model, "moe_router_replay", "none") == "r3"
+        return cls(policy_next_token_logprobs(policy, pad_token_id),
+                   policy_routed_experts(policy, pad_token_id) if record else None)
 
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
         """One completion per prompt; a new ``seed`` restarts the stream, a repeated one continues it."""
@@ -185,8 +210,13 @@ class BuiltinEngine:
             self._seed = seed
             self._generator.manual_seed(seed)
         samples = sample_responses(self.next_token_logprobs, prompts, spec, self._generator)
-        return [Completion(token_ids=r, logprobs=lp, finish_reason=reason)
-                for r, lp, reason in zip(samples.responses, samples.logprobs, samples.stop_reasons)]
+        completions = [Completion(token_ids=r, logprobs=lp, finish_reason=reason)
+                       for r, lp, reason in zip(samples.responses, samples.logprobs, samples.stop_reasons)]
+        if self.routed_experts is not None:
+            routing = self.routed_experts([list(p) + r for p, r in zip(prompts, samples.responses)])
+            for completion, experts in zip(completions, routing):
+                completion.extra["routed_experts"] = experts
+        return completions
 
     def update_weights(self, policy) -> float:
         """Nothing to do: the engine reads the policy's live weights. Returns 0.0 seconds."""

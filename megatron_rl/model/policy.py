@@ -41,7 +41,8 @@ Process groups: DDP, the optimizer and the schedule read megatron-core's ``paral
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any, Literal
 
@@ -55,7 +56,7 @@ from megatron_rl.data.packing import packing_alignment
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.distributed.metrics import reduce_metrics
 from megatron_rl.metrics import Metric, merge_metrics, metrics_to_host
-from megatron_rl.model import moe, schedule
+from megatron_rl.model import moe, router_replay, schedule
 from megatron_rl.model.builder import build_gpt_model
 from megatron_rl.model.optimizer import build_optimizer, build_scheduler, follow_new_weights, wrap_ddp
 from megatron_rl.model.plan import CallPlan, plan_call
@@ -108,6 +109,11 @@ class MegatronPolicy:
             self.optimizer = build_optimizer(self.model, config)
             self.scheduler = build_scheduler(self.optimizer, config, total_optim_steps)
         self._grads_finalized = False
+        replay_on = role == "policy" and config.model.num_moe_experts is not None \
+            and config.model.moe_router_replay != "none"
+        self._routers = router_replay.policy_routers(self.module) if replay_on else None
+        """This stage's routers under routing replay (model/router_replay.py); None: no replay (dense, off, or
+        not the trained policy: a reference or critic never records or replays)."""
 
     def build_module(self) -> torch.nn.Module:
         """This rank's GPTModel stage (a subclass may swap the head: ``model/critic.py``)."""
@@ -120,8 +126,13 @@ class MegatronPolicy:
 
     # ------------------------------------------------------------------ public API
 
-    def forward(self, batch: TrainingBatch, *, compute_entropy: bool = False) -> dict[str, torch.Tensor]:
+    def forward(self, batch: TrainingBatch, *, compute_entropy: bool = False,
+                record_routing: bool = False) -> dict[str, torch.Tensor]:
         """Per-token log-probs (and entropy) of the responses: ``{"logprobs": [B,R], "entropy": [B,R]}``.
+
+        Routing replay (``model.moe_router_replay``, model/router_replay.py): a batch holding ``routed_experts``
+        ``[B, S, L, k]`` is run with that routing; ``record_routing=True`` adds ``"routed_experts"`` (the routing
+        this forward chose, same layout; R2's recording).
 
         Same result on every rank, on the host. Column k of row i is ``log p(sequences[i, S-R+k] | the row's
         earlier tokens)`` (DESIGN.md section 2), so columns left of a row's response window hold the log-probs
@@ -129,14 +140,20 @@ class MegatronPolicy:
         row shorter than R + 1 valid tokens) are 0. Mask with ``response_mask`` (or ``loss_mask``).
         """
         head = partial(schedule.forward_head, **self._head_args(), compute_entropy=compute_entropy)
-        return self._forward_rows(batch, head, ["logprobs"] + (["entropy"] if compute_entropy else []))
+        names = ["logprobs"] + (["entropy"] if compute_entropy else [])
+        with self._routing_replay(batch, record=record_routing) as replay:
+            out = self._forward_rows(batch, head, names, replay=replay)
+            if record_routing:
+                out[router_replay.ROUTED_EXPERTS] = replay.recorded_table()
+        return out
 
-    def _forward_rows(self, batch: TrainingBatch, head: schedule.Head, names: list[str]) -> dict[str, torch.Tensor]:
+    def _forward_rows(self, batch: TrainingBatch, head: schedule.Head, names: list[str], *,
+                      replay: router_replay.ReplayCall | None = None) -> dict[str, torch.Tensor]:
         """Run ``head`` (it reports ``{name: [b, R]}``) forward only; every rank gets ``{name: [B, R]}`` (host)."""
         call = self.plan_call(batch)
         self.model.eval()
         with torch.no_grad():
-            stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=True)
+            stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=True, replay=replay)
         stacked = None
         if self.groups.is_last_stage:
             per_mb = [torch.stack([s[n] for n in names], dim=-1) for s in stores]  # [b, R, k]
@@ -144,7 +161,8 @@ class MegatronPolicy:
         gathered = schedule.gather_rows(call, stacked, (call.response_width, len(names)), self.groups)  # [B, R, k]
         return {name: gathered[..., i] for i, name in enumerate(names)}
 
-    def next_token_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def next_token_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, *,
+                            record_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-softmax over the vocabulary of the token after each row's last valid token: ``[n, V]`` fp32.
 
         ``sequences`` ``[n, S]`` int64 left-padded contexts, ``attention_mask`` ``[n, S]`` (docs/DESIGN.md section 2);
@@ -152,19 +170,24 @@ class MegatronPolicy:
         sharded over DP (every rank passes the same global contexts), run through the pipeline schedule
         (forward only), and the last stage's rows are broadcast over PP and all-gathered over DP, so every
         rank gets the same table (on the host). One position per row is kept, so the full vocabulary is cheap.
+        ``record_routing=True`` (routing replay R3, the built-in sampler): returns ``(logprobs, routed_experts
+        [n, S, L, k])``, the routing of every context token (model/router_replay.py).
         """
         n = len(sequences)
         no_responses = torch.zeros((n, 0), dtype=attention_mask.dtype)  # R = 0: validation and DP padding need it
         tensors = {"sequences": sequences, "attention_mask": attention_mask, "response_mask": no_responses}
-        call = self.plan_call(TrainingBatch(tensors, [None] * n, [None] * n, [True] * n))
+        batch = TrainingBatch(tensors, [None] * n, [None] * n, [True] * n)
+        call = self.plan_call(batch)
         head = partial(schedule.next_token_head, **self._head_args())
         self.model.eval()
-        with torch.no_grad():
-            stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=True)
+        with torch.no_grad(), self._routing_replay(batch, record=record_routing) as replay:
+            stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=True, replay=replay)
+            routing = replay.recorded_table() if record_routing else None
         stacked = None
         if self.groups.is_last_stage:
             stacked = restore_order([s["next_token_logprobs"] for s in stores], call.plan, call.first_row)  # [n/dp, V]
-        return schedule.gather_rows(call, stacked, (self.config.model.vocab_size,), self.groups)  # [n, V]
+        logprobs = schedule.gather_rows(call, stacked, (self.config.model.vocab_size,), self.groups)  # [n, V]
+        return (logprobs, routing) if record_routing else logprobs
 
     def forward_backward(
         self, batch: TrainingBatch, loss_fn: LossFn, loss_config: Any, *, compute_entropy: bool = False
@@ -186,9 +209,13 @@ class MegatronPolicy:
         self.model.train()
         head = self._loss_head(loss_fn, loss_config, compute_entropy, len(call.microbatches))
         moe_tokens = self._moe_tokens(call)
-        stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=False, moe_tokens=moe_tokens)
+        with self._routing_replay(batch, record=False) as replay:
+            stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=False,
+                                           moe_tokens=moe_tokens, replay=replay)
+            replay_metrics = replay.metrics() if replay is not None else {}
         local = merge_metrics(*metrics_to_host(stores)) if self.groups.is_last_stage else {}  # one device sync
         metrics = reduce_metrics(local, self.groups.dp_group, self.groups.pp_group)
+        metrics.update(replay_metrics)
         if moe_tokens is not None:
             moe_values = moe.loss_metrics(moe_tokens, self.groups, self.config.model.num_layers)
             metrics.update({name: Metric(value, 1.0, "mean") for name, value in moe_values.items()})
@@ -199,6 +226,27 @@ class MegatronPolicy:
         if self.config.model.num_moe_experts is None or not moe.losses_enabled(self.config.model):
             return None
         return moe.call_tokens(call.num_rows, call.num_tokens, self.groups)
+
+    @contextlib.contextmanager
+    def _routing_replay(self, batch: TrainingBatch, *, record: bool) -> Iterator[router_replay.ReplayCall | None]:
+        """The call's routing replay: record, replay ``batch['routed_experts']``, or None (no replay on, or the
+        batch has no routing). Validates before any collective; clears the routers' replay state afterwards."""
+        replaying = self._routers is not None and router_replay.ROUTED_EXPERTS in batch
+        if record and self._routers is None:
+            raise ValueError("record_routing=True needs an MoE policy with model.moe_router_replay 'r2' or 'r3' "
+                             f"(this is role={self.role!r}, moe_router_replay={self.config.model.moe_router_replay!r})")
+        if replaying and not record:
+            router_replay.validate_routing(batch, self.config.model)
+        if not (record or replaying):
+            yield None
+            return
+        replay = router_replay.ReplayCall(self._routers, record=record, num_rows=len(batch),
+                                          width=batch["sequences"].shape[1], model_cfg=self.config.model,
+                                          groups=self.groups)
+        try:
+            yield replay
+        finally:
+            replay.close()
 
     def finalize_grads(self) -> None:
         """DP average of the grad buffers, SP-norm and tied-embedding all-reduces; once per optimizer step."""

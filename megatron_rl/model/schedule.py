@@ -16,6 +16,7 @@ A head returns ``(loss, reported)``; the schedule collects ``reported`` per micr
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
@@ -32,6 +33,7 @@ from megatron_rl.model import moe, scaling
 from megatron_rl.model.context_parallel import gather_tokens, select_positions
 from megatron_rl.model.logprobs import vocab_parallel_log_softmax, vocab_parallel_logprobs_entropy
 from megatron_rl.model.plan import CallPlan, MicroBatch
+from megatron_rl.model.router_replay import ReplayCall
 
 LossFn = Callable[[torch.Tensor, torch.Tensor | None, Mapping[str, torch.Tensor], Any], tuple[torch.Tensor, dict]]
 """``loss_fn(logprobs [b,R], entropy [b,R] | None, mb_tensors, loss_config) -> (summed_loss, dict[str, Metric])``;
@@ -42,26 +44,28 @@ Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 
 
 def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module, *, head: Head,
-                 moe_tokens: moe.CallTokens | None = None):
+                 moe_tokens: moe.CallTokens | None = None, replay: ReplayCall | None = None):
     """megatron-core's ``forward_step_func``: one packed micro-batch through this rank's model chunk (an MoE
-    model's routers learn which sequence each token belongs to, model/moe.py)."""
+    model's routers learn which sequence each token belongs to, model/moe.py, and replay or record their
+    routing, model/router_replay.py)."""
     item = next(data_iterator)
     p = item.model_pack  # this CP rank's tokens under context parallelism
-    with moe.tokens_of(moe_tokens.for_micro_batch(item) if moe_tokens is not None else None):
+    with (moe.tokens_of(moe_tokens.for_micro_batch(item) if moe_tokens is not None else None),
+          replay.micro_batch(item) if replay is not None else contextlib.nullcontext()):
         output = model(p.input_ids, p.position_ids, None, packed_seq_params=p.packed_seq_params())
     return output, partial(head, item)
 
 
 def run_schedule(
     model: torch.nn.Module, call: CallPlan, head: Head, groups: ParallelGroups, *, forward_only: bool,
-    moe_tokens: moe.CallTokens | None = None,
+    moe_tokens: moe.CallTokens | None = None, replay: ReplayCall | None = None,
 ) -> list[dict]:
     """megatron-core's schedule over this rank's micro-batches; returns what ``head`` reported (last stage).
 
     Process groups are explicit (``pg_collection``), which megatron-core pairs with an explicit p2p communicator.
     """
     return get_forward_backward_func()(
-        forward_step_func=partial(forward_step, head=head, moe_tokens=moe_tokens),
+        forward_step_func=partial(forward_step, head=head, moe_tokens=moe_tokens, replay=replay),
         data_iterator=iter(call.microbatches),
         model=[model],
         num_microbatches=len(call.microbatches),

@@ -73,6 +73,8 @@ class SingleTurnEnvironment:
             "is_last_step": [True] * len(repeated),
             "stop_reasons": [c.finish_reason for c in completions],
         }
+        if all("routed_experts" in c.extra for c in completions):  # MoE routing replay R3 (builtin_engine.py)
+            output["routed_experts"] = [c.extra["routed_experts"] for c in completions]
         metrics = {f"reward_fn/{k}": v for k, v in reward_metrics.items()}
         metrics["data/epoch"] = float(self.order.epoch)
         return Rollouts(output, metrics)  # type: ignore[arg-type]
