@@ -1,5 +1,6 @@
 """Hugging Face checkpoints in and out: config -> ModelConfig (``config.py``), tokenizer and pad id
-(``tokenizer.py``), safetensors <-> Megatron weights under any TP/PP layout (``weights.py``, via mbridge).
+(``tokenizer.py``), safetensors <-> Megatron weights under any TP/PP/EP layout (``weights.py``, via mbridge;
+MoE: Qwen3-MoE and Mixtral, docs/HF.md section 7).
 
 Typical use (every rank):
 

@@ -16,7 +16,12 @@ names and full tensors; every rank must run it to the end). What mbridge needs h
 - the parallel state taken from our ``ParallelGroups`` (mbridge would read megatron's globals, and would turn
   on sequence parallelism for TP > 1 in a config it builds for itself; that config is unused here);
 - the vocabulary padding of ``model/builder.py`` (rows appended up to a multiple of TP: zero on import,
-  dropped on export).
+  dropped on export);
+- mixture-of-experts (docs/HF.md section 7): mbridge knows only TE's grouped-expert names
+  (``mlp.experts.linear_fc1.weight{j}``), so it sees each chunk through ``_GroupedExpertNames``, which renames
+  our ``mlp.experts.local_experts.{j}.linear_fc1.weight`` to them (mbridge then maps local expert j of EP rank e
+  to global expert ``e * n_local + j`` itself), and it gets the EP and expert-TP groups; its TP merge is told
+  that a whole expert (expert_tensor_parallel_size 1) is not split over TP.
 
 Export writes ``model.safetensors`` (or size-limited shards + ``model.safetensors.index.json``) on rank 0,
 plus the source directory's config and tokenizer files, so ``transformers`` loads the result directly.
@@ -27,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -37,7 +43,9 @@ import torch.distributed as dist
 from megatron_rl.checkpoint.dist import model_shape_mismatches
 from megatron_rl.config import MegatronRLConfig, ModelConfig
 from megatron_rl.distributed.bootstrap import ParallelGroups
-from megatron_rl.hf.config import HF_DIR_KEY, describe_hf_load, load_hf_config, model_config_from_hf, rope_theta
+from megatron_rl.hf.config import (
+    HF_DIR_KEY, MOE_MODEL_TYPES, describe_hf_load, load_hf_config, model_config_from_hf, rope_theta,
+)
 from megatron_rl.hf.tokenizer import resolve_pad_token_id
 from megatron_rl.model.optimizer import follow_new_weights
 from megatron_rl.model.policy import MegatronPolicy
@@ -48,7 +56,11 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.ind
 
 # Workaround W12 (docs/MEGATRON_CORE.md; mbridge 0.15.1): remove the name maps and state set-up when mbridge fixes them.
 def make_bridge(hf_dir: str | os.PathLike, groups: ParallelGroups, dtype: torch.dtype, padded_vocab_size: int) -> Any:
-    """An mbridge ``Bridge`` for ``hf_dir`` that speaks our layer names and layout (module docstring)."""
+    """An mbridge ``Bridge`` for ``hf_dir`` that speaks our layer names and layout (module docstring).
+
+    For an MoE checkpoint only the bridge's name maps and conversions are used: its own ``TransformerConfig``
+    hard-codes router settings (``moe_router_pre_softmax``, load balancing, grouped GEMM) that need not be ours.
+    Pass it ``_GroupedExpertNames`` views of the model chunks (``load_hf_weights``, ``iter_hf_weights`` do)."""
     from mbridge import AutoBridge
     from mbridge.core.parallel_states import ParallelStates
 
@@ -57,10 +69,14 @@ def make_bridge(hf_dir: str | os.PathLike, groups: ParallelGroups, dtype: torch.
     states = ParallelStates(
         tp_size=groups.tp_size, tp_rank=groups.tp_rank, pp_size=groups.pp_size, pp_rank=groups.pp_rank,
         vpp_size=None, cp_size=groups.cp_size, cp_rank=groups.cp_rank,
+        ep_size=groups.ep_size, ep_rank=groups.ep_rank, etp_size=groups.etp_size, etp_rank=groups.etp_rank,
         tp_group=groups.tp_group, pp_group=groups.pp_group, cp_group=groups.cp_group,
+        ep_group=groups.ep_group, etp_group=groups.etp_group,
     )  # fmt: skip
     bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
     _set_name_maps(bridge, tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    if hf_config.model_type in MOE_MODEL_TYPES:
+        _whole_experts_under_tp(bridge)
     bridge.make_vocab_size_divisible_by = groups.tp_size
     bridge.vocab_size, bridge.padded_vocab_size = hf_config.vocab_size, padded_vocab_size
     return bridge
@@ -82,6 +98,67 @@ def _set_name_maps(bridge: Any, tied: bool) -> None:
         "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
     }
     bridge._get_hf_shared_weight_keys = lambda: ["model.embed_tokens.weight"] if tied else []
+
+
+# Workaround W21 (docs/MEGATRON_CORE.md; mbridge 0.15.1): remove when mbridge's merge skips experts that
+# expert_tensor_parallel_size=1 keeps whole.
+def _whole_experts_under_tp(bridge: Any) -> None:
+    """With TP > 1 and expert_tensor_parallel_size 1 every TP rank holds whole experts, but at EP1 mbridge's
+    ``export_weights`` still all-gathers them over TP (they carry ``tensor_model_parallel``) and its
+    ``_weight_merge_across_tp`` then asserts one piece per expert-TP rank; the TP copies are identical: keep one."""
+    merge = bridge._weight_merge_across_tp
+
+    def merge_whole_experts(name: str, weights: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
+        if _is_grouped_expert(name) and bridge.mpu.etp_size == 1:
+            return weights[0]
+        return merge(name, weights, param)
+
+    bridge._weight_merge_across_tp = merge_whole_experts
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+
+
+def grouped_expert_name(name: str) -> str:
+    """Our (local-spec) expert parameter name -> TE's grouped name, the one mbridge maps; other names unchanged:
+    ``decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight`` -> ``...mlp.experts.linear_fc1.weight3``
+    (3 = the local expert index on this EP rank)."""
+    match = _LOCAL_EXPERT.match(name)
+    return name if match is None else f"{match[1]}{match[3]}{match[2]}"
+
+
+def _is_grouped_expert(name: str) -> bool:
+    return ".mlp.experts.linear_fc" in name
+
+
+# Workaround W20 (docs/MEGATRON_CORE.md; mbridge 0.15.1): remove when mbridge maps the local spec's
+# SequentialMLP expert names (``local_experts.{j}``).
+class _GroupedExpertNames:
+    """One model chunk as mbridge sees it: parameters and state under ``grouped_expert_name``s.
+
+    mbridge's ``load_weights`` and ``export_weights`` decide by name whether a tensor is an expert (split over the
+    expert-TP group, gathered over EP) and read the local expert index from a ``weight{j}`` suffix; with the
+    local-spec names they raise ``NotImplementedError`` (``mbridge/models/qwen2moe.py`` ~104) or, for the split,
+    would treat an expert as a TP-split dense weight. Tensors are shared with the chunk (loading copies in place).
+    """
+
+    def __init__(self, chunk: torch.nn.Module) -> None:
+        self.chunk = unwrap(chunk)
+        self.decoder = getattr(self.chunk, "decoder", None)
+        self._state: dict[str, torch.Tensor] | None = None
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for name, param in self.chunk.named_parameters():
+            yield grouped_expert_name(name), param
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if self._state is None:  # mbridge asks once per tensor
+            self._state = {grouped_expert_name(k): v for k, v in self.chunk.state_dict().items()}
+        return self._state
+
+
+def _views(model_chunks: list[torch.nn.Module]) -> list[_GroupedExpertNames]:
+    return [_GroupedExpertNames(chunk) for chunk in model_chunks]
 
 
 def bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups) -> Any:
@@ -108,13 +185,34 @@ def _all_reduce_max(value: int, groups: ParallelGroups) -> int:
 def check_hf_matches(model_cfg: ModelConfig, hf_dir: str | os.PathLike, *, key: str = HF_DIR_KEY) -> None:
     """ValueError (naming ``key``, ``hf/config.py: HF_DIR_KEY``) if ``model_cfg`` does not have the shapes of
     the checkpoint in ``hf_dir``."""
-    hf_model = dataclasses.asdict(model_config_from_hf(hf_dir, key=key))
-    diffs = model_shape_mismatches(hf_model, dataclasses.asdict(model_cfg), "HF config.json")
+    hf_model = model_config_from_hf(hf_dir, key=key)
+    diffs = model_shape_mismatches(dataclasses.asdict(hf_model), dataclasses.asdict(model_cfg), "HF config.json")
+    diffs += _moe_mismatches(hf_model, model_cfg)
     if diffs:
         raise ValueError(
             f"{key}={str(hf_dir)!r} does not match the model config ({'; '.join(diffs)}); "
             f"build the model from megatron_rl.hf.model_config_from_hf({key})"
         )
+
+
+_MOE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+               "moe_router_pre_softmax")
+"""Fields an MoE model must share with the checkpoint: expert shapes, and the routing (a different router
+computes a different model from the same tensors)."""
+
+
+def _moe_mismatches(hf_model: ModelConfig, model_cfg: ModelConfig) -> list[str]:
+    """``"field: HF config.json a vs config b"`` for each ``_MOE_FIELDS`` entry that differs ([] if both dense)."""
+    if hf_model.num_moe_experts is None and model_cfg.num_moe_experts is None:
+        return []
+
+    def effective(cfg: ModelConfig) -> dict[str, Any]:
+        values = {name: getattr(cfg, name) for name in _MOE_FIELDS}
+        values["moe_ffn_hidden_size"] = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+        return values
+
+    ours, theirs = effective(model_cfg), effective(hf_model)
+    return [f"{k}: HF config.json {theirs[k]!r} vs config {ours[k]!r}" for k in _MOE_FIELDS if ours[k] != theirs[k]]
 
 
 def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups,
@@ -130,7 +228,7 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
         raise ValueError(f"{key}={str(hf_dir)!r} has no *.safetensors files (only safetensors are read)")
     bridge = bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
-        bridge.load_weights(model_chunks, str(hf_dir))
+        bridge.load_weights(_views(model_chunks), str(hf_dir))
 
 
 def load_hf_into_policy(policy: MegatronPolicy, hf_dir: str | os.PathLike | None = None) -> None:
@@ -170,7 +268,7 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
     """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank."""
     bridge = bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
-        for name, tensor in bridge.export_weights(model_chunks):
+        for name, tensor in bridge.export_weights(_views(model_chunks)):
             yield name, tensor.detach().to("cpu", copy=True).contiguous()
 
 
@@ -178,44 +276,95 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
                           *, bridge: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for the weights of *this* pipeline stage only, on the parameters' device.
 
-    Yields on tensor-parallel rank 0 of the stage only (the TP rank of the weight-sync sender); the other TP
-    ranks send their shards to it and yield nothing, but must still run this to the end (collective over the
-    TP group). Nothing crosses pipeline stages (unlike ``iter_hf_weights``). Names, order, dtypes and values
-    are those of mbridge's export (``iter_hf_weights``); a fused QKV or gated fc1 yields several; the last
-    stage's copy of a tied output layer is skipped (the first stage yields ``model.embed_tokens.weight``);
-    vocabulary padding rows are dropped. Used by the weight sync into a rollout engine
-    (``megatron_rl/inference/weight_sync.py``), which passes ``bridge`` (``bridge_for`` of the same chunks,
-    built once) so that a sync reads no config file and runs no extra collective.
+    Yields on the stage's *stream roots* only: TP rank 0 ranks whose expert-parallel rank is 0 (every TP rank 0
+    of a dense model; the weight-sync sender, tp = dp = cp = 0, is one). The other ranks send their pieces to
+    their root and yield nothing, but must still run this to the end (collective over the TP and EP groups):
+    TP ranks > 0 their TP shards (gathered per tensor), EP ranks > 0 their experts (``_stream_experts``: one
+    expert tensor at a time, point to point). Nothing crosses pipeline stages (unlike ``iter_hf_weights``).
+    Names, order, dtypes and values are those of mbridge's export (``iter_hf_weights``): a fused QKV or gated
+    fc1 yields several; local expert j yields global experts ``j, n_local + j, 2 n_local + j, ...`` (EP rank
+    order); the last stage's copy of a tied output layer is skipped (the first stage yields
+    ``model.embed_tokens.weight``); vocabulary padding rows are dropped. Used by the weight sync into a rollout
+    engine (``megatron_rl/inference/weight_sync.py``), which passes ``bridge`` (``bridge_for`` of the same
+    chunks, built once) so that a sync reads no config file and runs no extra collective.
 
-    Extra memory on TP rank 0, per parameter of TP > 1 (``_gather_on_first``): one buffer of the full tensor,
+    Extra memory on a root, per parameter of TP > 1 (``_gather_on_first``): one buffer of the full tensor,
     received in place, which *is* mbridge's merged tensor for a dim-0 split (embedding, output layer, QKV,
     plain or gated fc1: the yielded tensors are views of it); QKV's q/k/v are then copied one at a time (as
     mbridge's own split copies them); a row-parallel weight (split along dim 1: linear_proj, fc2) costs one
-    more copy, the concatenation along dim 1 (2x a tensor far smaller than the embedding). Nothing else is
-    kept: a yielded tensor lives as long as the caller holds it.
+    more copy, the concatenation along dim 1 (2x a tensor far smaller than the embedding). Under EP one
+    received expert tensor at a time. Nothing else is kept: a yielded tensor lives as long as the caller holds it.
+    Experts split over an expert-TP group (``expert_tensor_parallel_size`` > 1) are refused with a ValueError.
     """
+    if groups.etp_size > 1:
+        raise ValueError(f"parallel.expert_tensor_parallel_size={groups.etp_size}: the per-stage weight stream "
+                         "handles whole experts only; set expert_tensor_parallel_size=1")
     if bridge is None:
         bridge = bridge_for(model_chunks, hf_dir, groups)
     tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
-    first_tp_rank = groups.tp_rank == 0
+    root = _is_stream_root(groups)
     with torch.no_grad():
-        for chunk in model_chunks:
-            chunk = unwrap(chunk)
-            local_to_global = bridge._weight_name_mapping_mcore_local_to_global(chunk, consider_ep=False)
-            for local_name, param in chunk.named_parameters():
+        for view in _views(model_chunks):
+            local_to_global = bridge._weight_name_mapping_mcore_local_to_global(view, consider_ep=False)
+            for local_name, param in view.named_parameters():
                 if tied and local_name == "output_layer.weight":
                     continue
                 name = local_to_global[local_name]
-                if getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
+                if _is_grouped_expert(name):  # whole on this rank (expert TP 1): only EP to cross
+                    yield from _stream_experts(bridge, name, param.detach(), groups)
+                elif getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
                     plan = _merge_plan(bridge, name, param)
                     pieces = 2 if plan == "gated" else 1
-                    if first_tp_rank:  # the buffer is passed on unnamed, so that the merge can free it
+                    if root:  # the buffer is passed on unnamed, so that the merge can free it
                         yield from _merged_to_hf(bridge, name, param, plan,
                                                  _gather_on_first(param.detach(), groups, pieces))
+                    elif groups.tp_rank == 0:  # EP rank > 0 (possible when ep > tp): its TP ranks send anyway
+                        _gather_on_first(param.detach(), groups, pieces)
                     else:
                         _send_to_first(param.detach(), groups, pieces)
-                elif first_tp_rank:
+                elif root:
                     yield from _to_hf(bridge, name, param.detach())
+
+
+def _is_stream_root(groups: ParallelGroups) -> bool:
+    """Whether this rank yields its stage's stream in ``iter_stage_hf_weights``: TP rank 0 and EP rank 0."""
+    return groups.tp_rank == 0 and groups.ep_rank == 0
+
+
+def _ep_root_streams(groups: ParallelGroups) -> bool:
+    """Whether rank 0 of this rank's EP group is a stream root, i.e. its TP rank is 0. megatron-core orders
+    ranks tp-cp-ep-dp-pp (TP fastest), so a global rank's TP rank is ``rank % tp_size``; no collective."""
+    assert groups.tp_rank == groups.rank % groups.tp_size, "megatron-core's rank order (TP fastest) changed"
+    return dist.get_global_rank(groups.ep_group, 0) % groups.tp_size == 0
+
+
+def _stream_experts(bridge: Any, name: str, param: torch.Tensor, groups: ParallelGroups
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Local expert ``j``'s parameter (``name`` = ``...linear_fcX.weight{j}``, global, ``consider_ep=False``) of
+    every EP rank of this rank's EP group, in HF form, on the EP group's rank 0 if it is a stream root: its own
+    copy, then EP rank r's (global expert ``r * n_local + j``) received into one fresh buffer, converted and
+    yielded before the next is received. The other EP ranks send theirs; EP groups whose rank 0 is not a root
+    (its TP rank > 0) move nothing. mbridge's ``export_weights`` instead all-gathers all EP ranks' copies on
+    every rank."""
+    if groups.ep_size == 1:
+        if _is_stream_root(groups):
+            yield from _to_hf(bridge, name, param)
+        return
+    if not _ep_root_streams(groups):
+        return
+    if groups.ep_rank > 0:
+        dist.send(param.contiguous(), group=groups.ep_group, group_dst=0)
+        return
+    prefix, local = name.rsplit(".weight", 1)
+    per_rank = bridge.config.num_moe_experts // groups.ep_size
+    for ep_rank in range(groups.ep_size):
+        if ep_rank == 0:
+            tensor = param
+        else:
+            tensor = torch.empty_like(param)
+            dist.recv(tensor, group=groups.ep_group, group_src=ep_rank)
+        yield from _to_hf(bridge, f"{prefix}.weight{ep_rank * per_rank + int(local)}", tensor)
+        del tensor
 
 
 def _merge_plan(bridge: Any, name: str, param: torch.Tensor) -> str:
@@ -223,7 +372,7 @@ def _merge_plan(bridge: Any, name: str, param: torch.Tensor) -> str:
     ``gated`` (fc1 of a gated MLP: each rank's ``[gate_r; up_r]`` -> ``[gate_0; gate_1; ...; up_0; up_1; ...]``),
     ``cols`` (a concatenation along dim 1) or ``mbridge`` (anything else, or a bridge that overrides the merge
     or the HF conversion: its own methods on a merged copy)."""
-    if "mlp.experts" in name or not _mbridge_base_conversion(bridge):
+    if not _mbridge_base_conversion(bridge):  # (experts never come here: _stream_experts)
         return "mbridge"
     if _is_fc1(name):
         return "gated" if bridge._get_mcore_config_by_name(name).gated_linear_unit else "rows"

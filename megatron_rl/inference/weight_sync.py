@@ -6,7 +6,9 @@ the next rollouts; ``VLLMEngine.update_weights`` calls ``WeightSender.send`` on 
 Who sends what (no full gather anywhere)::
 
     every rank of PP stage p    TP gather of one tensor at a time to the stage's TP rank 0 (hf/weights.py:
-                                iter_stage_hf_weights; the other TP ranks only send their shards)
+                                iter_stage_hf_weights; the other TP ranks only send their shards); MoE under
+                                expert parallelism: the EP ranks of the sender's EP group send their experts
+                                to it, one expert tensor at a time (point to point; other EP groups send none)
     sender of stage p           the rank with tp = dp = cp = 0 of stage p; packs the converted HF tensors into
                                 a bucket of ``bucket_bytes`` (one preallocated uint8 buffer) and broadcasts each
                                 full bucket to the engine's workers over its own group {sender p, workers}
@@ -45,7 +47,9 @@ class SyncStats:
 
 
 def is_sender(groups: ParallelGroups) -> bool:
-    """One sender per pipeline stage: its TP, DP and CP rank 0."""
+    """One sender per pipeline stage: its TP, DP and CP rank 0 (also EP rank 0: EP ranks are DP ranks of the dense
+    layers, and the stage's first rank is rank 0 of every group; so it is a stream root of
+    ``iter_stage_hf_weights``, which receives the experts of every EP rank)."""
     return groups.tp_rank == 0 and groups.dp_rank == 0 and groups.cp_rank == 0
 
 
@@ -62,6 +66,7 @@ class WeightSender:
         self.bucket_bytes = int(bucket_bytes)
         self.backend = backend
         self.sender = is_sender(groups)
+        assert not self.sender or groups.ep_rank == 0, "the sender must be the root of its EP group"
         self.device = torch.device("cpu") if backend == "gloo" else groups.device
         self.group: Any = None
         self.store: Any = None
