@@ -255,8 +255,8 @@ class ModelConfig(ConfigSection):
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     """Router scores over the experts."""
     moe_router_pre_softmax: bool = False
-    """softmax over all experts before the top-k (Mixtral, Qwen3-MoE with norm_topk_prob=False); False = top-k of
-    the logits, then softmax over the k chosen (Qwen3-MoE with norm_topk_prob=True)."""
+    """softmax over all experts before the top-k, weights not renormalized (Qwen3-MoE with norm_topk_prob=False);
+    False = top-k of the logits, then softmax over the k chosen (Qwen3-MoE with norm_topk_prob=True, Mixtral)."""
     moe_router_load_balancing_type: Literal["seq_aux_loss", "none"] = "seq_aux_loss"
     """Load-balancing loss: ``seq_aux_loss`` is the switch-transformer loss of each sequence, averaged over the
     sequences of the mini-batch, so it does not depend on packing, micro-batches or layout (megatron-core's
