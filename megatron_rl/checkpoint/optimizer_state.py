@@ -113,9 +113,10 @@ _EXPERT_FLAG = "is_expert_parallel"
 
 def _group_identifier(group: dict, *, with_expert_flag: bool = True) -> list[Any]:
     """megatron-core's identifier of a param group (its ``_filter_and_reorder_param_groups``): the values of
-    ``param_group_identifier_keys`` (``pre_<key>`` aliases, missing = None)."""
+    ``param_group_identifier_keys`` (``pre_<key>`` aliases, missing = None; other than JSON scalars as repr)."""
     keys = [k for k in param_group_identifier_keys if with_expert_flag or k != _EXPERT_FLAG]
-    return [group.get(k, group.get(f"pre_{k}")) for k in keys]
+    values = [group.get(k, group.get(f"pre_{k}")) for k in keys]
+    return [v if v is None or isinstance(v, (bool, int, float, str)) else repr(v) for v in values]  # JSON
 
 
 def optimizer_layout(optimizer: Any | None) -> OptimizerLayout | None:
