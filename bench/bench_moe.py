@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -230,7 +231,7 @@ def layout_rows(name: str, ranks: list[dict], router: int) -> list[list[object]]
     for kind in MODELS:
         per_rank = [r[kind] for r in ranks]
         for r in per_rank:
-            check(all(map(lambda x: x == x and abs(x) != float("inf"), r["losses"])), f"{name} {kind}: loss not finite")
+            check(all(map(math.isfinite, r["losses"])), f"{name} {kind}: loss not finite")
         check(all(r["losses"] == per_rank[0]["losses"] for r in per_rank), f"{name} {kind}: ranks disagree on the loss")
         times = [max(step) for step in zip(*(r["times"] for r in per_rank))]
         info = per_rank[0]
@@ -269,7 +270,7 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--moe-ffn", type=int, default=256)
     parser.add_argument("--reps", type=int, default=5, help="timed steps per model (after 1 warm-up)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (shared 2-core machine)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (shared 2-core machine)")
     parser.add_argument("--ep2", action="store_true", help="also 2 ranks: MoE at EP2, dense at DP2")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per layout")

@@ -25,10 +25,10 @@ megatron-core:
 
 Mixture-of-experts (docs/MOE.md): megatron-core chains a separate optimizer for the expert parameters only when
 they use the expert groups (expert_model_parallel_size > 1, or an expert-TP size other than the TP size); at EP1
-the experts sit in the dense optimizer's param groups. The per-parameter tensors (moments,
-fp32 main copies) are keyed by the model's global names and load under any layout, but the non-sharded parts
-(param groups with their hyperparameters, the Adam step) are stored per sub-optimizer, so a checkpoint of another
-chaining would load the wrong dicts (megatron fails to match its param groups). ``optimizer_layout`` records the
+the experts sit in the dense optimizer's param groups. The per-parameter tensors (moments, fp32 main copies) are
+keyed by the model's global names and load under any layout, but the non-sharded parts (param groups with their
+hyperparameters, the Adam step) are stored per sub-optimizer, so a checkpoint of another chaining would load the
+wrong dicts (megatron fails to match its param groups). ``optimizer_layout`` records the
 chaining in the manifest; when it differs at load, ``_load_regrouped`` gives each current sub-optimizer its own
 loaded tensors and its param groups' hyperparameters and step from the saved group with the same identifier
 (``is_expert_parallel`` aside).
@@ -173,7 +173,8 @@ def _load_regrouped(subs: list[Any], current: list[dict], saved: list[dict]) -> 
     saved_groups = [g for s in saved for g in _torch_level(s, s.get("param_state_sharding_type"))["param_groups"]]
     steps = [step for step in map(_common_step, saved) if step is not None]
     if len({float(step) for step in steps}) > 1:  # megatron's ChainedOptimizer keeps them in step
-        raise ValueError(f"checkpoint optimizer: sub-optimizers at different steps {[float(s) for s in steps]}")
+        raise ValueError(f"checkpoint optimizer: sub-optimizers at different steps {[float(s) for s in steps]}; "
+                         "load it with load_optimizer=False")
     step = steps[0] if steps else None
     with torch.no_grad():
         for sub, loaded in zip(subs, current):
@@ -187,7 +188,8 @@ def _load_regrouped(subs: list[Any], current: list[dict], saved: list[dict]) -> 
             else:
                 state = {k: v for k, v in loaded.items() if not isinstance(k, int)}  # the saved commons are ints
                 torch_level = _torch_level(state, None)
-                torch_level["param_groups"] = _matched_groups(sub.optimizer.state_dict()["param_groups"], saved_groups)
+                own_groups = sub.optimizer.state_dict()["param_groups"]  # with this run's param ids
+                torch_level["param_groups"] = _matched_groups(own_groups, saved_groups)
                 torch_level["state"] = {k: v for k, v in torch_level["state"].items() if k != "common_step"}
                 if step is not None:
                     torch_level["state"]["common_step"] = step
@@ -211,8 +213,8 @@ def _common_step(saved: dict) -> Any:
 
 
 def _matched_groups(groups: list[dict], saved_groups: list[dict]) -> list[dict]:
-    """``groups`` (this run's, with their ``params`` if they list them) with the hyperparameters of the saved group of the same
-    identifier, the expert flag aside; ValueError naming the group when the checkpoint has none."""
+    """``groups`` (this run's, with their ``params`` if they list them) with the hyperparameters of the saved
+    group of the same identifier, the expert flag aside; ValueError naming the group when the checkpoint has none."""
     by_identifier: dict[str, dict] = {}
     for group in saved_groups:
         by_identifier.setdefault(repr(_group_identifier(group, with_expert_flag=False)), group)

@@ -31,7 +31,8 @@ MOE_KEYS = ("moe/load_balancing_loss", "moe/z_loss")
 
 
 @pytest.mark.parametrize("world_size, overrides, needle", [
-    (2, ["model.num_moe_experts=3"], "model.num_moe_experts=3 is not divisible by parallel.expert_model_parallel_size=2"),
+    (2, ["model.num_moe_experts=3"],
+     "model.num_moe_experts=3 is not divisible by parallel.expert_model_parallel_size=2"),
     (3, [], "world size 3 is not divisible by expert_tensor_parallel_size * expert_model_parallel_size"),
     (2, ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null", "model.moe_aux_loss_coeff=0",
          "model.moe_z_loss_coeff=null"], "parallel.expert_model_parallel_size=2 needs an MoE model"),
