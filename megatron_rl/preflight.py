@@ -5,6 +5,8 @@ torchrun; library users call ``check_run(config, world_size)`` before ``initiali
 found here costs a second instead of a rank start-up, a model build, or ``save_interval`` train steps:
 
 - the config validates for this world size (``MegatronRLConfig.validate``: the one owner of every rule);
+- a mixture-of-experts layout can be built (``check_moe_layout``: the builder's rule, ``model/moe.py: validate``,
+  e.g. ``model.num_moe_experts`` divisible by ``parallel.expert_model_parallel_size``);
 - ``logging.output_dir`` and the checkpoint directory are created and proven writable (a probe file is
   written, renamed and deleted: a read-only mount or a missing permission fails here, not at the first save);
 - the free space of the checkpoint filesystem is compared with ``checkpoint.keep_last + 1`` checkpoints of
@@ -43,12 +45,15 @@ def checkpoint_dir(config: MegatronRLConfig) -> Path:
 
 
 def count_parameters(model: ModelConfig) -> int:
-    """Parameters of the Llama-style GPT of ``model/builder.py`` (RMSNorm, SwiGLU, GQA, no linear biases)."""
+    """Parameters of the Llama-style GPT of ``model/builder.py`` (RMSNorm, SwiGLU, GQA, no linear biases); an MoE
+    model (``model.num_moe_experts``) has every expert of every layer plus its router."""
     h, layers = model.hidden_size, model.num_layers
     kv = model.kv_channels or h // model.num_attention_heads
     q_width, kv_width = model.num_attention_heads * kv, model.num_query_groups * kv
     attention = h * (q_width + 2 * kv_width) + q_width * h + (q_width + 2 * kv_width) * model.add_qkv_bias
-    mlp = h * 2 * model.ffn_hidden_size + model.ffn_hidden_size * h
+    experts = model.num_moe_experts or 1
+    ffn = (model.moe_ffn_hidden_size or model.ffn_hidden_size) if model.num_moe_experts else model.ffn_hidden_size
+    mlp = experts * 3 * h * ffn + (h * experts if model.num_moe_experts else 0)
     norms = 2 * h + (2 * kv if model.qk_layernorm else 0)
     embeddings = model.vocab_size * h * (1 if model.share_embeddings_and_output_weights else 2)
     return layers * (attention + mlp + norms) + embeddings + h
@@ -59,6 +64,27 @@ def estimate_checkpoint_bytes(config: MegatronRLConfig) -> int:
     param_bytes = BYTES_PER_PARAM[config.model.params_dtype]
     optimizer_bytes = OPTIMIZER_BYTES_PER_PARAM[config.optimizer.optimizer] + (4 if param_bytes < 4 else 0)
     return count_parameters(config.model) * (param_bytes + optimizer_bytes)
+
+
+def check_moe_layout(config: MegatronRLConfig) -> None:
+    """ConfigError when the MoE layout cannot be built: the rule the ranks' model builder applies
+    (``model/moe.py: validate``: experts divisible by the EP size, EP only with experts, the expert FFN divisible
+    by the expert-TP size). Imports megatron-core only for an MoE model or EP > 1."""
+    if config.model.num_moe_experts is None and config.parallel.expert_model_parallel_size == 1:
+        return
+    import logging
+
+    cpp_extension = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found" on CPU machines
+    level = cpp_extension.level
+    cpp_extension.setLevel(logging.ERROR)
+    try:
+        from megatron_rl.model.moe import validate
+    finally:
+        cpp_extension.setLevel(level)
+    try:
+        validate(config.model, config.parallel)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_writable(directory: Path, key: str) -> None:
@@ -171,6 +197,7 @@ def check_run(config: MegatronRLConfig, world_size: int | None = None) -> list[s
     checkpoint directories as a side effect (the run creates them anyway).
     """
     config.validate(world_size=world_size)
+    check_moe_layout(config)
     check_device(config)
     check_writable(Path(config.logging.output_dir), "logging.output_dir")
     save_dir = checkpoint_dir(config)

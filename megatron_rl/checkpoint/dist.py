@@ -61,6 +61,7 @@ from megatron_rl.checkpoint import layout
 from megatron_rl.checkpoint.optimizer_state import (
     load_optimizer_state,
     optimizer_kind,
+    optimizer_layout,
     sharded_optimizer_state,
 )
 from megatron_rl.checkpoint.rng import capture_rng_state, restore_rng_state
@@ -87,9 +88,17 @@ class CheckpointablePolicy(Protocol):
 
 SHAPE_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "vocab_size", "share_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm",
+    "vocab_size", "share_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm", "num_moe_experts",
+    "moe_ffn_hidden_size",
 )  # fmt: skip
 """ModelConfig fields that must match between a checkpoint and the model it is loaded into."""
+
+
+SOFT_FIELDS = (
+    "rotary_base", "layernorm_epsilon", "params_dtype", "moe_router_topk", "moe_router_score_function",
+    "moe_router_pre_softmax",
+)  # fmt: skip
+"""ModelConfig fields that load under another value but change the model's function: a warning."""
 
 
 def model_shape_mismatches(source: ModelDict, current: ModelDict, source_name: str) -> list[str]:
@@ -103,9 +112,13 @@ def model_shape_mismatches(source: ModelDict, current: ModelDict, source_name: s
 
 
 def _effective_shape(model: ModelDict) -> ModelDict:
-    """kv_channels=None means hidden_size // num_attention_heads (ModelConfig)."""
+    """kv_channels=None means hidden_size // num_attention_heads, moe_ffn_hidden_size=None of an MoE model
+    ffn_hidden_size (ModelConfig); manifests written before MoE have no MoE fields (a dense model)."""
+    model = dict(model)
     if model.get("kv_channels") is None and model.get("num_attention_heads"):
-        return {**model, "kv_channels": model["hidden_size"] // model["num_attention_heads"]}
+        model["kv_channels"] = model["hidden_size"] // model["num_attention_heads"]
+    if model.get("num_moe_experts") is not None and model.get("moe_ffn_hidden_size") is None:
+        model["moe_ffn_hidden_size"] = model.get("ffn_hidden_size")
     return model
 
 
@@ -232,14 +245,22 @@ def _manifest_info(parts: CheckpointParts, step: int) -> dict[str, Any]:
     g = parts.groups
     return {
         "step": step,
-        "layout": {"world_size": g.world_size, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "cp": g.cp_size},
+        "layout": _parallel_layout(parts.groups),
         "model": dataclasses.asdict(parts.config.model),
         "optimizer_kind": optimizer_kind(parts.optimizer),
+        "optimizer_layout": optimizer_layout(parts.optimizer),
         "optimizer": parts.config.optimizer.optimizer if parts.optimizer is not None else None,
         "has_scheduler": parts.scheduler is not None,
         "num_model_chunks": len(parts.model_chunks),
         "megatron_core": _mcore_version(),
     }
+
+
+def _parallel_layout(g: ParallelGroups) -> dict[str, int]:
+    """The parallel sizes a checkpoint was saved under (the manifest's ``layout``); ``ep`` only for expert
+    parallelism, so dense checkpoints keep the layout they always had."""
+    sizes = {"world_size": g.world_size, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "cp": g.cp_size}
+    return {**sizes, "ep": g.ep_size} if g.ep_size > 1 else sizes
 
 
 def _mcore_version() -> str:
@@ -280,7 +301,7 @@ def load_parts(
     for key, chunk in _chunk_keys(parts.model_chunks):
         chunk.load_state_dict(loaded[key], strict=True)
     if load_optimizer and parts.optimizer is not None:
-        load_optimizer_state(parts.optimizer, loaded["optimizer"])
+        load_optimizer_state(parts.optimizer, loaded["optimizer"], manifest.get("optimizer_layout"))
     else:  # weights only: the optimizer's fp32 main copies (bf16) must follow them
         follow_new_weights(parts.optimizer)
     if load_optimizer and parts.scheduler is not None:
@@ -303,7 +324,7 @@ def _check_compatible(manifest: dict, parts: CheckpointParts, load_optimizer: bo
     diffs = model_shape_mismatches(saved, current, "checkpoint")
     if diffs:
         raise ValueError(f"checkpoint {ckpt} holds a different model ({'; '.join(diffs)}); fix model.* or the path")
-    soft = [k for k in ("rotary_base", "layernorm_epsilon", "params_dtype") if saved.get(k) != current[k]]
+    soft = [k for k in SOFT_FIELDS if saved.get(k, current[k]) != current[k]]
     if soft:
         warnings.warn(f"checkpoint {ckpt}: model settings differ from the config: {soft} (loading anyway)")
     if manifest.get("num_model_chunks") != len(parts.model_chunks):
@@ -370,9 +391,7 @@ def _move_aside(failed: list[tuple[Path, str]]) -> None:
 
 
 def _restore_rng(ckpt: Path, manifest: dict, parts: CheckpointParts) -> None:
-    g = parts.groups
-    same = manifest["layout"] == {"world_size": g.world_size, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "cp": g.cp_size}
-    if not same:
+    if manifest["layout"] != _parallel_layout(parts.groups):
         if dist.get_rank() == 0:
             warnings.warn(f"checkpoint {ckpt} was saved under layout {manifest['layout']}: RNG states not restored")
         return

@@ -341,7 +341,8 @@ def open_reporter(job: Job, start_step: int) -> RunReporter | None:
     output_dir = Path(logging.output_dir)
     dump_job_config(config, output_dir / "config.yaml")
     g = job.groups
-    layout = f"TP{g.tp_size} PP{g.pp_size} DP{g.dp_size}" + (f" CP{g.cp_size}" if g.cp_size > 1 else "")
+    layout = (f"TP{g.tp_size} PP{g.pp_size} DP{g.dp_size}" + (f" CP{g.cp_size}" if g.cp_size > 1 else "")
+              + (f" EP{g.ep_size}" if g.ep_size > 1 else ""))
     print(f"megatron_rl main job: {g.world_size} rank(s) ({layout}); outputs in {output_dir.resolve()}, "
           f"checkpoints in {job.save_dir.resolve()}" + (f"; resuming after step {start_step}" if start_step else ""),
           flush=True)

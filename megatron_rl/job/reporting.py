@@ -5,7 +5,8 @@ of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
 
     metrics.jsonl        one JSON object per logged step: {"step": n, "time_s": ..., <metric>: <float>, ...}
     tensorboard/         the same scalars as TensorBoard events (when logging.tensorboard and tensorboard exist)
-    reward_loss.png      reward (and eval reward / pass rate, when evaluated) and policy loss vs step (matplotlib)
+    reward_loss.png      reward (and eval reward / pass rate, when evaluated) and policy loss vs step (matplotlib);
+                         a third panel with the router losses (moe/*) for a mixture-of-experts model
     summary.txt          one paragraph: start reward, end reward, random baseline (if any), last eval, wall time
 
 Resuming appends to ``metrics.jsonl``; lines of steps after the resume point (a crashed tail) are dropped first,
@@ -28,6 +29,8 @@ from megatron_rl.atomic import atomic_replace, atomic_write_text
 REWARD_KEY = "reward/mean"
 LOSS_KEY = "policy/loss"
 EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate")
+MOE_PREFIX = "moe/"
+"""Router losses of an MoE model (``MegatronPolicy.forward_backward``: moe/load_balancing_loss, moe/z_loss)."""
 
 
 def read_metrics(path: Path) -> list[dict[str, float]]:
@@ -65,20 +68,28 @@ def _points(rows: list[dict[str, float]], key: str) -> list[tuple[float, float]]
 
 def plot_reward_and_loss(rows: list[dict[str, float]], png_path: Path, *, baseline: float | None = None) -> None:
     """Two panels, reward and policy loss vs step; the evaluation's reward and pass rate on the reward panel
-    when the run evaluated; a dashed line at the random baseline reward."""
+    when the run evaluated; a dashed line at the random baseline reward; a third panel with the router losses
+    (``moe/*``, each divided by its coefficient) when the model is a mixture of experts."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_reward, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key in ((ax_reward, REWARD_KEY), (ax_loss, LOSS_KEY)):
-        points = _points(rows, key)
-        if points:
-            ax.plot(*zip(*points), marker=".", linewidth=1, label=key)
+    moe_keys = sorted({key for row in rows for key in row if key.startswith(MOE_PREFIX)})
+    fig, axes = plt.subplots(1, 3 if moe_keys else 2, figsize=(15 if moe_keys else 10, 4))
+    ax_reward, ax_loss = axes[:2]
+    panels = [(ax_reward, [REWARD_KEY], REWARD_KEY), (ax_loss, [LOSS_KEY], LOSS_KEY)]
+    panels += [(axes[2], moe_keys, "router losses (MoE)")] if moe_keys else []
+    for ax, keys, title in panels:
+        for key in keys:
+            points = _points(rows, key)
+            if points:
+                ax.plot(*zip(*points), marker=".", linewidth=1, label=key)
         ax.set_xlabel("train step")
-        ax.set_title(key)
+        ax.set_title(title)
         ax.grid(alpha=0.3)
+    if moe_keys:
+        axes[2].legend(loc="upper right")
     evaluated = False
     for key in EVAL_KEYS:
         points = _points(rows, key)
