@@ -68,8 +68,8 @@ def estimate_checkpoint_bytes(config: MegatronRLConfig) -> int:
 
 def check_moe_layout(config: MegatronRLConfig) -> None:
     """ConfigError when the MoE layout cannot be built: the rule the ranks' model builder applies
-    (``model/moe.py: validate``: experts divisible by the EP size, EP only with experts, the expert FFN divisible
-    by the expert-TP size). Imports megatron-core only for an MoE model or EP > 1."""
+    (``model/moe.py: validate``: experts divisible by the EP size, EP only with experts, TP only with sequence
+    parallelism, the expert FFN divisible by the expert-TP size, expert TP 1 on CPU). Imports megatron-core only for an MoE model or EP > 1."""
     if config.model.num_moe_experts is None and config.parallel.expert_model_parallel_size == 1:
         return
     import logging
@@ -81,8 +81,12 @@ def check_moe_layout(config: MegatronRLConfig) -> None:
         from megatron_rl.model.moe import validate
     finally:
         cpp_extension.setLevel(level)
+    import torch
+
+    device = config.parallel.device
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     try:
-        validate(config.model, config.parallel)
+        validate(config.model, config.parallel, on_cpu=on_cpu)
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

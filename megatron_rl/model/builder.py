@@ -185,13 +185,8 @@ def build_gpt_model(
 ) -> GPTModel:
     """This rank's GPTModel stage (embedding on the first stage, output layer on the last by default)."""
     use_te = use_transformer_engine(model_cfg)
+    moe.validate(model_cfg, parallel_cfg, on_cpu=groups.device.type == "cpu")
     config = build_transformer_config(model_cfg, parallel_cfg)
-    if config.num_moe_experts is not None and groups.device.type == "cpu" and parallel_cfg.expert_tensor_size > 1:
-        raise ValueError(
-            f"parallel.expert_tensor_parallel_size={parallel_cfg.expert_tensor_size} needs CUDA: on CPU, gloo has no "
-            "uneven all-gather (megatron-core's dispatcher gathers each expert's tokens over that group); set "
-            "parallel.expert_tensor_parallel_size=1"
-        )
     vocab = padded_vocab_size(model_cfg.vocab_size, parallel_cfg.tensor_model_parallel_size)
     if vocab != model_cfg.vocab_size:
         logger.warning("vocab_size %d padded to %d (multiple of tensor_model_parallel_size=%d)",

@@ -64,8 +64,9 @@ def transformer_config_kwargs(model_cfg: ModelConfig, parallel_cfg: ParallelConf
     }
 
 
-def validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
-    """ValueError naming the field for an MoE layout that cannot be built (or EP on a dense model)."""
+def validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, on_cpu: bool = False) -> None:
+    """ValueError naming the field for an MoE layout that cannot be built (or EP on a dense model); ``on_cpu``:
+    the ranks run on CPU with gloo (no expert tensor parallelism there)."""
     ep = parallel_cfg.expert_model_parallel_size
     if model_cfg.num_moe_experts is None:
         if ep > 1:
@@ -80,6 +81,12 @@ def validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
                          "model.num_moe_experts needs parallel.sequence_parallel=true (megatron-core's MoE layer "
                          "refuses tensor parallelism without it)")
     etp = parallel_cfg.expert_tensor_size
+    if on_cpu and etp > 1:
+        raise ValueError(
+            f"parallel.expert_tensor_parallel_size={etp} needs CUDA: on CPU, gloo has no uneven all-gather "
+            "(megatron-core's dispatcher gathers each expert's tokens over that group); set "
+            "parallel.expert_tensor_parallel_size=1"
+        )
     ffn = model_cfg.moe_ffn_hidden_size or model_cfg.ffn_hidden_size
     if ffn % etp != 0:
         raise ValueError(f"model.moe_ffn_hidden_size={ffn} is not divisible by expert_tensor_parallel_size={etp}")

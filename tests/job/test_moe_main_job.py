@@ -36,6 +36,9 @@ MOE_KEYS = ("moe/load_balancing_loss", "moe/z_loss")
     (3, [], "world size 3 is not divisible by expert_tensor_parallel_size * expert_model_parallel_size"),
     (2, ["model.num_moe_experts=null", "model.moe_ffn_hidden_size=null", "model.moe_aux_loss_coeff=0",
          "model.moe_z_loss_coeff=null"], "parallel.expert_model_parallel_size=2 needs an MoE model"),
+    (4, ["parallel.expert_tensor_parallel_size=2", "parallel.expert_model_parallel_size=1", "parallel.device=cpu"],
+     "parallel.expert_tensor_parallel_size=2 needs CUDA"),
+    (4, ["parallel.tensor_model_parallel_size=2"], "needs parallel.sequence_parallel=true"),
 ])  # fmt: skip
 def test_preflight_refuses_an_moe_layout_in_one_line(tmp_path, capsys, world_size, overrides, needle):
     argv = ["--config", CONFIG, "--world-size", str(world_size), f"logging.output_dir={tmp_path}", *overrides]
