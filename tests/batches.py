@@ -6,6 +6,7 @@ they are not testing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -69,3 +70,11 @@ def micro_batch_size(num_rows: int, dp_size: int, count: int) -> int:
     """Rows per micro-batch that give ``count`` micro-batches on each of ``dp_size`` shards of ``num_rows``."""
     shard = -(-num_rows // dp_size)
     return -(-shard // count)
+
+
+def max_rel_err(got: dict, ref: dict) -> float:
+    """||got - ref|| / ||ref|| over all tensors of ``ref`` (``got`` may hold extra buffers)."""
+    assert set(ref) <= set(got), sorted(set(ref) - set(got))
+    num = math.sqrt(sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref))
+    den = math.sqrt(sum(float(ref[k].pow(2).sum()) for k in ref))
+    return num / den

@@ -7,11 +7,10 @@ The model is tiny (2 layers, hidden 32) so that 4-rank spawns stay fast on 2 cor
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from batches import full_grads, left_padded_tensors, micro_batch_size, training_batch as make_batch
+from batches import full_grads, left_padded_tensors, max_rel_err, micro_batch_size, training_batch as make_batch  # noqa: F401
 from megatron_rl.metrics import Metric
 
 PROMPT_LENS = [1, 2, 9, 3, 30, 5, 1]
@@ -79,9 +78,3 @@ def grad_of(policy, batch, dp_size: int, count: int, *, entropy: bool = True) ->
     return grads
 
 
-def max_rel_err(got: dict, ref: dict) -> float:
-    """||got - ref|| / ||ref|| over all tensors of ``ref``."""
-    assert set(ref) <= set(got), sorted(set(ref) - set(got))
-    num = math.sqrt(sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref))
-    den = math.sqrt(sum(float(ref[k].pow(2).sum()) for k in ref))
-    return num / den

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from batches import full_grads as _full_grads, left_padded_tensors, micro_batch_size as _micro_batch_size, training_batch as _batch
+from batches import full_grads as _full_grads, left_padded_tensors, max_rel_err, micro_batch_size as _micro_batch_size, training_batch as _batch
 from megatron_rl.metrics import Metric
 from multirank import run_ranks
 
@@ -363,12 +363,6 @@ def layout_results(tensors, reference):
 # ---------------------------------------------------------------------- tests
 
 
-def _max_rel_err(got: dict, ref: dict) -> float:
-    """||got - ref|| / ||ref|| over all tensors of ``ref`` (``got`` may hold extra buffers)."""
-    assert set(ref) <= set(got), sorted(set(ref) - set(got))
-    num = math.sqrt(sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref))
-    den = math.sqrt(sum(float(ref[k].pow(2).sum()) for k in ref))
-    return num / den
 
 
 def test_reference_policy_matches_plain_autograd(reference):
@@ -393,7 +387,7 @@ def test_gradient_invariance(layout, layout_results, reference):
     """Gradient after finalize == single-process gradient of the global summed loss, for 1, 2, 4 micro-batches."""
     for rank_out in layout_results(layout):
         for key in [f"grad_{c}" for c in LAYOUTS[layout][3]] + ["grad_budget"]:
-            err = _max_rel_err(rank_out[key], reference["grads"])
+            err = max_rel_err(rank_out[key], reference["grads"])
             assert err < 1e-5, f"{layout} {key}: relative error {err:.2e}"
 
 
@@ -414,7 +408,7 @@ def test_metrics_identical_on_every_rank(layout, layout_results, reference, tens
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_one_step_same_weights(layout, layout_results, reference):
     for rank_out in layout_results(layout):
-        err = _max_rel_err(rank_out["weights"], reference["weights"])
+        err = max_rel_err(rank_out["weights"], reference["weights"])
         assert err < 1e-6, f"{layout}: weights after one step differ, relative error {err:.2e}"
         assert rank_out["step_info"]["grad_norm"] == pytest.approx(reference["step_info"]["grad_norm"], rel=1e-5)
         assert rank_out["step_info"]["lr"] == pytest.approx(LR)
@@ -425,14 +419,14 @@ def test_variants(layout, variant, layout_results, reference):
     """TP2 with sequence parallelism (packs aligned to tp); PP2 with packs extended to one fixed length."""
     for rank_out in layout_results(layout):
         assert (rank_out[f"{variant}_forward"] - reference["logprobs"]).abs().max() < 1e-5
-        err = _max_rel_err(rank_out[f"{variant}_grad_budget"], reference["grads"])
+        err = max_rel_err(rank_out[f"{variant}_grad_budget"], reference["grads"])
         assert err < 1e-5, f"{layout} {variant}: gradient relative error {err:.2e}"
         assert rank_out[f"{variant}_metrics_budget"]["loss"].final() == pytest.approx(reference["loss"], rel=1e-5)
 
 
 def test_checkpoint_roundtrip(reference):
     assert reference["ckpt_state"]["step"] == 3
-    assert _max_rel_err(reference["ckpt_restored"], reference["ckpt_saved"]) == 0.0
+    assert max_rel_err(reference["ckpt_restored"], reference["ckpt_saved"]) == 0.0
 
 
 def test_frozen_reference_role(reference):
@@ -461,7 +455,7 @@ def test_reference_grad_norm_is_plain_norm(reference):
 
 def test_deferred_finalization(layout_results, reference):
     for rank_out in layout_results("dp2"):
-        err = _max_rel_err(rank_out["halves_weights"], rank_out["weights"])
+        err = max_rel_err(rank_out["halves_weights"], rank_out["weights"])
         assert err < 1e-6, f"halves + one step vs whole: relative error {err:.2e}"
         assert rank_out["halves_step_info"]["grad_norm"] == pytest.approx(rank_out["step_info"]["grad_norm"], rel=1e-5)
 
@@ -469,13 +463,13 @@ def test_deferred_finalization(layout_results, reference):
 def test_dropping_a_scale_factor_breaks_invariance(layout_results, reference):
     for rank_out in layout_results("dp2"):
         for name in ("no_dp", "no_num_microbatches"):
-            err = _max_rel_err(rank_out[f"ablation_{name}"], reference["grads"])
+            err = max_rel_err(rank_out[f"ablation_{name}"], reference["grads"])
             assert err > 0.3, f"dropping {name} should change the gradient (relative error {err:.2e})"
 
 
 def test_distributed_optimizer_matches_single_process_adam(layout_results, reference):
     for rank_out in layout_results("dp2"):
-        err = _max_rel_err(rank_out["adam_weights"], reference["adam_weights"])
+        err = max_rel_err(rank_out["adam_weights"], reference["adam_weights"])
         assert err < 1e-6, f"distributed Adam vs single-process Adam: relative error {err:.2e}"
 
 
