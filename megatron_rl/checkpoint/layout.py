@@ -236,10 +236,13 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def clear_stale_tmp(save_dir: Path) -> None:
-    """Remove leftovers of crashed saves (temporary and trash directories)."""
+    """Remove leftovers of crashed saves: temporary and trash directories, and the temporary file of a ``latest``
+    pointer whose writer was killed before its rename (``atomic_write_text``: ``.tmp.latest.<pid>``)."""
     for p in save_dir.iterdir():
         if p.is_dir() and p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
             remove_tree(p)
+        elif p.is_file() and p.name.startswith(f"{_TMP_PREFIX}{LATEST_FILE}."):
+            p.unlink(missing_ok=True)
 
 
 def publish(tmp_dir: Path, final_dir: Path) -> None:

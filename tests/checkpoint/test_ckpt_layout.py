@@ -108,3 +108,15 @@ def test_checkpoint_of_a_newer_megatron_core_is_refused_by_name(tmp_path):
         dist._check_compatible({"megatron_core": newer}, None, True, tmp_path)
     assert dist._version_key("0.19.2") > dist._version_key("0.16.1")
     assert dist._version_key("0.16.1") == dist._version_key("0.16.0rc1")
+
+
+def test_clear_stale_tmp_removes_a_killed_latest_write(tmp_path):
+    """A SIGKILL between writing ``.tmp.latest.<pid>`` and its rename leaves that file; the next save removes it
+    with the other leftovers (seen once in the random-kill test of test_ckpt_crash.py) and keeps everything else."""
+    (tmp_path / ".tmp.latest.14262").write_text("step_00000003\n")
+    (tmp_path / ".tmp.step_00000003").mkdir()
+    (tmp_path / "latest").write_text("step_00000002\n")
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "notes.tmp.latest.txt").write_text("a user's file\n")
+    layout.clear_stale_tmp(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "notes.tmp.latest.txt", "step_00000002"]
