@@ -192,6 +192,23 @@ def segment_ids(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor, total_len: int
     return torch.where(inside, row, torch.full_like(row, -1))
 
 
+def rank_tokens(item: Any, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(row, position)`` ``[T_local]`` of the tokens this rank runs for micro-batch ``item`` (``model/plan.py``
+    MicroBatch; this CP rank's chunks under context parallelism, before any sequence-parallel split): the token's
+    row in the micro-batch, -1 for padding (alignment, a dummy tail, DP padding rows: global row >= ``num_rows``),
+    and its offset in that row. Shared by the auxiliary losses and routing replay (model/router_replay.py)."""
+    packed = item.packed
+    row = segment_ids(packed.cu_seqlens, packed.seq_lens, packed.input_ids.shape[1])
+    real = torch.zeros(packed.num_rows + 1, dtype=torch.bool, device=row.device)  # last slot: padding (-1)
+    real[: len(item.rows)] = torch.tensor([r < num_rows for r in item.rows], dtype=torch.bool)
+    row = torch.where(real[row], row, torch.full_like(row, -1))
+    position = packed.position_ids[0].to(row.device)
+    if item.cp_local is not None:
+        index = item.cp_local.cp_index[item.cp_local.cp_rank].to(row.device)
+        row, position = row[index], position[index]
+    return row, position
+
+
 class _AddLossGradient(torch.autograd.Function):
     """Identity on ``activation``; in backward, ``loss`` receives the gradient ``grad_scale`` (a loss term that
     is not part of the value handed to the schedule)."""
@@ -305,21 +322,14 @@ class CallTokens:
     grad_scale: float
     sp_rank: int
     sp_size: int
-    cp_rank: int
     count_group: Any
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def for_micro_batch(self, item: Any) -> MoETokens:
         """``MoETokens`` of one micro-batch (``model/plan.py`` MicroBatch): segment ids of the tokens it runs."""
-        packed = item.packed
-        seg = segment_ids(packed.cu_seqlens, packed.seq_lens, packed.input_ids.shape[1])
-        real = torch.zeros(packed.num_rows + 1, dtype=torch.bool, device=seg.device)  # last: padding (-1)
-        real[: len(item.rows)] = torch.tensor([row < self.num_seqs for row in item.rows], dtype=torch.bool)
-        seg = torch.where(real[seg], seg, torch.full_like(seg, -1))  # DP padding rows are not sequences
-        if item.cp_local is not None:
-            seg = seg[item.cp_local.cp_index[self.cp_rank]]
+        seg, _ = rank_tokens(item, self.num_seqs)
         return MoETokens(
-            segment_ids=seg, seq_lens=packed.seq_lens.float(), inv_num_seqs=1.0 / max(self.num_seqs, 1),
+            segment_ids=seg, seq_lens=item.packed.seq_lens.float(), inv_num_seqs=1.0 / max(self.num_seqs, 1),
             inv_num_tokens=1.0 / max(self.num_tokens, 1), grad_scale=self.grad_scale, sp_rank=self.sp_rank,
             sp_size=self.sp_size, count_group=self.count_group, stats=self.stats,
         )
@@ -338,8 +348,7 @@ def call_tokens(num_seqs: int, num_tokens: int, groups: Any) -> CallTokens:
         count_group = groups.cp_group if groups.cp_size > 1 else None
     return CallTokens(
         num_seqs=num_seqs, num_tokens=num_tokens, grad_scale=scaling.moe_grad_scale(groups.dp_size, groups.cp_size),
-        sp_rank=groups.tp_rank if sp else 0, sp_size=groups.tp_size if sp else 1, cp_rank=groups.cp_rank,
-        count_group=count_group,
+        sp_rank=groups.tp_rank if sp else 0, sp_size=groups.tp_size if sp else 1, count_group=count_group,
     )
 
 

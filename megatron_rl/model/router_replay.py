@@ -37,7 +37,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from megatron_rl.config import ModelConfig
 from megatron_rl.metrics import Metric
-from megatron_rl.model.moe import segment_ids
+from megatron_rl.model.moe import rank_tokens
 
 ROUTED_EXPERTS = "routed_experts"
 """The batch key of the per-token routing ``[B, S, L, k]``."""
@@ -145,20 +145,13 @@ class ReplayCall:
 
         Token order: the pack (docs/DESIGN.md section 3), then this CP rank's chunks (``cp_index``), then the
         sequence-parallel slice of this TP rank (the router's input is scattered along the sequence)."""
-        packed = item.packed
-        total = packed.input_ids.shape[1]
-        segment = segment_ids(packed.cu_seqlens, packed.seq_lens, total)  # [T] row in the pack, -1 padding
-        position = packed.position_ids[0].to(segment.device)  # [T] offset in the row
-        if item.cp_local is not None:
-            index = item.cp_local.cp_index[item.cp_local.cp_rank].to(segment.device)
-            segment, position = segment[index], position[index]
+        segment, position = rank_tokens(item, self.num_rows)  # [T_local] row (-1: padding), offset in the row
         if self.sp_size > 1:
             n = len(segment) // self.sp_size
             segment, position = (x[self.sp_rank * n:(self.sp_rank + 1) * n] for x in (segment, position))
-        caller_row = torch.as_tensor([r < self.num_rows for r in item.rows] or [False], device=segment.device)
+        real = segment >= 0
         rows = segment.clamp(min=0)
-        real = (segment >= 0) & caller_row[rows.clamp(max=len(caller_row) - 1)]
-        length = packed.seq_lens.to(segment.device)[rows.clamp(max=len(packed.seq_lens) - 1)]
+        length = item.packed.seq_lens.to(segment.device)[rows.clamp(max=len(item.packed.seq_lens) - 1)]
         columns = (self.width - length + position).clamp(0, self.width - 1)
         return rows, columns, real
 
