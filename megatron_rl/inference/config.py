@@ -5,6 +5,7 @@ library's ``MegatronRLConfig`` does not include it (a loop that generates elsewh
 
     rollout:
       engine: vllm            # builtin | vllm
+      num_engines: 2          # vllm serve servers the job starts (a fleet: vllm_engine.py)
       sync_interval: 1        # RL steps between weight syncs
       bucket_mb: 64
 """
@@ -25,6 +26,21 @@ class RolloutConfig(ConfigSection):
     """'builtin': the policy's own packed forward samples on every rank (no extra process); 'vllm': a vLLM
     engine in its own process and environment (``bash scripts/setup_engine.sh``), fed the policy's weights in
     place after every ``sync_interval`` RL steps."""
+    num_engines: int = field(default=1, metadata=valid(0))
+    """``vllm serve`` servers the job starts (on global rank 0's node), each with
+    ``engine_tensor_parallel_size`` devices; a GRPO group goes to one of them, groups are balanced by work.
+    On CPU the cores are split between them; on GPUs engine ``i`` gets devices ``i*tp ...`` (modulo the visible
+    ones: with fewer GPUs than that it shares the trainer's, ``gpu_memory_utilization``). 0 = only
+    ``engine_urls``."""
+    engine_urls: list[str] = field(default_factory=list)
+    """Servers started elsewhere to use as well (``http://host:port``), each running ``python -m
+    megatron_rl.inference.vllm_serve`` with ``$MEGATRON_RL_ENGINE_TOKEN`` set (the job reads the same variable;
+    docs/INFERENCE.md has the command line). The job never kills or restarts them."""
+    engine_tensor_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
+    """Devices per engine (vLLM's ``--tensor-parallel-size``)."""
+    request_timeout_s: float = field(default=600.0, metadata=POSITIVE)
+    """An engine with requests outstanding that finishes none and generates no token for this long is taken as
+    hung: it is killed and replaced, its requests go to the other engines."""
     engine_python: str | None = None
     """Interpreter of the engine's environment; None = ``$MEGATRON_RL_ENGINE_PYTHON``, else
     ``.venv-engine/bin/python`` (what ``scripts/setup_engine.sh`` makes)."""
@@ -53,6 +69,14 @@ class RolloutConfig(ConfigSection):
     """Directory for the 'disk' transport's safetensors; None = ``/dev/shm`` when it exists, else the temp dir."""
 
     def _check_rules(self) -> None:
+        if isinstance(self.engine_urls, str):  # one URL given as a plain value
+            self.engine_urls = [self.engine_urls]
+        for url in self.engine_urls:
+            if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                raise ConfigError(f"rollout.engine_urls: {url!r} is not a server URL (http://host:port)")
+        if self.engine == "vllm" and self.num_engines + len(self.engine_urls) < 1:
+            raise ConfigError("rollout.num_engines=0 and no rollout.engine_urls: the vLLM fleet has no engine; set "
+                              "rollout.num_engines >= 1 or list servers in rollout.engine_urls")
         if self.engine == "builtin" and self.weight_transport == "disk" and self.sync_dir is not None:
             raise ConfigError("rollout.sync_dir is set but rollout.engine=builtin syncs no weights; "
                               "set rollout.engine=vllm or unset rollout.sync_dir")

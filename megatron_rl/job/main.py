@@ -44,6 +44,7 @@ from megatron_rl.environments.base import Environment
 from megatron_rl.environments.registry import make_environment
 from megatron_rl.inference.builtin_engine import rollout_seed
 from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
+from megatron_rl.inference.server import EngineError, EngineStartError
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
 from megatron_rl.job.reporting import RunReporter
 from megatron_rl.metrics import Metric
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(job)
     except CheckpointProblem as err:
         return report_error(str(err), kind="checkpoint error", code=err.code)
-    except EngineProblem as err:
+    except (EngineProblem, EngineError, EngineStartError) as err:  # the same message on every rank
         return report_error(str(err), kind="engine error", code=1)
     finally:
         if job is not None:
@@ -200,11 +201,14 @@ def start_engine(config: JobConfig, policy: MegatronPolicy, pad_id: int) -> Roll
         from megatron_rl.inference.builtin_engine import BuiltinEngine
 
         return BuiltinEngine.from_policy(policy, pad_id)
-    from megatron_rl.inference.vllm_engine import EngineError, EngineStartError, VLLMEngine
+    from megatron_rl.inference.vllm_engine import VLLMEngine
 
     work_dir = Path(config.rl.logging.output_dir) / "engine"
     if policy.groups.rank == 0:
-        print(f"megatron_rl main job: starting the vLLM engine (log: {work_dir / 'engine.log'})", flush=True)
+        rollout = config.rollout
+        what = f"{rollout.num_engines} vLLM engine(s)" + (f" + {len(rollout.engine_urls)} attached"
+                                                          if rollout.engine_urls else "")
+        print(f"megatron_rl main job: starting {what} (logs: {work_dir}/engine<i>.log)", flush=True)
     try:
         return VLLMEngine.start(policy, config.rollout, hf_dir=config.rl.model.hf_path, work_dir=work_dir,
                                 seed=config.rl.seed)
@@ -281,6 +285,7 @@ def rl_step(job: Job, step: int) -> dict[str, float]:
         sync_s = job.engine.update_weights(job.policy)
         if config.rollout.engine != "builtin":  # the built-in engine shares the policy: always 0
             metrics["timing/weight_sync_s"] = sync_s
+    metrics.update(job.engine.step_metrics())  # the vLLM fleet's restarts and live engines (rank 0)
     metrics["timing/step_s"] = time.perf_counter() - started
     return metrics
 
