@@ -88,14 +88,33 @@ any other fails at the first generation step, not at start-up)."""
 
 
 def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) -> None:
-    """ConfigError for a model the configured engine cannot run, before anything starts."""
+    """ConfigError for a model the configured engine cannot run, before anything starts. With ``model.hf_path``
+    the shapes are the checkpoint's (its ``config.json``), not the ``model.*`` keys (which it replaces)."""
     if rollout.engine != "vllm" or device != "cpu":
         return
-    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    shapes = _hf_shapes(model.hf_path) if model.hf_path else None
+    if shapes is not None:
+        head_dim, source = shapes, f"model.hf_path={model.hf_path} has a head size of"
+        fix = "use a checkpoint with one of those head sizes, or rollout.engine=builtin"
+    else:
+        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+        source = (f"model.hidden_size={model.hidden_size} / model.num_attention_heads={model.num_attention_heads} "
+                  "gives")
+        fix = ("change model.num_attention_heads or set model.kv_channels (configs/demo_vllm.yaml uses 2 heads "
+               "of 32)")
     if head_dim not in VLLM_CPU_HEAD_SIZES:
-        raise ConfigError(
-            f"rollout.engine=vllm on CPU needs a head size in {VLLM_CPU_HEAD_SIZES} (vLLM's CPU attention), but "
-            f"model.hidden_size={model.hidden_size} / model.num_attention_heads={model.num_attention_heads} gives "
-            f"{head_dim}; change model.num_attention_heads or set model.kv_channels (configs/demo_vllm.yaml uses 2 "
-            "heads of 32)"
-        )
+        raise ConfigError(f"rollout.engine=vllm on CPU needs a head size in {VLLM_CPU_HEAD_SIZES} (vLLM's CPU "
+                          f"attention), but {source} {head_dim}; {fix}")
+
+
+def _hf_shapes(hf_path: str) -> int | None:
+    """The head size in ``hf_path/config.json`` (None when it cannot be read: the HF loader reports that)."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(hf_path) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None

@@ -233,6 +233,8 @@ class Fleet:
         (the caller runs that collective sync and calls again; finished samples are kept in ``self.partial``)."""
         done: dict[int, Completion] = getattr(self, "partial", {})
         self.partial = done
+        for slot in self.serving():  # MAX_RESTARTS counts the restarts of one call (a crash loop stops it)
+            slot.restarts = 0
         while len(done) < len(prompts):
             serving = self.serving()
             if not serving:

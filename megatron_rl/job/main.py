@@ -71,8 +71,9 @@ class Job:
     config: JobConfig
     groups: ParallelGroups
     environment: Environment
-    engine: RolloutEngine
-    """Generates the rollouts (``rollout.engine``); closed by ``main``."""
+    engine: RolloutEngine | None
+    """Generates the rollouts (``rollout.engine``): started by ``run`` once the resume point is known (a finished
+    run starts none); closed by ``main``."""
     sampling: SamplingSpec
     eval_sampling: SamplingSpec
     policy: MegatronPolicy
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except (EngineProblem, EngineError, EngineStartError) as err:  # the same message on every rank
         return report_error(str(err), kind="engine error", code=1)
     finally:
-        if job is not None:
+        if job is not None and job.engine is not None:
             job.engine.close()
         destroy_distributed()
 
@@ -170,7 +171,7 @@ def build_job(config: JobConfig, groups: ParallelGroups, environment: Environmen
         config=config,
         groups=groups,
         environment=environment,
-        engine=start_engine(config, policy, pad_id),
+        engine=None,
         sampling=sampling,
         eval_sampling=eval_sampling,
         policy=policy,
@@ -222,8 +223,7 @@ def run(job: Job) -> int:
     start_step = resume(job)
     if start_step >= config.job.num_steps:
         return report_finished(job, start_step)
-    if start_step > 0:  # the engine started on the initial weights: give it the checkpoint's (free for builtin)
-        job.engine.update_weights(job.policy)
+    job.engine = start_engine(config, job.policy, job.environment.pad_token_id)  # on the resumed weights
     reporter = open_reporter(job, start_step)
     baseline = job.environment.random_baseline(config.rl.seed) if job.is_rank0 else None
     started, step = time.time(), start_step
@@ -242,9 +242,10 @@ def run(job: Job) -> int:
     except KeyboardInterrupt:  # saves are atomic: an interrupted save leaves the previous checkpoint as latest
         if reporter is not None:
             reporter.close()
-            print(f"\ninterrupted during step {step}; the last complete checkpoint in {job.save_dir} is kept. "
-                  "Run the same command again to resume from it.", file=sys.stderr)
-        return 130
+        from megatron_rl.distributed.launch import report_error as report
+
+        return report(f"\nmegatron_rl: interrupted during step {step}; the last complete checkpoint in "
+                      f"{job.save_dir} is kept. Run the same command again to resume from it.", code=130)
     if reporter is not None:
         summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
