@@ -184,3 +184,13 @@ def test_raw_text_without_a_chat_template(tmp_path):
     out = rollout(env, ScriptedEngine(tok, answer))
     assert merge_stepwise_output(out.output)[1]["num_seq_after_merge"] == 4
     assert out.metrics["episode/turn_3/reward_mean"] == pytest.approx(1 / 3)
+
+
+def test_the_example_of_docs_job_md_runs(tmp_path):
+    """The step-API class printed in docs/JOB.md, as written, through the environment."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "JOB.md").read_text()
+    source = text.split("## A multi-turn environment of your own")[1].split("```python\n")[1].split("```")[0]
+    env, tok = make(tmp_path, rows=[{"secret": 5}, {"secret": 2}], source=source, spec="Guess", max_turns=3)
+    out = rollout(env, ScriptedEngine(tok, lambda prompt: "2 <|im_end|>"))
+    assert out.metrics["episode/ended_done"] == 2 and out.metrics["episode/ended_max_turns"] == 2
+    assert out.output["rewards"][-1] == 1.0 and out.metrics["episode/new_steps_mean"] == 0
