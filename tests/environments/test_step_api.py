@@ -194,3 +194,13 @@ def test_the_example_of_docs_job_md_runs(tmp_path):
     out = rollout(env, ScriptedEngine(tok, lambda prompt: "2 <|im_end|>"))
     assert out.metrics["episode/ended_done"] == 2 and out.metrics["episode/ended_max_turns"] == 2
     assert out.output["rewards"][-1] == 1.0 and out.metrics["episode/new_steps_mean"] == 0
+
+
+def test_a_module_on_the_path_names_the_class_too(tmp_path, monkeypatch):
+    from megatron_rl.environments.step_api.user_class import UserClass
+
+    (tmp_path / "my_step_env_module.py").write_text(GAME)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert UserClass("my_step_env_module:Game").name == "Game"
+    with pytest.raises(ConfigError, match="cannot import 'no_such_step_module'"):
+        UserClass("no_such_step_module:Game")
