@@ -15,14 +15,14 @@ from megatron_rl.config import (
     dump_config,
     load_config,
 )
-from megatron_rl.demo.config import load_demo_config
+from megatron_rl.job.config import load_job_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_yaml_loads(path):
-    cfg = load_demo_config(path).rl  # the shipped files are the demo's: library sections plus `demo:`
+    cfg = load_job_config(path).rl  # the shipped files are the demo's: library sections plus `demo:`
     assert isinstance(cfg, MegatronRLConfig)
 
 

@@ -1,50 +1,73 @@
-"""``job.environment`` name -> the function that builds that environment from the job config.
+"""``job.environment`` -> the function that builds that environment from the job config.
 
 Place in the data flow: set-up of the main job (``job/main.py``: ``make_environment`` before any process group,
-so a bad prompt file or reward function stops the run with one line). A new task registers a builder here (or
-with ``register_environment`` from its own module, imported before the job starts).
+so a bad prompt file, reward function or environment class stops the run with one line). Two kinds of names:
+
+- a registered name (``next_digit``, ``single_turn``, or one a plug-in adds with ``register_environment`` from
+  its own module, imported before the job starts);
+- a user's step-API class, ``path/to/file.py:Class`` or ``package.module:Class`` (``step_api/``): no registration.
+
+Environments are plug-ins of the job: this module never imports the job's config. A builder is called with the
+job's config (``megatron_rl/job/config.py: JobConfig``) and reads the sections it needs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from megatron_rl.config import ConfigError
 from megatron_rl.environments.base import Environment
 
-if TYPE_CHECKING:
-    from megatron_rl.job.config import JobConfig
-
-EnvironmentBuilder = Callable[["JobConfig"], Environment]
+EnvironmentBuilder = Callable[[Any], Environment]
+"""Job config (``JobConfig``) -> environment; may raise ``ConfigError`` (before any process group)."""
 ENVIRONMENTS: dict[str, EnvironmentBuilder] = {}
 
 
 def register_environment(name: str, builder: EnvironmentBuilder) -> None:
+    """Make ``job.environment=<name>`` build with ``builder``; ValueError for a name taken or one with a ':'."""
+    if name in ENVIRONMENTS:
+        raise ValueError(f"environment {name!r} is already registered; pick another name "
+                         f"(registered: {sorted(ENVIRONMENTS)})")
+    if is_class_spec(name):
+        raise ValueError(f"environment name {name!r} has a ':', which job.environment reads as file.py:Class")
     ENVIRONMENTS[name] = builder
 
 
-def make_environment(config: JobConfig) -> Environment:
-    """The environment ``config.job.environment`` names; ConfigError listing the known ones otherwise."""
+def is_class_spec(name: str) -> bool:
+    """``job.environment`` names a user's step-API class (``file.py:Class`` or ``module:Class``)."""
+    return ":" in name
+
+
+def known_environments() -> list[str]:
+    return sorted(ENVIRONMENTS)
+
+
+def make_environment(config: Any) -> Environment:
+    """The environment ``config.environment`` names; ConfigError listing the known ones otherwise."""
     name = config.environment
+    if is_class_spec(name):
+        return _step_api(config)
     if name not in ENVIRONMENTS:
-        raise ConfigError(f"job.environment={name!r} is not one of {sorted(ENVIRONMENTS)}")
+        raise ConfigError(f"job.environment={name!r} is not one of {known_environments()} nor a step-API class "
+                          "(path/to/file.py:Class or package.module:Class)")
     return ENVIRONMENTS[name](config)
 
 
-def _next_digit(config: JobConfig) -> Environment:
+def _next_digit(config: Any) -> Environment:
     from megatron_rl.environments.next_digit.environment import NextDigitEnvironment
 
     return NextDigitEnvironment(config.next_digit, max_new_tokens=config.job.max_new_tokens)
 
 
-def _single_turn(config: JobConfig) -> Environment:
-    from megatron_rl.environments.single_turn.environment import SingleTurnEnvironment
+def _tokenizer_and_prompt_limit(config: Any) -> tuple[Any, int]:
+    """The tokenizer of ``model.hf_path`` and the longest prompt (tokens) a response still fits after:
+    ``data.max_prompt_tokens``, else the model's context minus ``job.max_new_tokens``."""
     from megatron_rl.hf.config import model_config_from_hf
     from megatron_rl.hf.tokenizer import load_tokenizer
 
     hf_path = config.rl.model.hf_path
-    assert hf_path is not None, "JobConfig checks that single_turn has model.hf_path"
+    assert hf_path is not None, "JobConfig checks that this environment has model.hf_path"
     try:  # a folder that is not a supported checkpoint stops here, before any process group
         context = model_config_from_hf(hf_path).max_position_embeddings
         tokenizer = load_tokenizer(hf_path)
@@ -54,7 +77,22 @@ def _single_turn(config: JobConfig) -> Environment:
     if limit < 1 or limit + config.job.max_new_tokens > context:
         raise ConfigError(f"data.max_prompt_tokens={limit} + job.max_new_tokens={config.job.max_new_tokens} exceeds "
                           f"the model's max_position_embeddings={context}; lower one of them")
+    return tokenizer, limit
+
+
+def _single_turn(config: Any) -> Environment:
+    from megatron_rl.environments.single_turn.environment import SingleTurnEnvironment
+
+    tokenizer, limit = _tokenizer_and_prompt_limit(config)
     return SingleTurnEnvironment(config.data, config.reward, tokenizer, seed=config.rl.seed, max_prompt_tokens=limit)
+
+
+def _step_api(config: Any) -> Environment:
+    from megatron_rl.environments.step_api.environment import StepApiEnvironment
+
+    tokenizer, limit = _tokenizer_and_prompt_limit(config)
+    return StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
+                              max_turns=config.job.max_turns, max_prompt_tokens=limit)
 
 
 register_environment("next_digit", _next_digit)

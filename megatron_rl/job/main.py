@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(job)
     except CheckpointProblem as err:
         return report_error(str(err), kind="checkpoint error", code=err.code)
+    except ConfigError as err:  # found while running, the same on every rank (e.g. every episode of a step failed)
+        return report_config_error(err)
     except (EngineProblem, EngineError, EngineStartError) as err:  # the same message on every rank
         return report_error(str(err), kind="engine error", code=1)
     finally:

@@ -59,7 +59,7 @@ def _job_pids(out: Path) -> list[int]:
             text = cmdline.read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if ("megatron_rl.job.main" in text or "megatron_rl.demo.main" in text) and f"logging.output_dir={out}" in text:
+        if "megatron_rl.job.main" in text and f"logging.output_dir={out}" in text:
             pids.append(int(cmdline.parent.name))
     return pids
 
