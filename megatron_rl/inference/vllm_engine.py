@@ -121,7 +121,9 @@ class Fleet:
         self.slots: list[Slot] = []
         self.cpu = cpu_shares(config.num_engines)
         self.restarts_in_step = 0
-        self.lock = threading.Lock()
+        self.sessions: dict[str, int] = {}
+        """Agent session -> the engine its calls go to (``complete``)."""
+        self.lock = threading.RLock()
         atexit.register(self.kill_all)
 
     # ------------------------------------------------------------------------------------------- start
@@ -278,6 +280,34 @@ class Fleet:
                             last_progress[engine] = time.monotonic()
                         else:
                             self.mark_down(slot, f"no progress for {timeout:.0f} s (rollout.request_timeout_s)")
+
+    def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, session: str) -> Completion:
+        """One request of an agent session (rank 0 only, not collective, thread-safe): the session's calls stay
+        on one engine while it serves (its prefix cache); an engine that fails is marked down and the call goes
+        to another with the same seed. EngineError when no engine serves (replacements join at the next
+        ``update_weights``)."""
+        while True:
+            with self.lock:
+                serving = self.serving()
+                if not serving:
+                    raise EngineError("no vLLM engine is serving this agent call (all are down or restarting)")
+                engine = self.sessions.get(session)
+                if engine is None or self.slots[engine].state != "serving":
+                    load = {s.index: 0 for s in serving}
+                    for pinned in self.sessions.values():
+                        if pinned in load:
+                            load[pinned] += 1
+                    engine = min(load, key=lambda e: (load[e], e))
+                    self.sessions[session] = engine
+            slot = self.slots[engine]
+            try:
+                return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s)
+            except EngineDown as err:
+                self.mark_down(slot, str(err))
+
+    def end_session(self, session: str) -> None:
+        with self.lock:
+            self.sessions.pop(session, None)
 
     @staticmethod
     def _made_progress(slot: Slot, seen: dict[int, float]) -> bool:
