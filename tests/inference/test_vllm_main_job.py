@@ -1,6 +1,8 @@
-"""The main job on vLLM rollouts (``configs/demo_vllm.yaml``): killed with SIGKILL mid-run it leaves no engine
-process, and resumed it restarts the engine from the checkpoint's weights (the engine's log-probs of its own
-samples equal the trainer's from the first resumed step on)."""
+"""The main job on a fleet of two vLLM engines (``configs/demo_vllm.yaml``, ``rollout.num_engines=2``): an engine
+killed mid-run costs a restart, not the run (the replacement serves again with the current weights); the job
+killed with SIGKILL leaves no process at all (engines, their children, megatron-core's checkpoint writer queue:
+W31); resumed, it restarts the engines from the checkpoint's weights (the engines' log-probs of their own samples
+equal the trainer's from the first resumed step on)."""
 
 from __future__ import annotations
 
@@ -64,22 +66,65 @@ def _job_pids(out: Path) -> list[int]:
     return pids
 
 
-def test_kill_then_resume_restarts_the_engine_from_the_checkpoint(engine_py, tmp_path):
-    out = tmp_path / "run"
-    proc = _launch(out, engine_py, "demo.num_steps=50")
-    deadline = time.monotonic() + 400
-    while len(_rows(out)) < 3:
+def _descendants(root: int) -> set[int]:
+    """Live processes below ``root`` (by parent pid)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            if (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def _wait_rows(out: Path, proc: subprocess.Popen, condition, what: str, timeout: float = 400) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while not condition(rows := _rows(out)):
         assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, "the main job did not reach step 3"
+        assert time.monotonic() < deadline, f"the main job did not {what}"
         time.sleep(0.5)
-    assert _engine_pids(out), "the engine should be running"
+    return rows
+
+
+def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(engine_py, tmp_path):
+    out = tmp_path / "run"
+    proc = _launch(out, engine_py, "demo.num_steps=100", "rollout.num_engines=2")
+    _wait_rows(out, proc, lambda rows: len(rows) >= 3, "reach step 3")
+    engines = sorted(_engine_pids(out))
+    assert len(engines) == 2, engines
+    os.killpg(engines[1], signal.SIGKILL)  # each engine leads its own process group
+    rows = _wait_rows(out, proc, lambda rows: any(r.get("rollout/engine_restarts", 0) > 0 for r in rows),
+                      "report the engine restart")
+    _wait_rows(out, proc, lambda rows: rows[-1].get("rollout/engines_alive") == 2.0, "serve with 2 engines again")
+    assert all(r["rollout/logprob_abs_diff_max"] <= TOLERANCE for r in _rows(out))  # replacement: current weights
+
+    job = _descendants(proc.pid)
+    assert len(job) > 6, job  # launcher children: ranks, engines and their processes, the writer queue
     for pid in _job_pids(out):  # every rank (torchrun gives each its own process group), then the launcher
         os.kill(pid, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 20
-    while _engine_pids(out):
-        assert time.monotonic() < deadline, f"engine processes {_engine_pids(out)} outlived the killed job"
+    while _alive(job):
+        assert time.monotonic() < deadline, f"processes of the killed job outlived it: {sorted(_alive(job))}"
         time.sleep(0.2)
 
     done = len(_rows(out))
