@@ -66,11 +66,12 @@ class _DropFailureLogs(logging.Filter):
 
 
 class _DropSignalLogs(logging.Filter):
-    """Drops torchrun's "Received ... death signal, shutting down workers" line: Ctrl-C is the user's own doing,
-    and the job says what it kept (``job/main.py``)."""
+    """Drops torchrun's "Received SIGINT death signal, shutting down workers" and "Sending process ... closing
+    signal SIGINT" lines: Ctrl-C is the user's own doing, and the job says what it kept (``job/main.py``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "death signal" not in record.getMessage()
+        message = record.getMessage()
+        return "death signal" not in message and "closing signal SIGINT" not in message
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[ERROR_DIR_ENV] = tmp  # the ranks inherit the launcher's environment
         failure_logs = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
         failure_logs.addFilter(_DropFailureLogs(directory))
+        failure_logs.addFilter(_DropSignalLogs())
         logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_DropSignalLogs())
 
         @record  # torchrun's own report for a child that failed without saying why

@@ -176,8 +176,14 @@ class Fleet:
             slot.error = reason
             return
         slot.server.kill()
+        self._restart(slot, reason)
+
+    def _restart(self, slot: Slot, reason: str) -> None:
+        """Launch a replacement for ``slot`` and wait for it in the background (it joins when up); a replacement
+        that dies while starting is replaced again, up to ``MAX_RESTARTS``."""
         if slot.restarts >= MAX_RESTARTS:
             slot.error = f"{reason}; restarted {slot.restarts} times already"
+            slot.state = "dead"
             return
         slot.restarts += 1
         self.restarts_in_step += 1
@@ -191,8 +197,8 @@ class Fleet:
                 server.wait_ready(self.config.start_timeout_s, what=f"vLLM engine {slot.index} (restart)")
                 slot.state = "joining"
             except EngineStartError as err:
-                slot.error = str(err)
-                slot.state = "dead"
+                server.kill()
+                self._restart(slot, str(err))
 
         slot.restarter = threading.Thread(target=wait, name=f"megatron_rl-restart-{slot.index}", daemon=True)
         slot.restarter.start()

@@ -112,6 +112,12 @@ def main(hf_dir: str, work_dir: str) -> int:
         result["after_hang"] = {"same": _same(reference, after_hang), "seconds": time.monotonic() - started,
                                 "metrics": engine.step_metrics()}
 
+        deadline = time.monotonic() + 300
+        while not engine.fleet.ready_to_join():  # both serve again before they both die
+            assert time.monotonic() < deadline and slots[0].state == "starting", (slots[0].state, slots[0].error)
+            time.sleep(0.5)
+        train_and_sync(after_hang)
+        reference = engine.generate(prompts, spec, seed=3)
         engine.generate(prompts, spec, seed=2)
         for slot in slots:
             if slot.server.proc.poll() is None:
