@@ -43,6 +43,11 @@ def test_same_call_same_samples(fleet_result):
     assert fleet_result["start_metrics"] == {"rollout/engine_restarts": 0.0, "rollout/engines_alive": 2.0}
 
 
+def test_a_step_of_any_size_and_quiet_logs(fleet_result):
+    assert fleet_result["big_step"] == [8] * 32
+    assert fleet_result["quiet_logs"] == {"engine0.log": [], "engine1.log": []}
+
+
 def test_a_killed_engine_costs_a_restart_not_the_call(fleet_result):
     kill = fleet_result["after_kill"]
     assert kill["same"]

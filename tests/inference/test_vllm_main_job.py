@@ -139,3 +139,9 @@ def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(en
         assert row["rollout/logprob_abs_diff_max"] <= TOLERANCE, row
         assert row["timing/weight_sync_s"] > 0
     assert not _engine_pids(out)
+
+    started = time.monotonic()
+    again = _launch(out, engine_py, f"demo.num_steps={done + 2}")  # finished: says so, starts no engine
+    text, _ = again.communicate(timeout=200)
+    assert again.returncode == 0 and "nothing to do" in text and "starting" not in text, text
+    assert time.monotonic() - started < 60, text
