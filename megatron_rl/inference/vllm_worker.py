@@ -56,8 +56,7 @@ class _QuietReload(logging.Filter):
         return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
-for _handler in logging.getLogger("vllm").handlers:  # a logger's own filter misses its children's records
-    _handler.addFilter(_QuietReload())
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_QuietReload())  # its writer
 
 
 # ----------------------------------------------------------------------------------------------------------
