@@ -20,12 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multirank
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory) -> dict[str, Path]:
-    """A fresh tiny model, a JSONL of prompts with a `target` column, and a reward function file."""
+def make_task(path: Path) -> dict[str, Path]:
+    """A fresh tiny model, a JSONL of prompts with a `target` column, and a reward function file in ``path``."""
     import importlib.util
 
-    path = tmp_path_factory.mktemp("task")
     spec = importlib.util.spec_from_file_location("make_model", ROOT / "examples" / "arithmetic" / "make_model.py")
     make_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_model)
@@ -36,6 +34,11 @@ def task(tmp_path_factory) -> dict[str, Path]:
         "def match(prompt, response, target):\n"
         "    return {'reward': float(response.split()[:1] == [target]), 'length': len(response.split())}\n")
     return {"model": path / "model", "data": path / "prompts.jsonl", "reward": path / "my_reward.py"}
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> dict[str, Path]:
+    return make_task(tmp_path_factory.mktemp("task"))
 
 
 def run(task: dict[str, Path], out_dir: Path, *extra: str) -> str:
