@@ -94,3 +94,39 @@ def test_broken_reward_stops_before_any_process_group(task, monkeypatch, capsys,
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_readme_command_from_another_directory_with_relative_paths_and_a_failing_row(task, tmp_path):
+    """The README's generic command as written, run from the user's directory with relative paths, on the
+    user-job base config; the reward function raises on one row: the run goes on, says so once, counts it."""
+    import shutil
+
+    for name in ("model", "prompts.jsonl"):
+        (shutil.copytree if name == "model" else shutil.copy)(task[name if name == "model" else "data"],
+                                                             tmp_path / name)
+    (tmp_path / "my_reward.py").write_text(
+        "def match(prompt, response, target):\n"
+        "    if prompt.startswith('3 '):\n"
+        "        raise KeyError('no rule for 3')\n"
+        "    return float(response.split()[:1] == [target])\n")
+    env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "CONFIG": ""}
+    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), "model.hf_path=model", "data.train_files=prompts.jsonl",
+                           "reward.function=my_reward.py:match", "job.num_steps=2", "batch.train_batch_size=10",
+                           "batch.policy_mini_batch_size=5", "job.n_samples_per_prompt=2", "job.max_new_tokens=4",
+                           "logging.progress_bar=false", "logging.sample_interval=1", "data.shuffle=false"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"base config: {ROOT / 'configs' / 'user_job.yaml'}")
+    out_dir = tmp_path / "outputs" / "user_job"  # logging.output_dir of the base, from the user's directory
+    assert "reward.function failed on row 3: KeyError: 'no rule for 3'" in proc.stdout + proc.stderr
+    assert (proc.stdout + proc.stderr).count("failed on row") == 1
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/failed_samples"] for m in metrics] == [2.0, 2.0]  # row 3's two samples, every step
+    assert all(m["rollout/dropped_groups"] == 1.0 and "rollout/zero_advantage_groups" in m for m in metrics)
+    samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 2} and any(s["error"] for s in samples)
+    assert "The last 3 samples" in (out_dir / "summary.txt").read_text()
+    import yaml
+
+    written = yaml.safe_load((out_dir / "config.yaml").read_text())
+    assert written["model"]["hf_path"] == str(tmp_path / "model")  # absolute in the written config
