@@ -52,14 +52,14 @@ def _override_value(overrides: Sequence[str], key: str) -> str | None:
     return values[-1] if values else None
 
 
-def is_user_job(overrides: Sequence[str]) -> bool:
-    """True when the overrides name a task of the user's: prompt files, an environment other than the digit game,
-    or an agent."""
+def user_task_key(overrides: Sequence[str]) -> str | None:
+    """The first override that names a task of the user's (prompt files, an environment other than the digit
+    game, an agent), or None."""
     for key in USER_TASK_KEYS:
         value = _override_value(overrides, key)
         if value and not (key == "job.environment" and value.strip() in DEMO_ENVIRONMENTS):
-            return True
-    return False
+            return key
+    return None
 
 
 def base_config(config: str | None, overrides: Sequence[str]) -> tuple[Path, str]:
@@ -67,9 +67,10 @@ def base_config(config: str | None, overrides: Sequence[str]) -> tuple[Path, str
     ``resolve_config``, else the user-job or the demo config (module docstring)."""
     if config:
         return resolve_config(config), "CONFIG"
-    if is_user_job(overrides):
-        return REPO_ROOT / USER_JOB_CONFIG, "a user job (prompt files / environment / agent given; CONFIG=... picks another)"
-    return REPO_ROOT / DEMO_CONFIG, "the digit-game demo (no prompt files given)"
+    key = user_task_key(overrides)
+    if key is not None:
+        return REPO_ROOT / USER_JOB_CONFIG, f"your job: {key} is set; CONFIG=... picks another"
+    return REPO_ROOT / DEMO_CONFIG, "the digit-game demo: no data.train_files; CONFIG=... picks another"
 
 
 def resolve_config(config: str) -> Path:

@@ -45,7 +45,7 @@ def test_the_launcher_names_the_base_config_first(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths", "data.train_files=p.jsonl"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() == str(ROOT / "configs" / "user_job.yaml")
-    assert proc.stderr.startswith("base config: ") and "user job" in proc.stderr
+    assert proc.stderr.startswith("base config: ") and "your job: data.train_files is set" in proc.stderr
     (tmp_path / "mine.yaml").write_text("job:\n  num_steps: 3\n")
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths"], cwd=ROOT, capture_output=True,
                           text=True, env={**env, "CONFIG": "mine.yaml"})
