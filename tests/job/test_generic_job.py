@@ -130,3 +130,27 @@ def test_readme_command_from_another_directory_with_relative_paths_and_a_failing
 
     written = yaml.safe_load((out_dir / "config.yaml").read_text())
     assert written["model"]["hf_path"] == str(tmp_path / "model")  # absolute in the written config
+
+
+def test_a_step_where_every_sample_fails_stops_with_one_line_and_keeps_the_checkpoint(task, tmp_path):
+    """Two good steps (a checkpoint at step 2), then a reward function that raises on every response (it passes
+    the start-up check, which calls it with response=''): the resumed run stops at step 3 with one line."""
+    out_dir = tmp_path / "run"
+    run(task, out_dir, "job.num_steps=2")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def match(prompt, response, target):\n"
+                      "    if response:\n"
+                      "        raise RuntimeError('scorer offline')\n"
+                      "    return 0.0\n")
+    env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port())}
+    overrides = [f"model.hf_path={task['model']}", f"data.train_files={task['data']}", f"reward.function={broken}:match",
+                 f"logging.output_dir={out_dir}", "logging.progress_bar=false", "checkpoint.save_interval=2",
+                 "batch.train_batch_size=4", "job.num_steps=4"]
+    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "rollout error" in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "samples of the step failed" in lines[0] and "RuntimeError: scorer offline" in lines[0]
+    assert f"the last complete checkpoint in {out_dir / 'checkpoints'} is kept" in lines[0]
+    assert sorted(p.name for p in (out_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
