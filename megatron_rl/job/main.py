@@ -10,13 +10,17 @@ rollout engine (``rollout.engine``: builtin or vllm). Each RL step, on every ran
     engine.update_weights(policy) every rollout.sync_interval steps
     every eval.interval steps: environment.evaluate (greedy by default)                  -> eval/* metrics
     rank 0: progress bar, metrics.jsonl, TensorBoard (job/reporting.py); every rank: checkpoint, HF export when due
+    rank 0, every logging.sample_interval steps and every evaluation: decoded samples -> samples.jsonl
 
-At the end (rank 0): ``reward_loss.png`` and ``summary.txt`` in ``logging.output_dir``. Rollouts of step ``k``
+At the end (rank 0): ``reward_loss.png`` and ``summary.txt`` in ``logging.output_dir``. A sample whose scoring
+raised is left out of training by the environment (``environments/failures.py``); rank 0 prints the run's first
+one, once; a step where every sample failed stops the run (``AllSamplesFailed``: one line, exit code 2, the last
+checkpoint kept). Rollouts of step ``k``
 depend only on ``(seed, k)``, the weights and the environment's data position (saved in every checkpoint), so a
 run resumed from the checkpoint of step ``k`` continues exactly as the uninterrupted run would have. Ctrl-C keeps
 the last complete checkpoint (saves are atomic); running the same command again resumes from it.
 
-    python -m megatron_rl.job.main --config configs/demo_cpu.yaml [section.key=value ...]
+    python -m megatron_rl.job.main [--config X.yaml] [section.key=value ...]   (no --config: job/paths.py picks)
 
 A configuration mistake (``ConfigError``: a bad key or value, a prompt file or reward function that does not
 work, a world size the parallel sizes do not divide) is
