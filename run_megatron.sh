@@ -7,7 +7,7 @@
 #                the directory you run this script from (megatron_rl/job/paths.py).
 #   PY           the Python to run (a path or a command on PATH, e.g. PY=python3; default: the venv that
 #                scripts/setup.sh --venv names)
-#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   torchrun's multi-node settings (defaults: one node)
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   torchrun's multi-node settings (defaults: one node, a free port)
 #   RDZV_ENDPOINT  use c10d rendezvous at host:port instead of MASTER_ADDR/PORT
 #   extra arguments: dotted key=value overrides, e.g. optimizer.lr=1e-4 logging.output_dir=outputs/x
 # Set-up (the venv) is the README's job: this script installs nothing.
@@ -45,6 +45,18 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+# One node: a free port unless MASTER_PORT is given (then it must be free: one line instead of torchrun's
+# EADDRINUSE traceback). Several nodes share MASTER_PORT (default 29500).
+port_free() { "$PY" -c 'import socket,sys; s=socket.socket(); s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
+if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
+  if [ -z "${MASTER_PORT:-}" ]; then
+    MASTER_PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+  elif ! port_free "$MASTER_PORT"; then
+    echo "run_megatron.sh: MASTER_PORT=$MASTER_PORT is in use by another process; unset MASTER_PORT (a single-node" \
+      "run picks a free port) or choose another" >&2
+    exit 2
+  fi
+fi
 MASTER_PORT=${MASTER_PORT:-29500}
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
   launch=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-megatron_rl}")

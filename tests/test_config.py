@@ -15,7 +15,7 @@ from megatron_rl.config import (
     dump_config,
     load_config,
 )
-from megatron_rl.demo.config import load_demo_config
+from megatron_rl.job.config import load_job_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -24,7 +24,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 def test_every_shipped_yaml_loads(path):
     # the shipped files are the job's: library sections plus its own; the user-job base needs the user's task
     task = ["data.train_files=prompts.jsonl", "reward.function=r.py:f", "model.hf_path=m"]
-    cfg = load_demo_config(path, task if path.name == "user_job.yaml" else []).rl
+    cfg = load_job_config(path, task if path.name == "user_job.yaml" else []).rl
     assert isinstance(cfg, MegatronRLConfig)
 
 

@@ -155,7 +155,7 @@ def dataclasses_replace_resume_off(config):
 def test_preflight_names_the_resolved_output_dir(tmp_path):
     """The launcher's second line: the output directory of the config as used (overrides included)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.demo.preflight", "--config", "configs/demo_cpu.yaml", "--world-size", "2",
+        [sys.executable, "-m", "megatron_rl.job.preflight", "--config", "configs/demo_cpu.yaml", "--world-size", "2",
          f"logging.output_dir={tmp_path / 'mine'}"],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
     )

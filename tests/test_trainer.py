@@ -19,11 +19,11 @@ import torch
 from megatron_rl.algorithms.losses import LossContext
 from megatron_rl.config import MegatronRLConfig
 from megatron_rl.data.batch import TrainingBatch
-from megatron_rl.demo.environment import NextDigitGame
-from megatron_rl.demo.rollout import episodes_to_generator_output, play_episodes
-from megatron_rl.demo.sampler import SamplingParams
+from megatron_rl.environments.next_digit.game import NextDigitGame
+from megatron_rl.environments.next_digit.rollout import episodes_to_generator_output, play_episodes
+from megatron_rl.inference.builtin_engine import SamplingParams
 from megatron_rl.inference.builtin_engine import BuiltinEngine, rollout_seed
-from megatron_rl.demo.tokenizer import DigitTokenizer
+from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 from megatron_rl.metrics import merge_metrics
 from megatron_rl.trainer import Trainer
 

@@ -19,22 +19,24 @@ from pathlib import Path
 WORDS = [str(d) for d in range(10)] + ["plus", "one", "two", "equals"]
 
 
-def save_tokenizer(path: Path) -> int:
-    """The example's tokenizer: ``<pad> <unk> <eos>`` (ids 0-2) and ``WORDS``; returns its size."""
+def save_tokenizer(path: Path, words: list[str] = WORDS) -> int:
+    """The example's tokenizer: ``<pad> <unk> <eos>`` (ids 0-2) and ``words``; returns its size."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/: common.py
     from common import save_word_tokenizer
 
-    return save_word_tokenizer(path, WORDS)
+    return save_word_tokenizer(path, words)
 
 
-def make_model(path: Path, seed: int = 0) -> Path:
+def make_model(path: Path, seed: int = 0, words: list[str] = WORDS) -> Path:
+    """The model and tokenizer (``words``: the vocabulary after the 3 special tokens; examples/digit_game reuses
+    this with its own)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     path.mkdir(parents=True, exist_ok=True)
-    vocab_size = save_tokenizer(path)
+    vocab_size = save_tokenizer(path, words)
     config = AutoConfig.for_model(
         "qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, head_dim=32, vocab_size=vocab_size, max_position_embeddings=64,

@@ -52,7 +52,9 @@ def register_advantage_estimator(name: str, *, temporal: bool = False) -> Callab
     ``temporal``: the estimator assigns per-token credit from the token rewards, so it cannot run step-wise.
     """
     def deco(fn: EstimatorFn) -> EstimatorFn:
-        assert name not in ADVANTAGE_ESTIMATORS, f"advantage estimator {name!r} registered twice"
+        if name in ADVANTAGE_ESTIMATORS:  # a ValueError, not an assert: under python -O it would replace it
+            raise ValueError(f"advantage estimator {name!r} is already registered; pick another name "
+                             f"(registered: {sorted(ADVANTAGE_ESTIMATORS)})")
         ADVANTAGE_ESTIMATORS[name] = fn
         if temporal:
             TEMPORAL_ESTIMATORS.add(name)

@@ -61,7 +61,9 @@ OFF_POLICY_CORRECTIONS = ("none", "token_tis", "sequence_tis")
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator adding ``fn`` to ``POLICY_LOSSES`` under ``name`` (a duplicate name is an error)."""
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        assert name not in POLICY_LOSSES, f"policy loss {name!r} registered twice"
+        if name in POLICY_LOSSES:  # a ValueError, not an assert: under python -O it would replace it
+            raise ValueError(f"policy loss {name!r} is already registered; pick another name "
+                             f"(registered: {sorted(POLICY_LOSSES)})")
         POLICY_LOSSES[name] = fn
         return fn
     return deco

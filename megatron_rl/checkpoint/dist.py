@@ -175,6 +175,47 @@ def load_checkpoint(
 # ---------------------------------------------------------------------------------------------- save
 
 
+# Workaround W31 (docs/MEGATRON_CORE.md; megatron-core 0.16.1 and 0.19.2): remove when megatron-core's writer queue
+# ends with the process that made it (tests/inference/test_vllm_main_job.py checks that nothing survives a SIGKILL).
+def writer_queue_dies_with_rank() -> None:
+    """Make megatron-core's checkpoint-writer results queue die with this rank.
+
+    ``dist_checkpointing.strategies.filesystem_async.get_write_results_queue`` creates, at the first save, a
+    ``multiprocessing.Manager()`` server process (spawned, ~700 MB resident) and keeps it for the life of the
+    process. The manager does not watch its parent: after a SIGKILL of the rank it ran forever, re-parented to
+    init. Here the same queue comes from a manager whose process asks the kernel for SIGKILL when its parent
+    dies (``PR_SET_PDEATHSIG``, Linux); elsewhere megatron-core's own is left in place."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:  # made already, or not this version
+        return
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=_die_with_parent)
+    filesystem_async._results_queue = manager.Queue()
+    _WRITER_MANAGERS.append(manager)
+
+
+_WRITER_MANAGERS: list = []
+"""The managers made by ``writer_queue_dies_with_rank`` (kept alive with the process, as megatron-core's is)."""
+
+
+def _die_with_parent() -> None:
+    """In the manager process: SIGKILL when the rank that started it is gone (``prctl(PR_SET_PDEATHSIG)``)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def save_parts(
     parts: CheckpointParts,
     save_dir: str | Path,
@@ -192,6 +233,7 @@ def save_parts(
     with _deadline(timeout_s, f"saving checkpoint step {step} to {save_dir}"), _storage_errors(save_dir, step):
         tmp = _make_tmp_dir(save_dir, step)
         layout.fault_point("tmp_created")
+        writer_queue_dies_with_rank()
         dist_checkpointing.save(_sharded_state(parts, is_loading=False), str(tmp))
         _write_side_files(tmp, parts, state_json)
         layout.fault_point("shards_written")

@@ -65,9 +65,18 @@ class _DropFailureLogs(logging.Filter):
         return reported_error(self.directory) is None
 
 
+class _DropSignalLogs(logging.Filter):
+    """Drops torchrun's "Received ... death signal, shutting down workers" line: Ctrl-C is the user's own doing,
+    and the job says what it kept (``job/main.py``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in record.getMessage()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m megatron_rl.distributed.launch <torchrun arguments>``: torchrun's exit code, or the reported
     one (module docstring)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import parse_args, run
 
@@ -76,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[ERROR_DIR_ENV] = tmp  # the ranks inherit the launcher's environment
         failure_logs = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
         failure_logs.addFilter(_DropFailureLogs(directory))
+        logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_DropSignalLogs())
 
         @record  # torchrun's own report for a child that failed without saying why
         def launch() -> int:
@@ -88,6 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 code, line = reported
                 print(line, file=sys.stderr, flush=True)
                 return code
+            except SignalException as err:  # Ctrl-C (or a SIGTERM): the ranks were told; no traceback
+                reported = reported_error(directory)
+                if reported is not None:
+                    print(reported[1], file=sys.stderr, flush=True)
+                return 128 + int(err.sigval)
             return 0
 
         return launch() or 0

@@ -66,3 +66,12 @@ def resolve_pad_token_id(hf_dir: str | os.PathLike, explicit: int | None = None,
         return int(explicit), "pad_token_id argument"
     tokenizer = load_tokenizer(hf_dir, key=key)
     return pad_token_id(tokenizer, f"{key}={str(hf_dir)!r}"), f"tokenizer {tokenizer.pad_token!r}"
+
+
+def stop_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The eos id(s) that end a response; ValueError naming the fix if the tokenizer has none."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("model.hf_path: the tokenizer has no eos token, so responses could not stop; set "
+                         "eos_token in its tokenizer_config.json")
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

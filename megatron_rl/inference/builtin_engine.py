@@ -222,5 +222,8 @@ class BuiltinEngine:
         """Nothing to do: the engine reads the policy's live weights. Returns 0.0 seconds."""
         return 0.0
 
+    def step_metrics(self) -> dict[str, float]:
+        return {}
+
     def close(self) -> None:
         """Nothing to release."""

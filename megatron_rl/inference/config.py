@@ -5,6 +5,7 @@ library's ``MegatronRLConfig`` does not include it (a loop that generates elsewh
 
     rollout:
       engine: vllm            # builtin | vllm
+      num_engines: 2          # vllm serve servers the job starts (a fleet: vllm_engine.py)
       sync_interval: 1        # RL steps between weight syncs
       bucket_mb: 64
 """
@@ -25,6 +26,21 @@ class RolloutConfig(ConfigSection):
     """'builtin': the policy's own packed forward samples on every rank (no extra process); 'vllm': a vLLM
     engine in its own process and environment (``bash scripts/setup_engine.sh``), fed the policy's weights in
     place after every ``sync_interval`` RL steps."""
+    num_engines: int = field(default=1, metadata=valid(0))
+    """``vllm serve`` servers the job starts (on global rank 0's node), each with
+    ``engine_tensor_parallel_size`` devices; a GRPO group goes to one of them, groups are balanced by work.
+    On CPU the cores are split between them; on GPUs engine ``i`` gets devices ``i*tp ...`` (modulo the visible
+    ones: with fewer GPUs than that it shares the trainer's, ``gpu_memory_utilization``). 0 = only
+    ``engine_urls``."""
+    engine_urls: list[str] = field(default_factory=list)
+    """Servers started elsewhere to use as well (``http://host:port``), each running ``python -m
+    megatron_rl.inference.vllm_serve`` with ``$MEGATRON_RL_ENGINE_TOKEN`` set (the job reads the same variable;
+    docs/INFERENCE.md has the command line). The job never kills or restarts them."""
+    engine_tensor_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
+    """Devices per engine (vLLM's ``--tensor-parallel-size``)."""
+    request_timeout_s: float = field(default=600.0, metadata=POSITIVE)
+    """An engine with requests outstanding that finishes none and generates no token for this long is taken as
+    hung: it is killed and replaced, its requests go to the other engines."""
     engine_python: str | None = None
     """Interpreter of the engine's environment; None = ``$MEGATRON_RL_ENGINE_PYTHON``, else
     ``.venv-engine/bin/python`` (what ``scripts/setup_engine.sh`` makes)."""
@@ -53,6 +69,14 @@ class RolloutConfig(ConfigSection):
     """Directory for the 'disk' transport's safetensors; None = ``/dev/shm`` when it exists, else the temp dir."""
 
     def _check_rules(self) -> None:
+        if isinstance(self.engine_urls, str):  # one URL given as a plain value
+            self.engine_urls = [self.engine_urls]
+        for url in self.engine_urls:
+            if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                raise ConfigError(f"rollout.engine_urls: {url!r} is not a server URL (http://host:port)")
+        if self.engine == "vllm" and self.num_engines + len(self.engine_urls) < 1:
+            raise ConfigError("rollout.num_engines=0 and no rollout.engine_urls: the vLLM fleet has no engine; set "
+                              "rollout.num_engines >= 1 or list servers in rollout.engine_urls")
         if self.engine == "builtin" and self.weight_transport == "disk" and self.sync_dir is not None:
             raise ConfigError("rollout.sync_dir is set but rollout.engine=builtin syncs no weights; "
                               "set rollout.engine=vllm or unset rollout.sync_dir")
@@ -64,14 +88,33 @@ any other fails at the first generation step, not at start-up)."""
 
 
 def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) -> None:
-    """ConfigError for a model the configured engine cannot run, before anything starts."""
+    """ConfigError for a model the configured engine cannot run, before anything starts. With ``model.hf_path``
+    the shapes are the checkpoint's (its ``config.json``), not the ``model.*`` keys (which it replaces)."""
     if rollout.engine != "vllm" or device != "cpu":
         return
-    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    shapes = _hf_shapes(model.hf_path) if model.hf_path else None
+    if shapes is not None:
+        head_dim, source = shapes, f"model.hf_path={model.hf_path} has a head size of"
+        fix = "use a checkpoint with one of those head sizes, or rollout.engine=builtin"
+    else:
+        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+        source = (f"model.hidden_size={model.hidden_size} / model.num_attention_heads={model.num_attention_heads} "
+                  "gives")
+        fix = ("change model.num_attention_heads or set model.kv_channels (configs/demo_vllm.yaml uses 2 heads "
+               "of 32)")
     if head_dim not in VLLM_CPU_HEAD_SIZES:
-        raise ConfigError(
-            f"rollout.engine=vllm on CPU needs a head size in {VLLM_CPU_HEAD_SIZES} (vLLM's CPU attention), but "
-            f"model.hidden_size={model.hidden_size} / model.num_attention_heads={model.num_attention_heads} gives "
-            f"{head_dim}; change model.num_attention_heads or set model.kv_channels (configs/demo_vllm.yaml uses 2 "
-            "heads of 32)"
-        )
+        raise ConfigError(f"rollout.engine=vllm on CPU needs a head size in {VLLM_CPU_HEAD_SIZES} (vLLM's CPU "
+                          f"attention), but {source} {head_dim}; {fix}")
+
+
+def _hf_shapes(hf_path: str) -> int | None:
+    """The head size in ``hf_path/config.json`` (None when it cannot be read: the HF loader reports that)."""
+    import json
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(hf_path) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None

@@ -67,6 +67,10 @@ class RolloutEngine(Protocol):
         """Make the engine sample from ``policy``'s current weights; returns the seconds it took (0 if shared)."""
         ...
 
+    def step_metrics(self) -> dict[str, float]:
+        """Engine health since the last call (e.g. ``rollout/engine_restarts``); ``{}`` when there is none."""
+        ...
+
     def close(self) -> None:
         """Release the engine (processes, groups); safe to call twice."""
         ...

@@ -1,35 +1,46 @@
-"""vLLM as the rollout engine: its own process and Python environment, fed the policy's weights in place.
+"""vLLM as the rollout engine: a fleet of ``vllm serve`` servers, routed, self-healing, fed the weights in place.
 
-Place in the data flow: the main job (or a user's loop) calls ``VLLMEngine.start`` once, ``generate`` per
-batch of prompts and ``update_weights`` after the optimizer steps; all three are collective over the trainer's
-ranks (``engine.RolloutEngine``). Global rank 0 owns the engine process; the other ranks get its completions by
-a broadcast, and the senders of each pipeline stage stream their own weights (``weight_sync.py``).
+Place in the data flow: the main job (or a user's loop) calls ``VLLMEngine.start`` once, ``generate`` per batch
+of prompts and ``update_weights`` after the optimizer steps; all three are collective over the trainer's ranks
+(``engine.RolloutEngine``). Global rank 0 owns the fleet (``Fleet``: N ``server.EngineServer``) and talks HTTP to
+it; the other ranks get its completions by a broadcast, and the senders of each pipeline stage stream their
+weights into every engine (``weight_sync.py``)::
 
-Lifecycle (``EngineProcess``): ``<rollout.engine_python> -m megatron_rl.inference.vllm_server`` starts in a new
-session, talks to rank 0 over an authenticated local connection, and kills its whole process group when rank 0
-is gone (watchdog in ``vllm_server.py``): Ctrl-C, an exception or a SIGKILL of the trainer leaves no engine
-process. ``close`` (also registered with ``atexit``) shuts it down politely first. A start that fails or times
-out raises ``EngineStartError`` with the tail of the engine's log (``<work_dir>/engine.log``) on every rank.
+    rank 0        Fleet ── route (router.py: a GRPO group -> one engine, least-loaded) ──> N x vllm serve
+                    │        per-sample requests, seed = f(call seed, prompt index): any engine, same sample
+    every rank    broadcast of the completions; update_weights: every sender -> every engine's workers
 
-Start-up: the policy's current weights are exported as an HF folder (``<work_dir>/model``; the config comes
-from ``hf_dir``, or is written from ``model.*`` for a model trained from scratch, ``hf/config.py``), and vLLM
-loads it with ``skip_tokenizer_init`` (token ids in and out; the job owns its tokenizer).
+Start-up: the policy's current weights are exported as an HF folder (``<work_dir>/model``; the config comes from
+``hf_dir``, or is written from ``model.*`` for a model trained from scratch, ``hf/config.py``); the job starts
+``rollout.num_engines`` servers on it (``server.EngineServer.start``: loopback, a free port, a fresh random token
+per job that every route requires, ``<work_dir>/engine<i>.log``) and attaches ``rollout.engine_urls``; each
+engine joins the weight sync.
+
+Self-healing (rank 0, inside ``generate``): an engine that refuses connections, answers 5xx, or makes no progress
+(no finished request and no new generated token, ``/metrics``) for ``rollout.request_timeout_s`` is killed; its
+unfinished requests go to the engines still serving (same seeds, so the same samples) and a replacement starts in
+the background on the initial weights. A replacement serves only after a weight sync has given it the current
+weights: at the next ``update_weights``, or at once (a collective sync of it alone) when no engine is left
+serving. An engine that cannot be brought back after ``MAX_RESTARTS`` tries in one call raises ``EngineError``
+naming its log. ``step_metrics`` reports ``rollout/engine_restarts`` and ``rollout/engines_alive``.
+
+Lifecycle: every server the job starts runs in its own session with a watchdog on rank 0's pid
+(``vllm_serve.py``), so Ctrl-C, an exception or a SIGKILL of the trainer leaves no engine process; ``close``
+(also registered with ``atexit``) kills them at once. Attached servers are never killed.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures as futures
 import os
 import secrets
 import shutil
-import signal
-import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
-from multiprocessing.connection import Listener
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +49,15 @@ import torch.distributed as dist
 
 from megatron_rl.inference.config import RolloutConfig
 from megatron_rl.inference.engine import Completion, SamplingSpec
+from megatron_rl.inference.router import route
+from megatron_rl.inference.server import (REPO_ROOT, EngineDown, EngineError, EngineServer, EngineStartError,
+                                          ServeOptions, log_tail)
+from megatron_rl.inference.vllm_serve import TOKEN_ENV
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-"""The directory that holds the ``megatron_rl`` package (put on the engine's PYTHONPATH)."""
+__all__ = ["VLLMEngine", "EngineError", "EngineStartError", "engine_python"]
 
-_TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "PYTHONPATH", "VIRTUAL_ENV")
-
-
-class EngineStartError(RuntimeError):
-    """The engine did not start (the message ends with the tail of its log)."""
-
-
-class EngineError(RuntimeError):
-    """The engine failed on a request (the message carries the engine's traceback)."""
+MAX_RESTARTS = 3
+"""Restarts of one engine slot within one ``generate`` call before the job gives up on it."""
 
 
 def engine_python(config: RolloutConfig) -> str:
@@ -66,125 +72,276 @@ def engine_python(config: RolloutConfig) -> str:
     return path
 
 
-def log_tail(path: Path, lines: int = 30) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no engine log)"
-    return "\n".join(text[-lines:])
+def cpu_shares(num_engines: int) -> list[str | None]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` per engine: the cores this process may use, split into ``num_engines``
+    contiguous shares (None = vLLM's own default, for a single engine or more engines than cores)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if num_engines <= 1 or num_engines > len(cores):
+        return [None] * num_engines
+    size = len(cores) // num_engines
+    shares = [cores[i * size:(i + 1) * size] for i in range(num_engines)]
+    return [",".join(str(c) for c in share) for share in shares]
 
 
-class EngineProcess:
-    """The engine process and rank 0's connection to it (not collective)."""
+@dataclass
+class Slot:
+    """One place in the fleet: the engine serving it now, and its state."""
 
-    def __init__(self, python: str, model_dir: Path, *, log_path: Path, dtype: str, max_model_len: int,
-                 seed: int, timeout_s: float, kv_cache_gib: float, gpu_memory_utilization: float) -> None:
-        authkey = secrets.token_hex(32).encode()
-        self.listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        self.log_path = log_path
-        self.conn: Any = None
-        self.pending = False
-        host, port = self.listener.address
-        env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
-        env.update(
-            PYTHONPATH=str(REPO_ROOT), MEGATRON_RL_ENGINE_AUTHKEY=authkey.decode(),
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # one engine process (start-up ~3 s instead of 20-90 s on CPU)
-            VLLM_CPU_KVCACHE_SPACE=str(max(1, round(kv_cache_gib))), PYTHONUNBUFFERED="1",
-        )  # fmt: skip
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [python, "-m", "megatron_rl.inference.vllm_server", "--model", str(model_dir),
-                   "--address", f"{host}:{port}", "--parent-pid", str(os.getpid()), "--dtype", dtype,
-                   "--max-model-len", str(max_model_len), "--seed", str(seed),
-                   "--gpu-memory-utilization", str(gpu_memory_utilization)]
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO_ROOT))
-        atexit.register(self.kill)
-        try:
-            self.info = self._accept(timeout_s)
-        except BaseException:
-            self.kill()
-            raise
+    index: int
+    server: EngineServer | None = None
+    state: str = "starting"
+    """'starting' (process launched), 'joining' (up, waiting for the current weights), 'serving', 'dead'."""
+    generation: int = 0
+    """How many engines this slot has had (its group prefix in the weight sync changes with each)."""
+    restarts: int = 0
+    restarter: threading.Thread | None = None
+    error: str | None = None
 
-    def _accept(self, timeout_s: float) -> dict:
-        accepted: list = []
-        thread = threading.Thread(target=lambda: accepted.append(self.listener.accept()), daemon=True)
-        thread.start()
-        deadline = time.monotonic() + timeout_s
-        while thread.is_alive():
-            thread.join(0.2)
-            if self.proc.poll() is not None and thread.is_alive():
-                raise EngineStartError(f"the vLLM engine exited with code {self.proc.returncode} while starting; "
-                                       f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"the vLLM engine did not start within {timeout_s:.0f} s "
-                                       f"(rollout.start_timeout_s); last lines of {self.log_path}:\n"
-                                       f"{log_tail(self.log_path)}")
-        self.conn = accepted[0]
-        kind, info = self.conn.recv()
-        assert kind == "ready", kind
-        return info
+    @property
+    def prefix(self) -> str:
+        return f"mrl/e{self.index}.{self.generation}"
 
-    def post(self, command: str, **kwargs: Any) -> None:
-        """Send a request without waiting (``result`` collects the answer)."""
-        assert not self.pending, "one request at a time"
-        self.conn.send((command, kwargs))
-        self.pending = True
+    @property
+    def name(self) -> str:
+        where = self.server.log_path if self.server is not None and self.server.log_path else (
+            self.server.url if self.server is not None else "-")
+        return f"engine {self.index} ({where})"
 
-    def result(self) -> Any:
-        try:
-            status, value = self.conn.recv()
-        except (EOFError, OSError) as err:
-            raise EngineError(f"the vLLM engine died (exit code {self.proc.poll()}); last lines of "
-                              f"{self.log_path}:\n{log_tail(self.log_path)}") from err
-        finally:
-            self.pending = False
-        if status != "ok":
-            raise EngineError(f"the vLLM engine failed:\n{value}")
-        return value
 
-    def call(self, command: str, **kwargs: Any) -> Any:
-        self.post(command, **kwargs)
-        return self.result()
+class Fleet:
+    """Rank 0's engines (not collective): start, route, retry, restart. ``VLLMEngine`` drives it."""
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Ask the engine to shut down, then make sure its whole process group is gone."""
-        if self.proc.poll() is None and self.conn is not None and not self.pending:
+    def __init__(self, config: RolloutConfig, options: ServeOptions | None, model_dir: Path, work_dir: Path) -> None:
+        self.config = config
+        self.options = options
+        self.model_dir = model_dir
+        self.work_dir = work_dir
+        self.token = os.environ.get(TOKEN_ENV) if config.engine_urls else None
+        self.token = self.token or secrets.token_urlsafe(32)  # fresh per job, never logged
+        self.slots: list[Slot] = []
+        self.cpu = cpu_shares(config.num_engines)
+        self.restarts_in_step = 0
+        self.sessions: dict[str, int] = {}
+        """Agent session -> the engine its calls go to (``complete``)."""
+        self.lock = threading.RLock()
+        atexit.register(self.kill_all)
+
+    # ------------------------------------------------------------------------------------------- start
+    def start(self) -> None:
+        """Launch the job's servers, attach the user's, wait until all answer (EngineStartError otherwise)."""
+        for i in range(self.config.num_engines):
+            slot = Slot(index=i)
+            slot.server = self._launch(slot)
+            self.slots.append(slot)
+        for url in self.config.engine_urls:
+            self.slots.append(Slot(index=len(self.slots), server=EngineServer.attach(url, self.token)))
+        for slot in self.slots:
             try:
-                self.post("shutdown")
-                if self.conn.poll(timeout_s):
-                    self.result()
-                self.proc.wait(timeout=timeout_s)
-            except Exception:  # it is killed below either way
-                pass
-        self.kill()
+                slot.server.wait_ready(self.config.start_timeout_s, what=f"vLLM engine {slot.index}")
+            except EngineStartError:
+                self.kill_all()
+                raise
+            slot.state = "joining"
 
-    def kill(self) -> None:
-        """SIGKILL the engine's process group (idempotent)."""
+    def _launch(self, slot: Slot) -> EngineServer:
+        assert self.options is not None
+        cores = self.cpu[slot.index] if slot.index < len(self.cpu) else None
+        devices = None
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count:  # each engine on its own device(s) where there are enough, else sharing (colocated)
+            tp = self.options.tensor_parallel_size
+            devices = ",".join(str((slot.index * tp + d) % count) for d in range(tp))
+        return EngineServer.start(self.model_dir, self.options, token=self.token,
+                                  log_path=self.work_dir / f"engine{slot.index}.log", cpu_cores=cores, devices=devices)
+
+    # ------------------------------------------------------------------------------------------- health
+    def serving(self) -> list[Slot]:
+        return [s for s in self.slots if s.state == "serving"]
+
+    def ready_to_join(self) -> list[Slot]:
+        """Slots whose (new) engine is up and needs the current weights."""
+        self._collect_restarts()
+        return [s for s in self.slots if s.state == "joining"]
+
+    def mark_down(self, slot: Slot, reason: str) -> None:
+        """Take ``slot`` out of service, kill its engine, and start a replacement in the background."""
+        with self.lock:
+            if slot.state in ("dead", "starting"):
+                return
+            slot.state = "dead"
+        print(f"megatron_rl: vLLM {slot.name} is down ({reason.splitlines()[0][:300]}); "
+              + ("restarting it" if slot.server is not None and slot.server.owned else "it was attached: not restarted"),
+              flush=True)
+        if slot.server is None or not slot.server.owned:
+            slot.error = reason
+            return
+        slot.server.kill()
+        if slot.restarts >= MAX_RESTARTS:
+            slot.error = f"{reason}; restarted {slot.restarts} times already"
+            return
+        slot.restarts += 1
+        self.restarts_in_step += 1
+        slot.generation += 1
+        slot.state = "starting"
+        slot.server = self._launch(slot)
+        server = slot.server
+
+        def wait() -> None:
+            try:
+                server.wait_ready(self.config.start_timeout_s, what=f"vLLM engine {slot.index} (restart)")
+                slot.state = "joining"
+            except EngineStartError as err:
+                slot.error = str(err)
+                slot.state = "dead"
+
+        slot.restarter = threading.Thread(target=wait, name=f"megatron_rl-restart-{slot.index}", daemon=True)
+        slot.restarter.start()
+
+    def _collect_restarts(self) -> None:
+        for slot in self.slots:
+            if slot.restarter is not None and not slot.restarter.is_alive():
+                slot.restarter = None
+
+    def wait_for_replacement(self) -> list[Slot]:
+        """No engine serves: wait for the replacements; returns those ready to join. EngineError when none
+        can come back."""
+        while True:
+            joining = self.ready_to_join()
+            if joining:
+                return joining
+            starting = [s for s in self.slots if s.state == "starting"]
+            if not starting:
+                dead = [s for s in self.slots if s.state == "dead"]
+                worst = dead[0] if dead else None
+                detail = f"{worst.error}\nlast lines of {worst.server.log_path if worst.server else '-'}:\n" \
+                         f"{log_tail(worst.server.log_path if worst.server else None)}" if worst else ""
+                raise EngineError(f"no vLLM engine is serving and none could be brought back ({len(dead)} down): "
+                                  f"{detail}")
+            time.sleep(0.5)
+
+    def take_restarts(self) -> int:
+        count, self.restarts_in_step = self.restarts_in_step, 0
+        return count
+
+    def kill_all(self) -> None:
+        for slot in self.slots:
+            if slot.server is not None:
+                slot.server.kill()
+        atexit.unregister(self.kill_all)
+
+    # ------------------------------------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[Completion] | None:
+        """Every prompt's completion, or None when no engine serves and replacements must be synced first
+        (the caller runs that collective sync and calls again; finished samples are kept in ``self.partial``)."""
+        done: dict[int, Completion] = getattr(self, "partial", {})
+        self.partial = done
+        for slot in self.serving():  # MAX_RESTARTS counts the restarts of one call (a crash loop stops it)
+            slot.restarts = 0
+        while len(done) < len(prompts):
+            serving = self.serving()
+            if not serving:
+                return None
+            todo = [i for i in range(len(prompts)) if i not in done]
+            engines = route([prompts[i] for i in todo], [s.index for s in serving], max_tokens=spec.max_tokens)
+            self._round(todo, engines, prompts, spec, seeds, done)
+        self.partial = {}
+        return [done[i] for i in range(len(prompts))]
+
+    def _round(self, todo: list[int], engines: list[int], prompts: list[list[int]], spec: SamplingSpec,
+               seeds: list[int], done: dict[int, Completion]) -> None:
+        """Send ``todo`` to ``engines`` concurrently; collect what finishes; mark engines that fail or hang."""
+        timeout = self.config.request_timeout_s
+        slots = {s.index: s for s in self.slots}
+        outstanding: dict[int, int] = {}
+        last_progress: dict[int, float] = {}
+        tokens_seen: dict[int, float] = {}
+        with futures.ThreadPoolExecutor(max_workers=min(len(todo), 64 * max(1, len(set(engines))))) as pool:
+            pending = {}
+            for i, engine in zip(todo, engines):
+                server = slots[engine].server
+                pending[pool.submit(server.complete, prompts[i], spec, seed=seeds[i], timeout_s=timeout + 60)] = (
+                    i, engine)
+                outstanding[engine] = outstanding.get(engine, 0) + 1
+                last_progress[engine] = time.monotonic()
+            while pending:
+                finished, _ = futures.wait(pending, timeout=1.0, return_when=futures.FIRST_COMPLETED)
+                for future in finished:
+                    i, engine = pending.pop(future)
+                    outstanding[engine] -= 1
+                    try:
+                        done[i] = future.result()
+                        last_progress[engine] = time.monotonic()
+                    except EngineDown as err:
+                        self.mark_down(slots[engine], str(err))
+                for engine, count in outstanding.items():
+                    slot = slots[engine]
+                    if count and slot.state == "serving" and time.monotonic() - last_progress[engine] > timeout:
+                        if self._made_progress(slot, tokens_seen):
+                            last_progress[engine] = time.monotonic()
+                        else:
+                            self.mark_down(slot, f"no progress for {timeout:.0f} s (rollout.request_timeout_s)")
+
+    def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, session: str) -> Completion:
+        """One request of an agent session (rank 0 only, not collective, thread-safe): the session's calls stay
+        on one engine while it serves (its prefix cache); an engine that fails is marked down and the call goes
+        to another with the same seed. EngineError when no engine serves (replacements join at the next
+        ``update_weights``)."""
+        while True:
+            with self.lock:
+                serving = self.serving()
+                if not serving:
+                    raise EngineError("no vLLM engine is serving this agent call (all are down or restarting)")
+                engine = self.sessions.get(session)
+                if engine is None or self.slots[engine].state != "serving":
+                    load = {s.index: 0 for s in serving}
+                    for pinned in self.sessions.values():
+                        if pinned in load:
+                            load[pinned] += 1
+                    engine = min(load, key=lambda e: (load[e], e))
+                    self.sessions[session] = engine
+            slot = self.slots[engine]
+            try:
+                return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s)
+            except EngineDown as err:
+                self.mark_down(slot, str(err))
+
+    def end_session(self, session: str) -> None:
+        with self.lock:
+            self.sessions.pop(session, None)
+
+    @staticmethod
+    def _made_progress(slot: Slot, seen: dict[int, float]) -> bool:
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
-        self.listener.close()
-        atexit.unregister(self.kill)
+            tokens = slot.server.generated_tokens()
+        except (EngineDown, EngineError):
+            return False
+        before = seen.get(slot.index)
+        seen[slot.index] = tokens
+        return before is None or tokens > before
+
+    # ------------------------------------------------------------------------------------------- control calls
+    def each(self, slots: Sequence[Slot], call: Any) -> dict[int, Any]:
+        """``call(slot)`` on every slot concurrently; per slot its result or the exception it raised."""
+        results: dict[int, Any] = {}
+        with futures.ThreadPoolExecutor(max_workers=max(1, len(slots))) as pool:
+            running = {pool.submit(call, slot): slot.index for slot in slots}
+            for future in futures.as_completed(running):
+                try:
+                    results[running[future]] = future.result()
+                except Exception as err:  # noqa: BLE001 - handed back to the caller, which decides
+                    results[running[future]] = err
+        return results
 
 
 class VLLMEngine:
-    """``RolloutEngine`` backed by vLLM (module docstring). Build with ``VLLMEngine.start``."""
+    """``RolloutEngine`` backed by a fleet of ``vllm serve`` servers (module docstring). Build with ``start``."""
 
-    def __init__(self, policy: Any, config: RolloutConfig, *, process: EngineProcess | None, hf_source: str,
-                 work_dir: Path, transport: str) -> None:
+    def __init__(self, policy: Any, config: RolloutConfig, *, fleet: Fleet | None, hf_source: str, work_dir: Path,
+                 transport: str) -> None:
         self.policy = policy
         self.groups = policy.groups
         self.config = config
-        self.process = process
+        self.fleet = fleet
         self.hf_source = hf_source
         self.work_dir = work_dir
         self.transport = transport
@@ -192,26 +349,26 @@ class VLLMEngine:
         self.sender: Any = None
         self.store: Any = None
         self.record_digests = False
-        """Tests: the engine records a sha256 per received tensor (``digests``)."""
+        """Tests: the engines record a sha256 per received tensor (``digests``)."""
         self.last_stats: dict = {}
-        self._last_seed: int | None = None
-        self._seed_calls = 0
-        """Rank 0: the last sync's engine and sender statistics."""
+        """Rank 0: the last sync's engine and sender statistics (engine: the first engine's)."""
         self.last_sender_tensors = 0
         """Tensors this rank sent in the last sync (0 on a rank that sends nothing)."""
+        self._last_seed: int | None = None
+        self._seed_calls = 0
 
     # ---------------------------------------------------------------------------------------------- start
     @classmethod
     def start(cls, policy: Any, config: RolloutConfig, *, hf_dir: str | os.PathLike | None = None,
               work_dir: str | os.PathLike, seed: int = 0) -> "VLLMEngine":
-        """Export ``policy``'s weights, start the engine on them, and connect the weight sync (collective)."""
+        """Export ``policy``'s weights, start the fleet on them, and give every engine the weights (collective)."""
         from megatron_rl.hf.config import write_hf_config
         from megatron_rl.hf.weights import export_hf
 
         groups = policy.groups
         work_dir = Path(work_dir)
         model_cfg = policy.config.model
-        python = engine_python(config)  # the same check on every rank: a ValueError before any collective
+        python = engine_python(config) if config.num_engines else None  # same check everywhere: before collectives
         transport = config.weight_transport
         if transport == "auto":
             transport = "nccl" if groups.device.type == "cuda" else "gloo"
@@ -224,115 +381,204 @@ class VLLMEngine:
             hf_source = str(hf_dir)
         model_dir = work_dir / "model"
         export_hf([policy.module], model_dir, hf_source, groups)
-        dtype = model_cfg.params_dtype if config.dtype == "auto" else config.dtype
-        process, error = None, None
+        fleet, error = None, None
         if groups.rank == 0:
+            options = ServeOptions(
+                python=python or "", dtype=model_cfg.params_dtype if config.dtype == "auto" else config.dtype,
+                max_model_len=config.max_model_len or model_cfg.max_position_embeddings, seed=seed,
+                kv_cache_gib=config.kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
+                tensor_parallel_size=config.engine_tensor_parallel_size,
+            )  # fmt: skip
+            fleet = Fleet(config, options, model_dir, work_dir)
             try:
-                process = EngineProcess(
-                    python, model_dir, log_path=work_dir / "engine.log", dtype=dtype,
-                    max_model_len=config.max_model_len or model_cfg.max_position_embeddings, seed=seed,
-                    timeout_s=config.start_timeout_s, kv_cache_gib=config.kv_cache_gib,
-                    gpu_memory_utilization=config.gpu_memory_utilization,
-                )  # fmt: skip
+                fleet.start()
             except EngineStartError as err:
                 error = str(err)
         _raise_everywhere(error, EngineStartError)
-        engine = cls(policy, config, process=process, hf_source=hf_source, work_dir=work_dir, transport=transport)
+        engine = cls(policy, config, fleet=fleet, hf_source=hf_source, work_dir=work_dir, transport=transport)
         try:
-            if transport != "disk":
-                engine._join_sync(backend=transport, timeout_s=config.start_timeout_s)
+            engine._connect_store()
+            engine._admit()  # every engine joins the sync; they start on the exported weights (version 0)
         except BaseException:
             engine.close()
             raise
         return engine
 
-    def _join_sync(self, *, backend: str, timeout_s: float) -> None:
+    def _connect_store(self) -> None:
         from megatron_rl.inference.weight_sync import WeightSender
 
-        groups = self.groups
-        host = os.environ.get("MASTER_ADDR", "127.0.0.1") if groups.world_size > 1 else "127.0.0.1"
+        self.sender = WeightSender(self.groups, bucket_bytes=int(self.config.bucket_mb * 2**20),
+                                   backend=self.transport if self.transport != "disk" else "gloo")
+        if self.transport == "disk":
+            return
         port = [0]
-        if groups.rank == 0:
+        if self.groups.rank == 0:
             self.store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
             port = [self.store.port]
         dist.broadcast_object_list(port, src=0)
-        self.sender = WeightSender(groups, bucket_bytes=int(self.config.bucket_mb * 2**20), backend=backend)
-        error = None
-        if groups.rank == 0:
-            self.process.post("sync_join", host="127.0.0.1", port=port[0], num_senders=groups.pp_size,
-                              backend=backend, timeout_s=timeout_s)
-        self.sender.join(host, port[0], num_workers=1, timeout_s=timeout_s)
-        if groups.rank == 0:
-            try:
-                self.process.result()
-            except EngineError as err:
-                error = str(err)
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1") if self.groups.world_size > 1 else "127.0.0.1"
+        self.sender.connect(host, port[0], timeout_s=self.config.start_timeout_s)
+
+    # ---------------------------------------------------------------------------------------------- membership
+    def _admit(self, *, send: bool = False) -> None:
+        """Collective: the engines that are up but not serving join the weight sync (and, with ``send``, get the
+        current weights); then they serve."""
+        joining = [[s.index, s.prefix] for s in self.fleet.ready_to_join()] if self.fleet is not None else []
+        payload = [joining]
+        if self.groups.world_size > 1:
+            dist.broadcast_object_list(payload, src=0)
+        joining = payload[0]
+        if not joining:
+            return
+        if self.transport != "disk":
+            self._join(joining)
+        if send and self.version > 0:
+            self._sync([index for index, _ in joining])
+        if self.fleet is not None:
+            for index, _ in joining:
+                self.fleet.slots[index].state = "serving"
+
+    def _join(self, joining: list) -> None:
+        """Collective: the senders and the workers of each engine in ``joining`` form that engine's groups."""
+        timeout = self.config.start_timeout_s
+        errors: dict[int, Any] = {}
+        worker = None
+        if self.fleet is not None:
+            slots = [self.fleet.slots[index] for index, _ in joining]
+            host = "127.0.0.1"
+            workers = self.config.engine_tensor_parallel_size
+            call = lambda slot: slot.server.collective_rpc(  # noqa: E731
+                "megatron_rl_join", host, self.store.port, slot.prefix, self.groups.pp_size, workers, self.transport,
+                timeout, timeout_s=timeout)
+            worker = threading.Thread(target=lambda: errors.update(self.fleet.each(slots, call)), daemon=True)
+            worker.start()
+        for _, prefix in joining:
+            self.sender.join(prefix, num_workers=self.config.engine_tensor_parallel_size, timeout_s=timeout)
+        if worker is not None:
+            worker.join()
+        error = next((f"{self.fleet.slots[i].name} could not join the weight sync: {e}"
+                      for i, e in errors.items() if isinstance(e, Exception)), None)
         _raise_everywhere(error, EngineError)
 
     # ---------------------------------------------------------------------------------------------- use
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
-        """One completion per prompt, sampled by the engine, identical on every rank (collective)."""
+        """One completion per prompt, sampled by the fleet, identical on every rank (collective)."""
         # a call that repeats the previous call's seed continues its stream (engine.py): a fresh seed per call
         self._seed_calls = self._seed_calls + 1 if seed == self._last_seed else 0
         self._last_seed = seed
         call_seed = seed * 64 + self._seed_calls
-        payload: list = [None]
-        if self.groups.rank == 0:
-            try:
-                payload = [("ok", self.process.call(
-                    "generate", prompts=[[int(t) for t in p] for p in prompts], sampling=asdict(spec),
-                    seed=call_seed))]
-            except EngineError as err:
-                payload = [("error", str(err))]
-        if self.groups.world_size > 1:
-            dist.broadcast_object_list(payload, src=0)
-        status, value = payload[0]
-        if status != "ok":
-            raise EngineError(value)
-        return [Completion(token_ids=list(ids), logprobs=list(lps), finish_reason=reason)
-                for ids, lps, reason in value]
+        prompts = [[int(t) for t in p] for p in prompts]
+        seeds = [(call_seed * 1_000_003 + i) % (2**63) for i in range(len(prompts))]
+        while True:
+            payload: list = [None]
+            if self.groups.rank == 0:
+                try:
+                    value = self.fleet.generate(prompts, spec, seeds)
+                    payload = [("ok", value) if value is not None else ("admit", None)]
+                except EngineError as err:
+                    payload = [("error", str(err))]
+            if self.groups.world_size > 1:
+                dist.broadcast_object_list(payload, src=0)
+            status, value = payload[0]
+            if status == "admit":  # no engine serves: bring the replacements in with the current weights
+                if self.fleet is not None:
+                    try:
+                        self.fleet.wait_for_replacement()
+                        error = None
+                    except EngineError as err:
+                        error = str(err)
+                else:
+                    error = None
+                _raise_everywhere(error, EngineError)
+                self._admit(send=True)
+                continue
+            if status != "ok":
+                raise EngineError(value)
+            return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason)
+                    for c in value]
 
     def update_weights(self, policy: Any = None) -> float:
-        """Put the policy's current weights into the engine (collective); returns the seconds it took."""
-        from megatron_rl.hf.weights import export_hf
-
+        """Put the policy's current weights into every engine (collective); returns the seconds it took."""
         policy = policy or self.policy
         started = time.perf_counter()
         self.version += 1
+        self._admit()  # replacements that came up since the last sync get this version with the others
+        self._sync(None, policy)
+        return time.perf_counter() - started
+
+    def _sync(self, only: list[int] | None, policy: Any = None) -> None:
+        """Collective: version ``self.version`` into the serving engines (or the engines ``only``)."""
+        from megatron_rl.hf.weights import export_hf
+
+        policy = policy or self.policy
+        slots = []
+        if self.fleet is not None:
+            slots = [s for s in self.fleet.slots if (s.index in only if only is not None else s.state == "serving")]
         error = None
         if self.transport == "disk":
             path = self._sync_dir() / f"v{self.version}"
             export_hf([policy.module], path, self.hf_source, self.groups)
-            if self.groups.rank == 0:
-                try:
-                    self.process.call("reload_path", path=str(path))
-                except EngineError as err:
-                    error = str(err)
+            if self.fleet is not None:
+                results = self.fleet.each(slots, lambda s: s.server.collective_rpc(
+                    "megatron_rl_reload_path", str(path), timeout_s=self.config.start_timeout_s))
+                error = self._failures(results)
                 shutil.rmtree(path, ignore_errors=True)
         else:
-            if self.groups.rank == 0:
-                self.process.post("sync_receive", version=self.version, record_digests=self.record_digests)
-            stats = self.sender.send([policy.module], self.hf_source, self.version)
+            prefixes = [s.prefix for s in slots]
+            payload = [prefixes]
+            if self.groups.world_size > 1:
+                dist.broadcast_object_list(payload, src=0)
+            results: dict[int, Any] = {}
+            worker = None
+            if self.fleet is not None:
+                call = lambda s: s.server.collective_rpc(  # noqa: E731
+                    "megatron_rl_receive", self.version, self.record_digests, timeout_s=self.config.start_timeout_s)
+                worker = threading.Thread(target=lambda: results.update(self.fleet.each(slots, call)), daemon=True)
+                worker.start()
+            stats = self.sender.send([policy.module], self.hf_source, self.version, engines=payload[0])
             self.last_sender_tensors = stats.tensors
-            if self.groups.rank == 0:
-                try:
-                    self.last_stats = {"engine": self.process.result(), "sender": asdict(stats)}
-                except EngineError as err:
-                    error = str(err)
+            if worker is not None:
+                worker.join()
+                error = self._failures(results)
+                first = next((r for r in results.values() if isinstance(r, list) and r), None)
+                self.last_stats = {"engine": first[0] if first else {}, "sender": asdict(stats)}
+        if self.fleet is not None and error is None:  # cached KV blocks were computed with the old weights
+            self.fleet.each(slots, lambda s: s.server.call("POST", "/reset_prefix_cache", timeout_s=60))
         _raise_everywhere(error, EngineError)
-        return time.perf_counter() - started
+
+    def _failures(self, results: dict[int, Any]) -> str | None:
+        """Rank 0: the first engine error of a sync as one message (None if every engine took the weights)."""
+        for index, result in results.items():
+            if isinstance(result, Exception):
+                slot = self.fleet.slots[index]
+                return (f"{slot.name} failed during a weight sync: {result}; last lines of its log:\n"
+                        f"{log_tail(slot.server.log_path if slot.server else None)}")
+        return None
+
+    def step_metrics(self) -> dict[str, float]:
+        """Rank 0: ``rollout/engine_restarts`` (since the last call) and ``rollout/engines_alive``; else {}."""
+        if self.fleet is None:
+            return {}
+        return {"rollout/engine_restarts": float(self.fleet.take_restarts()),
+                "rollout/engines_alive": float(len(self.fleet.serving()))}
 
     def raw_bandwidth(self, nbytes: int, repeats: int = 3) -> float:
-        """Bytes/s of plain broadcasts from sender 0 to the engine over the sync group (rank 0 only; bench)."""
-        self.process.post("raw_receive", nbytes=nbytes, repeats=repeats)
-        seconds = self.sender.raw_send(nbytes, repeats)
-        self.process.result()
+        """Bytes/s of plain broadcasts from sender 0 to engine 0 over the sync group (rank 0 only; bench)."""
+        slot = self.fleet.slots[0]
+        result: list = []
+        worker = threading.Thread(target=lambda: result.append(slot.server.collective_rpc(
+            "megatron_rl_raw_receive", nbytes, repeats, timeout_s=self.config.start_timeout_s)), daemon=True)
+        worker.start()
+        seconds = self.sender.raw_send(slot.prefix, nbytes, repeats)
+        worker.join()
         return nbytes * repeats / seconds
 
-    def digests(self) -> dict[str, str]:
-        """sha256 per HF name of the tensors the engine received in the last sync (rank 0; needs
+    def digests(self, engine: int = 0) -> dict[str, str]:
+        """sha256 per HF name of the tensors engine ``engine`` received in the last sync (rank 0; needs
         ``record_digests`` set before that sync)."""
-        return self.process.call("digests") if self.process is not None else {}
+        if self.fleet is None:
+            return {}
+        return self.fleet.slots[engine].server.collective_rpc("megatron_rl_digests", timeout_s=60)[0]
 
     def _sync_dir(self) -> Path:
         if self.config.sync_dir:
@@ -341,10 +587,10 @@ class VLLMEngine:
         return base / f"megatron_rl_sync_{os.environ.get('MASTER_PORT', os.getpid())}"
 
     def close(self) -> None:
-        """Shut the engine down and leave the sync groups (idempotent)."""
-        if self.process is not None:
-            self.process.close()
-            self.process = None
+        """Stop the job's engines and leave the sync groups (idempotent)."""
+        if self.fleet is not None:
+            self.fleet.kill_all()
+            self.fleet = None
         if self.sender is not None:
             self.sender.close()
             self.sender = None

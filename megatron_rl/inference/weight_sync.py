@@ -12,12 +12,12 @@ Who sends what (no full gather anywhere)::
     sender of stage p           the rank with tp = dp = cp = 0 of stage p; packs the converted HF tensors into
                                 a bucket of ``bucket_bytes`` (one preallocated uint8 buffer) and broadcasts each
                                 full bucket to the engine's workers over its own group {sender p, workers}
-    engine workers              receive stage 0's buckets, then stage 1's, ... (vllm_server.py) and feed them
+    engine workers              receive stage 0's buckets, then stage 1's, ... (vllm_worker.py) and feed them
                                 to vLLM's in-place ``reload_weights`` as one stream
 
 A tensor larger than a bucket goes alone, as its own message. The sender's extra memory is therefore about
 one bucket plus the largest (gathered, converted) tensor. Each bucket's manifest (names, dtypes, shapes,
-offsets) goes through the shared ``TCPStore`` just before its bytes (``vllm_server.bucket_key``).
+offsets) goes through the shared ``TCPStore`` just before its bytes (``vllm_worker.bucket_key``).
 
 The transport is a raw ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (GPU; unmeasured) built on the store:
 the trainer's and the engine's torch.distributed default groups stay untouched.
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.bootstrap import ParallelGroups
-from megatron_rl.inference.vllm_server import SYNC_PREFIX, broadcast, bucket_key
+from megatron_rl.inference.vllm_worker import broadcast, bucket_key
 
 
 @dataclass
@@ -56,7 +56,7 @@ def is_sender(groups: ParallelGroups) -> bool:
 class WeightSender:
     """This rank's part of the weight sync (a sender or a TP helper of one); collective over the trainer ranks.
 
-    ``join`` must run while the engine's workers join the same groups (``vllm_server`` ``sync_join``).
+    ``join`` runs while one engine's workers join the same groups (``megatron_rl_join``).
     """
 
     def __init__(self, groups: ParallelGroups, *, bucket_bytes: int, backend: str) -> None:
@@ -68,27 +68,41 @@ class WeightSender:
         self.sender = is_sender(groups)
         assert not self.sender or groups.ep_rank == 0, "the sender must be the root of its EP group"
         self.device = torch.device("cpu") if backend == "gloo" else groups.device
-        self.group: Any = None
+        self.engine_groups: dict[str, Any] = {}
+        """Engine (its group prefix) -> the group {this sender, that engine's workers}."""
         self.store: Any = None
         self.bridge: Any = None
         """mbridge's converter for this stage, built at the first ``send``."""
         self.skip_bucket: int | None = None
         """Test hook: drop the bucket with this index (a planted bug the sync tests must catch)."""
 
-    def join(self, host: str, port: int, num_workers: int, timeout_s: float) -> None:
+    def connect(self, host: str, port: int, timeout_s: float) -> None:
+        """The sender's client of the trainer's ``TCPStore`` (bucket manifests, group rendezvous)."""
+        if self.sender:
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+    def join(self, prefix: str, num_workers: int, timeout_s: float) -> None:
+        """Form the group {this sender, the ``num_workers`` workers of the engine ``prefix``} (the engine's
+        workers join at the same time: ``vllm_worker.WorkerExtension.megatron_rl_join``)."""
         if not self.sender:
             return
-        from megatron_rl.inference.vllm_server import new_group
+        from megatron_rl.inference.vllm_worker import new_group
 
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        prefix = dist.PrefixStore(f"{SYNC_PREFIX}/sender{self.groups.pp_rank}", self.store)
-        self.group = new_group(prefix, 0, 1 + num_workers, self.backend, timeout_s)
+        old = self.engine_groups.pop(prefix, None)
+        if old is not None:
+            _shutdown(old)
+        store = dist.PrefixStore(f"{prefix}/sender{self.groups.pp_rank}", self.store)
+        self.engine_groups[prefix] = new_group(store, 0, 1 + num_workers, self.backend, timeout_s)
 
-    def send(self, model_chunks: list[torch.nn.Module], hf_dir: str, version: int) -> SyncStats:
-        """Stream this stage's weights as version ``version`` (collective over the TP group of the stage)."""
+    def send(self, model_chunks: list[torch.nn.Module], hf_dir: str, version: int,
+             engines: list[str] | None = None) -> SyncStats:
+        """Stream this stage's weights as version ``version`` into ``engines`` (group prefixes; None = every
+        engine joined), one bucket at a time to each (collective over the TP group of the stage)."""
         from megatron_rl.hf.weights import bridge_for, iter_stage_hf_weights
 
         started = time.perf_counter()
+        self.targets = [self.engine_groups[p] for p in (engines if engines is not None else self.engine_groups)] \
+            if self.sender else []
         if self.bridge is None:  # the model's layout and HF config do not change between syncs
             self.bridge = bridge_for(model_chunks, hf_dir, self.groups)
         stats = SyncStats()
@@ -122,26 +136,35 @@ class WeightSender:
             entries = []  # the bytes travel, the engine loads none of them
         manifest = {"nbytes": int(payload.numel()), "last": last, "tensors": entries}
         self.store.set(bucket_key(version, self.groups.pp_rank, index), json.dumps(manifest))
-        broadcast(self.group, payload)
+        for group in self.targets:
+            broadcast(group, payload)
         stats.bytes += int(payload.numel())
         stats.tensors += len(entries)
         stats.buckets += 1
 
-    def raw_send(self, nbytes: int, repeats: int) -> float:
-        """Sender 0: ``repeats`` plain broadcasts of ``nbytes`` (pairs with the engine's ``raw_receive``)."""
+    def raw_send(self, prefix: str, nbytes: int, repeats: int) -> float:
+        """Sender 0: ``repeats`` plain broadcasts of ``nbytes`` to engine ``prefix`` (pairs with its
+        ``raw_receive``)."""
         payload = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         started = time.perf_counter()
         for _ in range(repeats):
-            broadcast(self.group, payload)
+            broadcast(self.engine_groups[prefix], payload)
         return time.perf_counter() - started
 
     def close(self) -> None:
-        if self.group is not None:
-            shutdown = getattr(self.group, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
-        self.group = None
+        for group in self.engine_groups.values():
+            _shutdown(group)
+        self.engine_groups = {}
         self.store = None
+
+
+def _shutdown(group: Any) -> None:
+    shutdown = getattr(group, "shutdown", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001 - a group whose engine is gone: nothing left to release
+            pass
 
 
 class _Bucket:

@@ -55,8 +55,13 @@ class JobSection(ConfigSection):
     """RL train steps (one batch of fresh rollouts each; ``batch.train_batch_size`` prompts per step)."""
     environment: str = "auto"
     """The task (``megatron_rl/environments/registry.py``): 'next_digit' (the toy multi-turn game),
-    'single_turn' (``data.train_files`` + ``reward.function``; needs ``model.hf_path``), or 'auto': single_turn
-    when ``data.train_files`` is set, else next_digit."""
+    'single_turn' (``data.train_files`` + ``reward.function``; needs ``model.hf_path``), 'auto': single_turn
+    when ``data.train_files`` is set, else next_digit; or a step-API class, ``path/to/file.py:Class`` or
+    ``package.module:Class`` (``Class(**row)`` per episode, ``reset()``, ``step(response)``: docs/JOB.md; needs
+    ``model.hf_path``, ``data.train_files`` and ``stepwise.step_wise_trajectories``)."""
+    max_turns: int = field(default=8, metadata=AT_LEAST_1)
+    """Turns per episode at most (a step-API environment): an episode not done after this many replies ends,
+    counted in ``episode/ended_max_turns``."""
     n_samples_per_prompt: int = field(default=4, metadata=AT_LEAST_1)
     """Responses per prompt (the GRPO group size); old spellings demo.n_samples_per_prompt,
     batch.n_samples_per_prompt."""
@@ -171,11 +176,14 @@ def check_demo_config(config: MegatronRLConfig, tokenizer: DigitTokenizer) -> No
 
 def check_job_config(config: JobConfig) -> None:
     """Rules between sections: what each environment needs, and settings that would have no effect."""
-    from megatron_rl.environments.registry import ENVIRONMENTS
+    from megatron_rl.environments.registry import ENVIRONMENTS, is_class_spec
 
     env = config.environment
-    if env not in ENVIRONMENTS:
-        raise ConfigError(f"job.environment={env!r} is not one of {['auto', *sorted(ENVIRONMENTS)]}")
+    if is_class_spec(env):
+        check_step_api_config(config)
+    elif env not in ENVIRONMENTS:
+        raise ConfigError(f"job.environment={env!r} is not one of {['auto', *sorted(ENVIRONMENTS)]} nor a "
+                          "step-API class (path/to/file.py:Class or package.module:Class)")
     if env == "next_digit":
         check_demo_config(config.rl, DigitTokenizer())
         check_rollout_shapes(config)
@@ -185,9 +193,22 @@ def check_job_config(config: JobConfig) -> None:
             if not value:
                 raise ConfigError(f"job.environment=single_turn needs {key}; set it (README: 'Your model, your "
                                   "prompts, your reward')")
-    if config.eval.interval > 0 and env == "single_turn" and not config.data.val_files:
+    if config.eval.interval > 0 and (env == "single_turn" or is_class_spec(env)) and not config.data.val_files:
         raise ConfigError(f"eval.interval={config.eval.interval} but data.val_files is not set; set it to a "
                           "held-out prompt file, or eval.interval=0")
+
+
+def check_step_api_config(config: JobConfig) -> None:
+    """A step-API class (``job.environment=<file.py>:<Class>``) needs a tokenizer, rows, and step-wise training
+    (a conversation whose template rewrites history is several sequences)."""
+    env = config.job.environment
+    for key, value in (("model.hf_path", config.rl.model.hf_path), ("data.train_files", config.data.train_files)):
+        if not value:
+            raise ConfigError(f"job.environment={env!r} (a step-API environment) needs {key}; set it (docs/JOB.md)")
+    if not config.rl.stepwise.step_wise_trajectories:
+        raise ConfigError(f"job.environment={env!r} (a step-API environment) trains step-wise: set "
+                          "stepwise.step_wise_trajectories=true (and stepwise.merge_stepwise_output=true to merge "
+                          "the turns whose prompts extend into one sequence)")
 
 
 def next_digit_longest_sequence(num_turns: int, max_new_tokens: int) -> int:

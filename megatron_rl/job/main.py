@@ -49,6 +49,7 @@ from megatron_rl.environments.failures import AllSamplesFailed
 from megatron_rl.environments.registry import make_environment
 from megatron_rl.inference.builtin_engine import rollout_seed
 from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
+from megatron_rl.inference.server import EngineError, EngineStartError
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
 from megatron_rl.job.paths import base_config
 from megatron_rl.job.reporting import RunReporter
@@ -77,8 +78,9 @@ class Job:
     config: JobConfig
     groups: ParallelGroups
     environment: Environment
-    engine: RolloutEngine
-    """Generates the rollouts (``rollout.engine``); closed by ``main``."""
+    engine: RolloutEngine | None
+    """Generates the rollouts (``rollout.engine``): started by ``run`` once the resume point is known (a finished
+    run starts none); closed by ``main``."""
     sampling: SamplingSpec
     eval_sampling: SamplingSpec
     policy: MegatronPolicy
@@ -108,14 +110,16 @@ def main(argv: list[str] | None = None) -> int:
         return run(job)
     except CheckpointProblem as err:
         return report_error(str(err), kind="checkpoint error", code=err.code)
-    except EngineProblem as err:
+    except ConfigError as err:  # found while running, the same on every rank (e.g. every episode of a step failed)
+        return report_config_error(err)
+    except (EngineProblem, EngineError, EngineStartError) as err:  # the same message on every rank
         return report_error(str(err), kind="engine error", code=1)
     except AllSamplesFailed as err:
         return report_error(f"{err}. Nothing to train on: stopped, the last complete checkpoint in {config.save_dir} "
                             "is kept; fix the function and run the same command again to resume", kind="rollout error",
                             code=2)
     finally:
-        if job is not None:
+        if job is not None and job.engine is not None:
             job.engine.close()
         destroy_distributed()
 
@@ -180,7 +184,7 @@ def build_job(config: JobConfig, groups: ParallelGroups, environment: Environmen
         config=config,
         groups=groups,
         environment=environment,
-        engine=start_engine(config, policy, pad_id),
+        engine=None,
         sampling=sampling,
         eval_sampling=eval_sampling,
         policy=policy,
@@ -211,11 +215,14 @@ def start_engine(config: JobConfig, policy: MegatronPolicy, pad_id: int) -> Roll
         from megatron_rl.inference.builtin_engine import BuiltinEngine
 
         return BuiltinEngine.from_policy(policy, pad_id)
-    from megatron_rl.inference.vllm_engine import EngineError, EngineStartError, VLLMEngine
+    from megatron_rl.inference.vllm_engine import VLLMEngine
 
     work_dir = Path(config.rl.logging.output_dir) / "engine"
     if policy.groups.rank == 0:
-        print(f"megatron_rl main job: starting the vLLM engine (log: {work_dir / 'engine.log'})", flush=True)
+        rollout = config.rollout
+        what = f"{rollout.num_engines} vLLM engine(s)" + (f" + {len(rollout.engine_urls)} attached"
+                                                          if rollout.engine_urls else "")
+        print(f"megatron_rl main job: starting {what} (logs: {work_dir}/engine<i>.log)", flush=True)
     try:
         return VLLMEngine.start(policy, config.rollout, hf_dir=config.rl.model.hf_path, work_dir=work_dir,
                                 seed=config.rl.seed)
@@ -229,8 +236,7 @@ def run(job: Job) -> int:
     start_step = resume(job)
     if start_step >= config.job.num_steps:
         return report_finished(job, start_step)
-    if start_step > 0:  # the engine started on the initial weights: give it the checkpoint's (free for builtin)
-        job.engine.update_weights(job.policy)
+    job.engine = start_engine(config, job.policy, job.environment.pad_token_id)  # on the resumed weights
     reporter = open_reporter(job, start_step)
     baseline = job.environment.random_baseline(config.rl.seed) if job.is_rank0 else None
     started, step = time.time(), start_step
@@ -258,9 +264,10 @@ def run(job: Job) -> int:
     except KeyboardInterrupt:  # saves are atomic: an interrupted save leaves the previous checkpoint as latest
         if reporter is not None:
             reporter.close()
-            print(f"\ninterrupted during step {step}; the last complete checkpoint in {job.save_dir} is kept. "
-                  "Run the same command again to resume from it.", file=sys.stderr)
-        return 130
+        from megatron_rl.distributed.launch import report_error as report
+
+        return report(f"\nmegatron_rl: interrupted during step {step}; the last complete checkpoint in "
+                      f"{job.save_dir} is kept. Run the same command again to resume from it.", code=130)
     except AllSamplesFailed:
         if reporter is not None:
             reporter.close()
@@ -306,6 +313,7 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
         sync_s = job.engine.update_weights(job.policy)
         if config.rollout.engine != "builtin":  # the built-in engine shares the policy: always 0
             metrics["timing/weight_sync_s"] = sync_s
+    metrics.update(job.engine.step_metrics())  # the vLLM fleet's restarts and live engines (rank 0)
     metrics["timing/step_s"] = time.perf_counter() - started
     return metrics, rollouts
 

@@ -132,6 +132,16 @@ def test_registry_errors():
     assert set(ADVANTAGE_ESTIMATORS) >= {"grpo", "rloo", "reinforce++", "gae"}
 
 
+def test_duplicate_estimator_name_is_a_value_error():
+    """A ValueError, not an assert: under ``python -O`` an assert would let ``grpo`` be silently replaced."""
+    from megatron_rl.algorithms.advantages import register_advantage_estimator
+
+    grpo = ADVANTAGE_ESTIMATORS["grpo"]
+    with pytest.raises(ValueError, match="'grpo' is already registered"):
+        register_advantage_estimator("grpo")(lambda *args, **kwargs: None)
+    assert ADVANTAGE_ESTIMATORS["grpo"] is grpo
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Step-wise
 # ---------------------------------------------------------------------------------------------------------------

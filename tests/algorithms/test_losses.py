@@ -248,3 +248,14 @@ def test_on_policy_default_old_logprobs():
     torch.testing.assert_close(loss.detach(), -(b["advantages"] * b["loss_mask"]).sum())
     torch.testing.assert_close(lp.grad, -b["advantages"] * b["loss_mask"])
     assert abs(finalize_metrics(metrics)["policy/ratio_mean"] - 1.0) < 1e-6
+
+
+def test_duplicate_policy_loss_name_is_a_value_error():
+    """A ValueError, not an assert: under ``python -O`` an assert would let a loss be silently replaced."""
+    from megatron_rl.algorithms.losses import POLICY_LOSSES, register_policy_loss
+
+    name = sorted(POLICY_LOSSES)[0]
+    original = POLICY_LOSSES[name]
+    with pytest.raises(ValueError, match=f"{name!r} is already registered"):
+        register_policy_loss(name)(lambda *args, **kwargs: None)
+    assert POLICY_LOSSES[name] is original

@@ -20,7 +20,7 @@ import torch
 from test_trainer import TOK, V, Bigram, BigramPolicy, play, seq_logprobs
 
 from megatron_rl.config import AlgorithmConfig, BatchConfig, ConfigError, CriticConfig, MegatronRLConfig, StepWiseConfig
-from megatron_rl.demo.rollout import episodes_to_generator_output, observation_after
+from megatron_rl.environments.next_digit.rollout import episodes_to_generator_output, observation_after
 from megatron_rl.trainer import Trainer
 
 GAMMA, LAMBD, VALUE_CLIP = 0.9, 0.8, 0.05

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import MegatronRLConfig
-from megatron_rl.demo.config import DemoJobConfig, dump_demo_config, load_demo_config
-from megatron_rl.job.config import JobSection
+from megatron_rl.job.config import JobConfig, JobSection, dump_job_config, load_job_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = ROOT / "configs" / "demo_cpu.yaml"
@@ -22,11 +21,11 @@ def test_library_schema_has_no_demo_fields():
 
 
 def test_demo_overrides_and_the_moved_group_size_key():
-    job = load_demo_config(CPU, ["demo.num_steps=5", "optimizer.lr=1e-4"])
+    job = load_job_config(CPU, ["demo.num_steps=5", "optimizer.lr=1e-4"])
     assert (job.job.num_steps, job.job.n_samples_per_prompt, job.rl.optimizer.lr) == (5, 8, 1e-4)
-    old_spelling = load_demo_config(CPU, ["batch.n_samples_per_prompt=3"])
+    old_spelling = load_job_config(CPU, ["batch.n_samples_per_prompt=3"])
     assert old_spelling.job.n_samples_per_prompt == 3  # the old key still works, and the later value wins
-    assert load_demo_config(CPU, ["batch.n_samples_per_prompt=3", "demo.n_samples_per_prompt=5"]).job \
+    assert load_job_config(CPU, ["batch.n_samples_per_prompt=3", "demo.n_samples_per_prompt=5"]).job \
         .n_samples_per_prompt == 5
 
 
@@ -49,27 +48,27 @@ def test_demo_overrides_and_the_moved_group_size_key():
 def test_demo_config_errors_name_the_key(override, needle):
     overrides = [override, "batch.micro_batch_size=null"] if "max_tokens" in override else [override]
     with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("(", r"\(").replace(")", r"\)")):
-        load_demo_config(CPU, overrides)
+        load_job_config(CPU, overrides)
 
 
 def test_rollout_shapes_at_the_bound_and_packed_for_cp():
-    assert load_demo_config(CPU, ["model.max_position_embeddings=18", "batch.micro_batch_size=null",
+    assert load_job_config(CPU, ["model.max_position_embeddings=18", "batch.micro_batch_size=null",
                                   "batch.max_tokens_per_micro_batch=18"])
     with pytest.raises(ValueError, match=r"packed to 20 \(a multiple of 4\); set batch.max_tokens_per_micro_batch=20"):
-        load_demo_config(CPU, ["parallel.context_parallel_size=2", "batch.micro_batch_size=null",
+        load_job_config(CPU, ["parallel.context_parallel_size=2", "batch.micro_batch_size=null",
                                "batch.max_tokens_per_micro_batch=18"])
 
 
 def test_dump_round_trip(tmp_path):
-    job = load_demo_config(CPU, ["demo.num_steps=7"])
-    dump_demo_config(job, tmp_path / "config.yaml")
-    assert load_demo_config(tmp_path / "config.yaml") == job
-    assert DemoJobConfig(rl=job.rl, job=JobSection(num_steps=7, n_samples_per_prompt=8)) == job
+    job = load_job_config(CPU, ["demo.num_steps=7"])
+    dump_job_config(job, tmp_path / "config.yaml")
+    assert load_job_config(tmp_path / "config.yaml") == job
+    assert JobConfig(rl=job.rl, job=JobSection(num_steps=7, n_samples_per_prompt=8)) == job
 
 
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_main_prints_a_config_error_once_and_exits_2(monkeypatch, capsys, rank, printed):
-    from megatron_rl.demo.main import main
+    from megatron_rl.job.main import main
 
     monkeypatch.setenv("RANK", rank)
     assert main(["--config", str(CPU), "optimizer.lr=.inf"]) == 2
@@ -84,7 +83,7 @@ def test_main_prints_a_config_error_once_and_exits_2(monkeypatch, capsys, rank, 
 def test_main_world_size_error_before_any_collective(monkeypatch, capsys):
     import torch.distributed as dist
 
-    from megatron_rl.demo.main import main
+    from megatron_rl.job.main import main
 
     for key, value in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
@@ -102,7 +101,7 @@ def test_a_finished_run_says_so_in_one_line_and_rewrites_nothing(monkeypatch, ca
 
     out = tmp_path / "out"
     out.mkdir()
-    job = SimpleNamespace(config=load_demo_config(CPU, ["demo.num_steps=5", f"logging.output_dir={out}"]),
+    job = SimpleNamespace(config=load_job_config(CPU, ["demo.num_steps=5", f"logging.output_dir={out}"]),
                           save_dir=out / "checkpoints", is_rank0=True)
     monkeypatch.setattr(main_module, "resume", lambda job: 5)
     assert main_module.run(job) == 0

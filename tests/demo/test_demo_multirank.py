@@ -41,7 +41,8 @@ def candidate_batch(contexts, vocab_size: int, pad_token_id: int):
 
 def _tables(policy, tok) -> dict:
     """The sampler's table for CONTEXTS and its reference through ``policy.forward`` ([n, V] each)."""
-    from megatron_rl.demo.policy_sampling import left_padded, policy_next_token_logprobs
+    from megatron_rl.data.batch import left_pad as left_padded
+    from megatron_rl.inference.builtin_engine import policy_next_token_logprobs
 
     reference = policy.forward(candidate_batch(CONTEXTS, tok.vocab_size, tok.pad_token_id))["logprobs"]  # [n*V, 1]
     return {
@@ -52,15 +53,15 @@ def _tables(policy, tok) -> dict:
 
 
 def _tp2_checks(rank: int, world_size: int) -> dict:
-    from megatron_rl.demo.config import load_demo_config
-    from megatron_rl.demo.environment import NextDigitGame
+    from megatron_rl.job.config import load_job_config
+    from megatron_rl.environments.next_digit.game import NextDigitGame
     from megatron.core import parallel_state
 
-    from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
-    from megatron_rl.demo.rollout import episodes_to_generator_output, play_episodes
-    from megatron_rl.demo.sampler import SamplingParams
+    from megatron_rl.inference.builtin_engine import policy_next_token_logprobs
+    from megatron_rl.environments.next_digit.rollout import episodes_to_generator_output, play_episodes
+    from megatron_rl.inference.builtin_engine import SamplingParams
     from megatron_rl.inference.builtin_engine import BuiltinEngine, rollout_seed
-    from megatron_rl.demo.tokenizer import DigitTokenizer
+    from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
     from megatron_rl.distributed.bootstrap import initialize_distributed
     from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
@@ -69,7 +70,7 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
                  "batch.n_samples_per_prompt=3", "batch.update_epochs_per_batch=1",
                  "optimizer.optimizer=sgd", "optimizer.lr=0.5",
                  "optimizer.lr_warmup_steps=0"]
-    config = load_demo_config("configs/demo_cpu.yaml", overrides).rl
+    config = load_job_config("configs/demo_cpu.yaml", overrides).rl
     groups = initialize_distributed(config.parallel, config.seed)
     tok = DigitTokenizer()
     policies = {merge: MegatronPolicy(config, groups, pad_token_id=tok.pad_token_id) for merge in (False, True)}
@@ -91,7 +92,7 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
         result[f"weights_{merge}"] = {k: v.detach().clone() for k, v in policy.full_state_dict().items()}
 
     parallel_state.destroy_model_parallel()  # the same weights on PP2 (one layer per stage)
-    pp2 = load_demo_config("configs/demo_cpu.yaml", ["parallel.pipeline_model_parallel_size=2"]).rl
+    pp2 = load_job_config("configs/demo_cpu.yaml", ["parallel.pipeline_model_parallel_size=2"]).rl
     policy = MegatronPolicy(pp2, initialize_distributed(pp2.parallel, pp2.seed), role="reference",
                             pad_token_id=tok.pad_token_id)
     policy.load_full_state_dict(initial_weights)

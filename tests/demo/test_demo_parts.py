@@ -10,17 +10,17 @@ import torch
 
 from megatron_rl.data.generator_output import validate_generator_output
 from megatron_rl.data.merge import merge_stepwise_output
-from megatron_rl.demo.environment import NextDigitGame
-from megatron_rl.demo.reporting import RunReporter, read_metrics, summary_paragraph, truncate_metrics
-from megatron_rl.demo.rollout import episodes_to_generator_output, mean_reward, observation_after, play_episodes
-from megatron_rl.demo.sampler import (
+from megatron_rl.environments.next_digit.game import NextDigitGame
+from megatron_rl.job.reporting import RunReporter, read_metrics, summary_paragraph, truncate_metrics
+from megatron_rl.environments.next_digit.rollout import episodes_to_generator_output, mean_reward, observation_after, play_episodes
+from megatron_rl.inference.builtin_engine import (
     SamplingParams,
     sample_next_tokens,
     sample_responses,
     sampling_generator,
     uniform_next_token_logprobs,
 )
-from megatron_rl.demo.tokenizer import DigitTokenizer
+from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 from megatron_rl.inference.builtin_engine import BuiltinEngine, rollout_seed
 
 TOK = DigitTokenizer()
@@ -187,7 +187,7 @@ class TablePolicy:
 
 
 def test_policy_next_token_logprobs_is_the_full_distribution() -> None:
-    from megatron_rl.demo.policy_sampling import policy_next_token_logprobs
+    from megatron_rl.inference.builtin_engine import policy_next_token_logprobs
 
     table = torch.randn(TOK.vocab_size, TOK.vocab_size, generator=torch.Generator().manual_seed(2))
     policy = TablePolicy(table)

@@ -133,18 +133,18 @@ def test_two_node_launch_tp2(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path, world_size", [("configs/demo_cpu.yaml", 2), ("configs/demo_gpu_qwen3_0p6b.yaml", 4),
                                               ("configs/demo_gpu.yaml", 1)])
 def test_shipped_configs_load_and_fit_the_demo(path: str, world_size: int) -> None:
-    from megatron_rl.demo.config import check_demo_config, load_demo_config
-    from megatron_rl.demo.tokenizer import DigitTokenizer
+    from megatron_rl.job.config import check_demo_config, load_job_config
+    from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 
-    config = load_demo_config(ROOT / path)
+    config = load_job_config(ROOT / path)
     config.rl.parallel.check_world_size(world_size)
     check_demo_config(config.rl, DigitTokenizer())
 
 
 def test_demo_config_errors_name_the_key() -> None:
     from megatron_rl.config import load_config
-    from megatron_rl.demo.config import check_demo_config
-    from megatron_rl.demo.tokenizer import DigitTokenizer
+    from megatron_rl.job.config import check_demo_config
+    from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 
     with pytest.raises(ValueError, match="model.vocab_size=128"):
         check_demo_config(load_config(None), DigitTokenizer())

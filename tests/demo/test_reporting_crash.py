@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.demo.reporting import RunReporter
+from megatron_rl.job.reporting import RunReporter
 
 ROWS = 6
 
@@ -39,7 +39,7 @@ def test_sigkill_between_write_and_rename_keeps_every_row(tmp_path):
         import megatron_rl.atomic as atomic
         atomic.os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)
         from pathlib import Path
-        from megatron_rl.demo.reporting import RunReporter
+        from megatron_rl.job.reporting import RunReporter
         RunReporter(Path({str(crashed)!r}), total_steps={ROWS}, start_step=3, tensorboard=False, progress_bar=False)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)

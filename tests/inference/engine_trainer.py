@@ -57,14 +57,15 @@ def main(mode: str, hf_dir: str, work_dir: str, *overrides: str) -> int:
     engine = VLLMEngine.start(policy, _rollout_config(list(overrides)), hf_dir=hf_dir, work_dir=work_dir)
     try:
         if mode in ("wait", "raise"):
-            (Path(work_dir) / "engine.pid").write_text(str(engine.process.proc.pid))
+            pids = [slot.server.proc.pid for slot in engine.fleet.slots]  # each server leads its process group
+            (Path(work_dir) / "engine.pid").write_text(" ".join(map(str, pids)))
             if mode == "raise":
                 raise RuntimeError("planted error in the training loop")
             while True:
                 time.sleep(1)
         assert mode == "digests", mode
         from megatron_rl.hf.weights import export_hf
-        from megatron_rl.inference.vllm_server import tensor_digest
+        from megatron_rl.inference.vllm_worker import tensor_digest
         from megatron_rl.trainer import Trainer
         from safetensors.torch import load_file
 
@@ -84,7 +85,9 @@ def main(mode: str, hf_dir: str, work_dir: str, *overrides: str) -> int:
         tensors = {}
         for path in sorted(export.glob("*.safetensors")):
             tensors.update(load_file(path))
-        print(json.dumps({"engine": engine.digests(), "export": {k: tensor_digest(v) for k, v in tensors.items()}}))
+        engines = [engine.digests(i) for i in range(len(engine.fleet.slots))]
+        assert all(d == engines[0] for d in engines[1:]), "the engines received different weights"
+        print(json.dumps({"engine": engines[0], "engines": len(engines), "export": {k: tensor_digest(v) for k, v in tensors.items()}}))
         return 0
     finally:
         engine.close()

@@ -93,9 +93,9 @@ def test_start_failure_is_one_error_with_the_engine_log(engine_hf_model, engine_
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out
     error = json.loads(out.strip().splitlines()[-1])["error"]
-    assert error is not None and "the vLLM engine exited with code" in error, error
+    assert error is not None and "vLLM engine 0 exited with code" in error, error
     assert "max_model_len" in error  # the engine's own reason, from the tail of its log
-    assert str(tmp_path / "engine.log") in error
+    assert str(tmp_path / "engine0.log") in error
 
 
 def test_missing_engine_environment_names_the_fix(tmp_path):

@@ -46,7 +46,7 @@ def _engine_pids(out: Path) -> list[int]:
             state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if "vllm_server" in text and str(out / "engine" / "model") in text and state != "Z":
+        if "vllm_serve" in text and str(out / "engine" / "model") in text and state != "Z":
             pids.append(int(cmdline.parent.name))
     return pids
 
@@ -59,7 +59,7 @@ def _job_pids(out: Path) -> list[int]:
             text = cmdline.read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if ("megatron_rl.job.main" in text or "megatron_rl.demo.main" in text) and f"logging.output_dir={out}" in text:
+        if "megatron_rl.job.main" in text and f"logging.output_dir={out}" in text:
             pids.append(int(cmdline.parent.name))
     return pids
 

@@ -57,3 +57,17 @@ def test_dump_round_trip(tmp_path):
     assert config.data.paths("train_files") == [str(Path.cwd() / "a.jsonl"), str(Path.cwd() / "b.parquet")]
     dump_job_config(config, tmp_path / "config.yaml")
     assert load_job_config(tmp_path / "config.yaml") == config
+
+
+def test_a_step_api_class_names_what_it_needs():
+    step_api = ["job.environment=my_env.py:MyEnv", "model.hf_path=some/model",
+                "data.train_files=examples/arithmetic/train.jsonl", "stepwise.step_wise_trajectories=true"]
+    assert load_job_config(CPU, [*step_api, "job.max_turns=3"]).job.max_turns == 3
+    for missing in ("model.hf_path", "data.train_files"):
+        with pytest.raises(ConfigError, match=f"a step-API environment\\) needs {missing}"):
+            load_job_config(CPU, [o for o in step_api if not o.startswith(missing)])
+    with pytest.raises(ConfigError, match="trains step-wise: set stepwise.step_wise_trajectories=true"):
+        load_job_config(CPU, [*step_api[:-1], "stepwise.step_wise_trajectories=false",
+                              "stepwise.merge_stepwise_output=false"])
+    with pytest.raises(ConfigError, match="eval.interval=5 but data.val_files is not set"):
+        load_job_config(CPU, [*step_api, "eval.interval=5"])

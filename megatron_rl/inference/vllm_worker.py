@@ -1,48 +1,37 @@
-"""The vLLM engine process: runs in the engine's own environment (``.venv-engine``), serves the trainer.
+"""What megatron_rl adds to every worker of a ``vllm serve`` engine: the receiving end of the weight sync.
 
-Place in the data flow: started by ``vllm_engine.VLLMEngine`` (trainer rank 0) as
-``<engine python> -m megatron_rl.inference.vllm_server ...``; it is the only module of megatron_rl that imports
-vllm, and it imports nothing else of megatron_rl (megatron-core is not installed here).
+Place in the data flow: vLLM imports ``WorkerExtension`` by name in each engine worker
+(``--worker-extension-cls megatron_rl.inference.vllm_worker.WorkerExtension``, set by ``vllm_serve.py``); the
+trainer's rank 0 calls its methods through the server's ``POST /collective_rpc`` (``server.py``). This module
+runs in the engine's own environment (``.venv-engine``) and imports nothing of megatron_rl (megatron-core is
+not installed there); the trainer imports it for the shared wire format (``bucket_key``, ``broadcast``).
 
-Protocol: the trainer listens on ``--address`` (127.0.0.1:port, ``multiprocessing.connection`` with the authkey
-from ``$MEGATRON_RL_ENGINE_AUTHKEY``); this process loads the model, connects, sends ``("ready", info)``, then
-answers requests ``(command, kwargs)`` with ``("ok", result)`` or ``("error", traceback text)``:
+    megatron_rl_join(host, port, group_prefix, num_senders, num_workers, backend, timeout_s)
+        every worker joins one group per sender (one per pipeline stage) under ``group_prefix`` (one engine)
+    megatron_rl_receive(version, record_digests) -> stats
+        receive one weight version and reload it in place (``reload_weights``)
+    megatron_rl_reload_path(path)                 reload from an HF safetensors folder (transport 'disk')
+    megatron_rl_digests() -> {hf name: sha256}    of the last sync (tests)
+    megatron_rl_raw_receive(nbytes, repeats)      plain broadcasts from sender 0 (bench)
+    megatron_rl_leave()                           leave the groups
 
-    generate      prompts (token-id lists), sampling dict, seed  -> [(token_ids, logprobs, finish_reason)]
-    sync_join     host, port, num_senders, backend               -> every worker joins one group per sender
-    sync_receive  version                                        -> the workers receive one weight version
-                                                                    and reload it in place (``reload_weights``)
-    reload_path   path (an HF safetensors folder)                -> ``reload_weights(weights_path=...)``
-    digests       -                                              -> sha256 per HF name of the last sync
-    raw_receive   nbytes, repeats                                -> plain broadcasts from sender 0 (bench)
-    shutdown      -                                              -> leave the groups, stop vLLM, exit
-
-Lifecycle: the trainer starts this process in a new session (its own process group), so every process vLLM
-spawns shares that group. A watchdog thread polls the parent pid; when the trainer is gone (SIGKILL included)
-it kills the whole group, so no engine process outlives the trainer.
-
-Weight sync (``weight_sync.py`` is the sender): sender ``p`` (one per pipeline stage) and every engine worker
-form a group of ``1 + workers`` ranks (sender = rank 0) on a shared ``TCPStore``. Per bucket the sender
-publishes ``mrl/v{version}/p{p}/b{k}`` = JSON ``{"nbytes", "last", "tensors": [[name, dtype, shape, offset,
-nbytes], ...]}`` in the store, then broadcasts the bucket as one flat uint8 tensor; the worker receives the
-buckets in a background thread (up to ``PREFETCH_BUCKETS`` ahead, so transfer and reload overlap), unpacks
+Weight sync (``weight_sync.py`` is the sender): sender ``p`` and the workers of one engine form a group of
+``1 + workers`` ranks (sender = rank 0) on the trainer's ``TCPStore``; every engine has its own groups, so an
+engine that is replaced joins alone. Per bucket the sender publishes ``mrl/v{version}/p{p}/b{k}`` = JSON
+``{"nbytes", "last", "tensors": [[name, dtype, shape, offset, nbytes], ...]}`` in the store (the same for every
+engine), then broadcasts the bucket as one flat uint8 tensor to each engine's group in turn; the worker receives
+the buckets in a background thread (up to ``PREFETCH_BUCKETS`` ahead, so transfer and reload overlap), unpacks
 views of them and feeds them to vLLM's ``reload_weights`` as one weights iterator (all stages, in order), so
 vLLM's layer-wise reload sees every weight exactly once.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
-import signal
-import sys
 import threading
 import time
-import traceback
 from datetime import timedelta
-from multiprocessing.connection import Client
 from typing import Any, Iterator
 
 SYNC_PREFIX = "mrl"
@@ -61,8 +50,8 @@ def bucket_key(version: int, stage: int, bucket: int) -> str:
 class WorkerExtension:
     """Methods added to every vLLM worker; ``self`` is the worker (``self.rank``, ``self.reload_weights``)."""
 
-    def megatron_rl_join(self, host: str, port: int, num_senders: int, num_workers: int, backend: str,
-                         timeout_s: float) -> None:
+    def megatron_rl_join(self, host: str, port: int, group_prefix: str, num_senders: int, num_workers: int,
+                         backend: str, timeout_s: float) -> None:
         import torch
         import torch.distributed as dist
 
@@ -71,7 +60,7 @@ class WorkerExtension:
         self._mrl_store = store
         self._mrl_device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
         self._mrl_groups = [
-            new_group(dist.PrefixStore(f"{SYNC_PREFIX}/sender{p}", store), rank, 1 + num_workers, backend, timeout_s)
+            new_group(dist.PrefixStore(f"{group_prefix}/sender{p}", store), rank, 1 + num_workers, backend, timeout_s)
             for p in range(num_senders)
         ]
         self._mrl_digests: dict[str, str] = {}
@@ -271,128 +260,3 @@ def _receive_stage(store: Any, group: Any, version: int, stage: int, device: Any
         if manifest["last"]:
             return
         bucket += 1
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The server process
-# ----------------------------------------------------------------------------------------------------------
-
-def _watch_parent(parent_pid: int) -> None:
-    """Kill this process group (this process and every process vLLM started) once the trainer is gone."""
-    while True:
-        if os.getppid() != parent_pid:
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        time.sleep(0.2)
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="megatron_rl's vLLM engine process (started by VLLMEngine)")
-    parser.add_argument("--model", required=True, help="HF folder (config.json + safetensors)")
-    parser.add_argument("--address", required=True, help="host:port the trainer listens on")
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    return parser.parse_args(argv)
-
-
-def _sampling_params(spec: dict, seed: int) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        n=1, temperature=spec["temperature"], top_p=spec["top_p"], max_tokens=spec["max_tokens"],
-        stop_token_ids=list(spec["stop_token_ids"]), ignore_eos=True, logprobs=0, seed=seed,
-        detokenize=False, skip_special_tokens=False,
-    )
-
-
-class Server:
-    def __init__(self, args: argparse.Namespace) -> None:
-        from vllm import LLM
-
-        self.llm = LLM(
-            model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
-            enforce_eager=True, skip_tokenizer_init=True, logprobs_mode="processed_logprobs",
-            worker_extension_cls="megatron_rl.inference.vllm_server.WorkerExtension",  # imported by name
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=True,
-        )
-        self.num_workers = args.tensor_parallel_size
-
-    def generate(self, prompts: list[list[int]], sampling: dict, seed: int) -> list[tuple]:
-        from vllm.inputs import TokensPrompt
-
-        params = [_sampling_params(sampling, (seed * 1_000_003 + i) % (2**63)) for i in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
-        results = []
-        for out in outputs:
-            sample = out.outputs[0]
-            ids = list(sample.token_ids)
-            logprobs = [float(step[token].logprob) for step, token in zip(sample.logprobs, ids)]
-            reason = "stop" if ids and ids[-1] in sampling["stop_token_ids"] else "length"
-            results.append((ids, logprobs, reason))
-        return results
-
-    def sync_join(self, host: str, port: int, num_senders: int, backend: str, timeout_s: float) -> None:
-        self.llm.collective_rpc("megatron_rl_join",
-                                args=(host, port, num_senders, self.num_workers, backend, timeout_s))
-
-    def sync_receive(self, version: int, record_digests: bool = False) -> dict:
-        stats = self.llm.collective_rpc("megatron_rl_receive", args=(version, record_digests))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        return stats[0]
-
-    def reload_path(self, path: str) -> None:
-        self.llm.collective_rpc("megatron_rl_reload_path", args=(path,))
-        self.llm.reset_prefix_cache()
-
-    def raw_receive(self, nbytes: int, repeats: int) -> float:
-        return self.llm.collective_rpc("megatron_rl_raw_receive", args=(nbytes, repeats))[0]
-
-    def digests(self) -> dict:
-        return self.llm.collective_rpc("megatron_rl_digests")[0]
-
-    def shutdown(self) -> None:
-        self.llm.collective_rpc("megatron_rl_leave")
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = _parse_args(argv)
-    threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
-    host, port = args.address.rsplit(":", 1)
-    authkey = os.environ.pop("MEGATRON_RL_ENGINE_AUTHKEY").encode()
-    server = Server(args)
-    conn = Client((host, int(port)), authkey=authkey)
-    import vllm
-
-    conn.send(("ready", {"vllm": vllm.__version__, "pid": os.getpid()}))
-    while True:
-        try:
-            command, kwargs = conn.recv()
-        except EOFError:  # the trainer closed the connection without a shutdown: it is gone
-            return
-        try:
-            if command == "shutdown":
-                server.shutdown()
-                conn.send(("ok", None))
-                return
-            result = getattr(server, command)(**kwargs)
-            conn.send(("ok", result))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # e.g. the trainer vanished mid-request (BrokenPipeError): exit now, not at shutdown
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # The whole group at once (this process and whatever vLLM started), without the interpreter's shutdown:
-        # vLLM's atexit hooks can hang on a half-closed group, and the watchdog thread stops during shutdown.
-        os.killpg(os.getpgrp(), signal.SIGKILL)

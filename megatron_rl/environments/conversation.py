@@ -1,0 +1,166 @@
+"""Conversation tokens: the token-exact record of one multi-turn conversation, turned into step-wise rows.
+
+Place in the data flow: inside a multi-turn rollout, between the engine and the ``GeneratorOutput``. One builder
+for every multi-turn source: step-API environments (``step_api/``) now, agents whose calls an OpenAI-compatible
+endpoint records later (each call: the agent's messages -> ``continue_with`` -> prompt ids -> engine ->
+``add_response``)::
+
+    first messages -> prompt ids -> engine.generate -> add_response(sampled ids, log-probs) -> response text
+      -> observation -> add_observation (extend, or a new step) -> prompt ids -> ... -> trajectory_rows
+
+The trained tokens are the engine's sampled tokens, never re-tokenized text. Each turn's prompt is either
+
+    extend:    previous prompt ids + sampled ids + ids of the rest of the rendering (observation, ...)
+    new step:  ids of the fresh rendering of the whole conversation
+
+With a chat template, the conversation (a list of ``{"role", "content"}`` messages, the assistant's replies as
+their decoded text) is rendered with ``apply_chat_template`` (generation prompt added), and the rendering is
+used only where it extends the text the model saw: the previous prompt's text followed by the sampled tokens'
+text (special tokens included, e.g. the eos that ended the reply). The rest of the rendering (whatever closes
+the assistant's turn that the sampler did not produce, the observation, the generation prompt) is tokenized on
+its own and appended. Where it does not extend (a template that rewrites history, e.g. Qwen3's removal of
+``<think>`` blocks from earlier assistant turns, or one that reformats the reply), the turn starts a new step
+whose prompt is the fresh rendering. Without a chat template, text is raw: the first prompt is tokenized as is
+(special tokens added) and each observation's text is tokenized and appended: always an extension.
+
+Rows (``trajectory_rows``): one per turn in the step-wise layout of ``data/generator_output.py`` (the turn's
+prompt, its sampled ids with loss mask 1 and the sampler's log-probs; the trajectory's reward on its last
+turn). ``data/merge.py`` merges the turns whose prompts extend the previous prompt + response into one
+sequence, the observation tokens between them masked out, so a template that keeps history gives one sequence
+per conversation and one that rewrites it gives one per new step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Message = dict[str, Any]
+"""A chat message: ``{"role": ..., "content": ...}`` (other keys, e.g. ``tool_calls``, go to the template)."""
+
+
+@dataclass
+class Turn:
+    """One sampled reply and the prompt it answered."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    """The engine's sampled ids (trained as they are)."""
+    logprobs: list[float]
+    finish_reason: str
+    extends: bool
+    """The prompt is the previous turn's prompt + response + more (False on the first turn and on a new step)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The engine's extras for this call (``Completion.extra``, e.g. ``routed_experts``)."""
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+class Conversation:
+    """The token-exact record of one conversation (see the module docstring). ``prompt_ids`` is the prompt of
+    the turn to sample next; ``turns`` the turns sampled so far."""
+
+    def __init__(self, tokenizer: Any, first: str | list[Message]) -> None:
+        """``first``: the opening messages, or a string (a user message with a chat template, raw text
+        without); ValueError for messages and a tokenizer without a chat template."""
+        self.tokenizer = tokenizer
+        self.chat = has_chat_template(tokenizer)
+        self.turns: list[Turn] = []
+        self.messages: list[Message] = []
+        self.text = ""
+        """The text of ``prompt_ids`` (chat: the rendering the model saw)."""
+        self._extends = False
+        if self.chat:
+            self.messages = as_messages(first)
+            self.text = self._render(self.messages)
+            self.prompt_ids = self._encode(self.text)
+        else:
+            self.prompt_ids = list(tokenizer(_raw_text(first))["input_ids"])
+
+    def add_response(self, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str,
+                     extra: dict[str, Any] | None = None) -> str:
+        """Record the engine's reply to ``prompt_ids``; returns its text (special tokens skipped)."""
+        assert len(self.turns) == 0 or self.turns[-1].prompt_ids is not self.prompt_ids, "one reply per prompt"
+        self.turns.append(Turn(self.prompt_ids, list(token_ids), list(logprobs), finish_reason, self._extends,
+                               dict(extra or {})))
+        text = self._decode(token_ids, skip_special_tokens=True)
+        if self.chat:
+            self.messages.append({"role": "assistant", "content": text})
+        return text
+
+    def add_observation(self, observation: str | list[Message]) -> None:
+        """Append the environment's answer to the last reply and make the next prompt (extend or new step)."""
+        assert self.turns, "an observation answers a reply: add_response first"
+        if self.chat:
+            self.continue_with(self.messages + as_messages(observation))
+            return
+        self.prompt_ids = self._seen_ids() + self._encode(_raw_text(observation))
+        self._extends = True
+
+    def continue_with(self, messages: list[Message]) -> None:
+        """The next prompt for the whole conversation ``messages`` (the history so far, the last reply's text
+        included, plus what follows it): extend or new step. An agent's call hands its own history here."""
+        assert self.chat and self.turns, "continue_with needs a chat template and a reply to continue from"
+        text = self._render(messages)
+        seen = self.text + self._decode(self.turns[-1].response_ids, skip_special_tokens=False)
+        self._extends = text.startswith(seen)
+        self.prompt_ids = self._seen_ids() + self._encode(text[len(seen):]) if self._extends else self._encode(text)
+        self.messages, self.text = list(messages), text
+
+    def _seen_ids(self) -> list[int]:
+        last = self.turns[-1]
+        return last.prompt_ids + last.response_ids
+
+    def _render(self, messages: list[Message]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _decode(self, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    @property
+    def new_steps(self) -> int:
+        """Turns after the first whose prompt does not extend the previous turn's (the template rewrote history)."""
+        return sum(not t.extends for t in self.turns[1:])
+
+
+def as_messages(value: str | list[Message], roles: tuple[str, ...] | None = None) -> list[Message]:
+    """A string as one user message, a message list as is; ValueError for anything else (or a role outside
+    ``roles`` when given)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value):
+        raise ValueError(f"expected a string or a non-empty list of {{'role', 'content'}} messages, got "
+                         f"{type(value).__name__}: {str(value)[:80]!r}")
+    wrong = [m["role"] for m in value if roles is not None and m["role"] not in roles]
+    if wrong:
+        raise ValueError(f"messages with role(s) {wrong}: the roles allowed here are {list(roles or ())}")
+    return [dict(m) for m in value]
+
+
+def _raw_text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"the tokenizer has no chat template, so prompts and observations must be strings (raw "
+                         f"text), got {type(value).__name__}: {str(value)[:80]!r}; return strings, or use a "
+                         "checkpoint whose tokenizer has a chat template")
+    return value
+
+
+def trajectory_rows(turns: list[Turn], *, reward: float, uid: Hashable, trajectory_id: Hashable) -> list[dict]:
+    """The step-wise ``GeneratorOutput`` rows of one conversation: one per turn, ``reward`` on the last."""
+    last = len(turns) - 1
+    rows = [{"prompt_token_ids": t.prompt_ids, "response_ids": t.response_ids,
+             "rewards": reward if i == last else 0.0, "loss_masks": [1] * len(t.response_ids), "uids": uid,
+             "rollout_logprobs": t.logprobs, "trajectory_ids": trajectory_id, "is_last_step": i == last,
+             "stop_reasons": t.finish_reason} for i, t in enumerate(turns)]
+    if all("routed_experts" in t.extra for t in turns):  # MoE routing replay R3 (builtin_engine.py)
+        for row, t in zip(rows, turns):
+            row["routed_experts"] = t.extra["routed_experts"]
+    return rows

@@ -1,0 +1,44 @@
+"""Which engine serves which request: a pure function of the batch, so a run is reproducible.
+
+Place in the data flow: ``fleet.py`` routes every ``generate`` call's prompts with ``route`` before sending them,
+and routes again (over the engines still serving) the requests of an engine that failed.
+
+Rules:
+- **A group stays on one engine.** Requests with the same prompt (the samples of one GRPO group, or the turns
+  of a session with the same ``key``) go to the same engine, where they share the prefix cache.
+- **Least-loaded by the batch's own work.** Groups are taken in order of first appearance; each goes to the
+  serving engine with the least work assigned so far (work = prompt tokens + ``max_tokens`` per request), ties
+  to the lowest engine index. The assignment depends only on the prompts, the engines serving and
+  ``max_tokens``, never on timing, so two identical runs send identical requests to identical engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+
+def group_keys(prompts: Sequence[Sequence[int]]) -> list[Hashable]:
+    """One key per prompt: identical prompts share a key (a GRPO group)."""
+    return [tuple(int(t) for t in p) for p in prompts]
+
+
+def route(prompts: Sequence[Sequence[int]], engines: Sequence[int], *, max_tokens: int,
+          keys: Sequence[Hashable] | None = None) -> list[int]:
+    """The engine (one of ``engines``, the indices serving) for each prompt.
+
+    ``keys``: the routing key of each prompt (default: the prompt itself, ``group_keys``)."""
+    if not engines:
+        raise ValueError("route: no engine is serving")
+    keys = group_keys(prompts) if keys is None else list(keys)
+    if len(keys) != len(prompts):
+        raise ValueError(f"route: {len(keys)} keys for {len(prompts)} prompts")
+    work = dict.fromkeys(engines, 0)
+    placed: dict[Hashable, int] = {}
+    group_work: dict[Hashable, int] = {}
+    for key, prompt in zip(keys, prompts):
+        group_work[key] = group_work.get(key, 0) + len(prompt) + max_tokens
+    for key in group_work:  # dicts keep insertion order: groups in order of first appearance
+        engine = min(engines, key=lambda e: (work[e], e))
+        placed[key] = engine
+        work[engine] += group_work[key]
+    return [placed[key] for key in keys]

@@ -1,0 +1,234 @@
+"""One rollout engine as the trainer sees it: a ``vllm serve`` server at a URL, started here or attached.
+
+Place in the data flow: ``fleet.py`` (trainer rank 0 only, never inside a collective) holds N of these; each
+generation request, weight-sync call and health check of the job goes through ``EngineServer.call``.
+
+- ``EngineServer.start``: ``<engine python> -m megatron_rl.inference.vllm_serve`` (``vllm serve`` + the job's
+  token + a watchdog that kills the server with the trainer) in a new session, on loopback, a free port, its
+  log in ``<work_dir>/engine<i>.log``; ``kill`` removes its whole process group.
+- ``EngineServer.attach``: a server the user started (``rollout.engine_urls``); it is never killed or restarted
+  by the job, and must run the same command (worker extension, token) to accept weights.
+
+Requests (JSON over HTTP, ``Authorization: Bearer <token>``): ``complete`` is token-in/token-out
+``/v1/completions`` with a per-request seed and processed (tempered) log-probs. A refused connection, a reset, an
+HTTP 5xx or a timeout raise ``EngineDown`` (the fleet replaces the engine); an HTTP 4xx raises ``EngineError``
+(a request the engine cannot serve: the same on any engine).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.inference.engine import Completion, SamplingSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+"""The directory that holds the ``megatron_rl`` package (put on the engine's PYTHONPATH)."""
+
+_TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "PYTHONPATH", "VIRTUAL_ENV",
+                "CUDA_VISIBLE_DEVICES")
+MODEL_NAME = "megatron_rl"
+"""``--served-model-name`` of the engines the job starts (an attached server may serve any one model)."""
+
+
+class EngineStartError(RuntimeError):
+    """An engine did not start (the message ends with the tail of its log)."""
+
+
+class EngineError(RuntimeError):
+    """An engine refused a request (HTTP 4xx): the request is at fault, not the engine."""
+
+
+class EngineDown(RuntimeError):
+    """An engine did not answer (dead, hung past its timeout, or an HTTP 5xx): replace it."""
+
+
+def log_tail(path: Path | None, lines: int = 30) -> str:
+    if path is None:
+        return "(an attached engine: its log is wherever it was started)"
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no engine log)"
+    return "\n".join(text[-lines:])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions:
+    """The ``vllm serve`` settings of the engines a job starts (from ``rollout.*`` and ``model.*``)."""
+
+    python: str
+    dtype: str
+    max_model_len: int
+    seed: int
+    kv_cache_gib: float
+    gpu_memory_utilization: float
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 256
+
+
+class EngineServer:
+    """One engine: its URL, token, and (when the job started it) its process and log."""
+
+    def __init__(self, url: str, token: str, *, proc: subprocess.Popen | None = None,
+                 log_path: Path | None = None) -> None:
+        self.url = url.rstrip("/")
+        parsed = urllib.parse.urlsplit(self.url)
+        self.host, self.port = parsed.hostname or "127.0.0.1", parsed.port or 80
+        self.token = token
+        self.proc = proc
+        self.log_path = log_path
+
+    @property
+    def owned(self) -> bool:
+        """True for a server the job started (and may kill and restart)."""
+        return self.proc is not None
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    @classmethod
+    def start(cls, model_dir: Path, options: ServeOptions, *, token: str, log_path: Path,
+              cpu_cores: str | None = None, devices: str | None = None) -> "EngineServer":
+        """Start ``vllm serve`` on ``model_dir`` (returns at once; ``wait_ready`` waits for it)."""
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
+        env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", MEGATRON_RL_ENGINE_TOKEN=token,
+                   VLLM_CPU_KVCACHE_SPACE=str(max(1, round(options.kv_cache_gib))))
+        if cpu_cores is not None:  # CPU: one share of the cores per engine (vLLM binds its OMP threads there)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        command = [
+            options.python, "-m", "megatron_rl.inference.vllm_serve", "--parent-pid", str(os.getpid()),
+            str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+            "--dtype", options.dtype, "--max-model-len", str(options.max_model_len), "--seed", str(options.seed),
+            "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
+            "--enable-prefix-caching", "--max-num-seqs", str(options.max_num_seqs),
+            # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks kills the engine ("CPU Generator
+            # does not use offset", ../shared/SERVE_NOTES.md section 6); whole prompts also keep a step of any size
+            # within one prefill (max_num_batched_tokens >= max_model_len)
+            "--no-enable-chunked-prefill",
+            "--gpu-memory-utilization", str(options.gpu_memory_utilization),
+            "--tensor-parallel-size", str(options.tensor_parallel_size),
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, cwd=str(REPO_ROOT))
+        return cls(f"http://127.0.0.1:{port}", token, proc=proc, log_path=log_path)
+
+    @classmethod
+    def attach(cls, url: str, token: str) -> "EngineServer":
+        return cls(url, token)
+
+    def wait_ready(self, timeout_s: float, what: str = "the vLLM engine") -> dict:
+        """Poll ``/health`` until it answers 200; returns ``/v1/models``' first model. EngineStartError with the
+        log's tail when the process exits or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise EngineStartError(f"{what} exited with code {self.proc.returncode} while starting; last lines "
+                                       f"of {self.log_path}:\n{log_tail(self.log_path)}")
+            try:
+                self.call("GET", "/health", timeout_s=5)
+                models = self.call("GET", "/v1/models", timeout_s=10)
+                return (models.get("data") or [{}])[0]
+            except EngineError as err:  # 401: an attached server with another token
+                raise EngineStartError(f"{what} at {self.url} refused the job's token ({err}); start it with "
+                                       "$MEGATRON_RL_ENGINE_TOKEN set to the job's value (docs/INFERENCE.md)") from None
+            except EngineDown:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"{what} at {self.url} did not answer within {timeout_s:.0f} s "
+                                       f"(rollout.start_timeout_s); last lines of {self.log_path}:\n"
+                                       f"{log_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (idempotent; an attached server is left alone)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    # ------------------------------------------------------------------------------------------- requests
+    def call(self, method: str, path: str, body: Any = None, *, timeout_s: float) -> Any:
+        """One HTTP request; the decoded JSON answer (or None). EngineDown / EngineError as in the module doc."""
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {self.token}"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        try:
+            connection.request(method, path, body=data, headers=headers)
+            response = connection.getresponse()
+            payload = response.read()
+        except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out
+            raise EngineDown(f"{method} {path}: {type(err).__name__}: {err}") from None
+        finally:
+            connection.close()
+        if response.status >= 500:
+            raise EngineDown(f"{method} {path}: HTTP {response.status}: {payload[:500].decode(errors='replace')}")
+        if response.status >= 400:
+            raise EngineError(f"{method} {path}: HTTP {response.status}: {payload[:500].decode(errors='replace')}")
+        return json.loads(payload) if payload else None
+
+    def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, timeout_s: float,
+                 model: str = MODEL_NAME) -> Completion:
+        """One sampled response to ``prompt`` (token ids), reproducible from ``seed``."""
+        body = {
+            "model": model, "prompt": prompt, "max_tokens": spec.max_tokens, "temperature": spec.temperature,
+            "top_p": spec.top_p, "seed": seed, "stop_token_ids": list(spec.stop_token_ids), "ignore_eos": True,
+            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }  # fmt: skip
+        choice = self.call("POST", "/v1/completions", body, timeout_s=timeout_s)["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+        reason = "stop" if ids and ids[-1] in spec.stop_token_ids else "length"
+        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason)
+
+    def collective_rpc(self, method: str, *args: Any, timeout_s: float) -> list:
+        """Call ``WorkerExtension.<method>(*args)`` on every worker of the engine; one result per worker."""
+        answer = self.call("POST", "/collective_rpc", {"method": method, "args": list(args), "timeout": timeout_s},
+                           timeout_s=timeout_s + 30)
+        return answer.get("results", []) if isinstance(answer, dict) else answer
+
+    def generated_tokens(self, timeout_s: float = 10) -> float:
+        """The engine's ``vllm:generation_tokens_total`` counter (its progress, for the hang check)."""
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        try:
+            connection.request("GET", "/metrics", headers={"Authorization": f"Bearer {self.token}"})
+            text = connection.getresponse().read().decode(errors="replace")
+        except (OSError, http.client.HTTPException) as err:
+            raise EngineDown(f"GET /metrics: {type(err).__name__}: {err}") from None
+        finally:
+            connection.close()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:generation_tokens_total"))

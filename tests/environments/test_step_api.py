@@ -1,0 +1,206 @@
+"""The step-API environment (``job.environment=<file.py>:<Class>``): episodes of a user's class through an engine,
+as step-wise rows trained token-exact; the turn cap and the context limit; failed episodes left out and
+counted; mistakes in the class found at start-up as one line naming the class and the call; the data position
+as state."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from chat_helpers import KEEP_HISTORY, STRIP_REASONING, ScriptedEngine, chat_tokenizer
+
+from megatron_rl.config import ConfigError
+from megatron_rl.data.generator_output import validate_generator_output
+from megatron_rl.data.merge import merge_stepwise_output
+from megatron_rl.environments.single_turn.config import DataConfig
+from megatron_rl.environments.step_api.environment import StepApiEnvironment
+from megatron_rl.environments.step_api.failures import EveryEpisodeFailed
+from megatron_rl.inference.engine import SamplingSpec
+
+GAME = '''
+class Game:
+    """Answer each digit d with d + 1; 1/len(digits) per right answer."""
+
+    def __init__(self, digits, fail_at=-1):
+        self.digits, self.turn, self.fail_at = digits, 0, fail_at
+
+    def reset(self):
+        return f"{self.digits[0]} ?"
+
+    def step(self, response):
+        if self.turn == self.fail_at:
+            raise RuntimeError("this row breaks")
+        right = response.split()[-1:] == [str((self.digits[self.turn] + 1) % 10)]
+        reward = float(right) / len(self.digits)
+        self.turn += 1
+        if self.turn == len(self.digits):
+            return {"observation": None, "reward": reward, "done": True}
+        return f"{'+' if right else '-'} {self.digits[self.turn]} ?", reward, False
+'''
+
+
+def answer(prompt: str, think: bool = False) -> str:
+    """The right reply to the last question of ``prompt`` (``think``: with a reasoning block first)."""
+    words = prompt.split()
+    digit = int(words[len(words) - 1 - words[::-1].index("?") - 1])
+    return ("<think> 1 </think> " if think else "") + f"{(digit + 1) % 10} <|im_end|>"
+
+
+def write(tmp_path: Path, rows: list[dict], source: str = GAME, name: str = "train.jsonl") -> tuple[Path, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "game.py").write_text(source)
+    (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "game.py", tmp_path / name
+
+
+def make(tmp_path, template=KEEP_HISTORY, rows=None, source=GAME, spec="Game", max_turns=8, max_prompt=200,
+         val=None):
+    rows = rows or [{"digits": [d, (d + 3) % 10, (d + 5) % 10]} for d in range(4)]
+    game, train = write(tmp_path, rows, source)
+    data = DataConfig(train_files=str(train), shuffle=False)
+    if val is not None:
+        data = DataConfig(train_files=str(train), val_files=str(write(tmp_path, val, source, "val.jsonl")[1]),
+                          shuffle=False)
+    tok = chat_tokenizer(tmp_path / "tok", template)
+    return StepApiEnvironment(f"{game}:{spec}", data, tok, seed=3, max_turns=max_turns,
+                              max_prompt_tokens=max_prompt), tok
+
+
+SPEC = SamplingSpec(max_tokens=8, stop_token_ids=(2,))
+
+
+def rollout(env, engine, num_prompts=2, n=2):
+    return env.rollout(engine, SPEC, num_prompts=num_prompts, n_samples_per_prompt=n, seed=1, step_wise=True)
+
+
+def test_episodes_become_step_wise_rows_merged_per_episode(tmp_path):
+    env, tok = make(tmp_path)
+    engine = ScriptedEngine(tok, answer)
+    out = rollout(env, engine)
+    rows = validate_generator_output(out.output, step_wise=True)
+    assert len(rows["response_ids"]) == 2 * 2 * 3  # rows x samples x turns
+    assert rows["uids"] == [0] * 6 + [1] * 6 and rows["trajectory_ids"][:4] == [(0, 0)] * 3 + [(0, 1)]
+    assert rows["rewards"][2] == pytest.approx(1.0) and rows["rewards"][:2] == [0.0, 0.0]  # summed on the last
+    sampled = [tok(answer(tok.decode(p)), add_special_tokens=False)["input_ids"] for call in engine.calls for p in call]
+    assert sorted(rows["response_ids"]) == sorted(sampled)  # trained ids == sampled ids
+    merged, counts = merge_stepwise_output(rows)
+    assert counts["num_seq_after_merge"] == 4  # history kept: one sequence per episode
+    assert out.metrics["episode/turns_mean"] == 3 and out.metrics["episode/ended_done"] == 4
+    assert out.metrics["episode/turn_2/reward_mean"] == pytest.approx(1 / 3)
+    assert out.metrics["episode/new_steps_mean"] == 0 and out.metrics["rollout/failed_samples"] == 0
+    assert [len(call) for call in engine.calls] == [4, 4, 4]  # one engine call per turn, all episodes
+
+
+def test_reasoning_stripping_template_gives_separate_steps(tmp_path):
+    env, tok = make(tmp_path, template=STRIP_REASONING)
+    out = rollout(env, ScriptedEngine(tok, lambda p: answer(p, think=True)))
+    merged, counts = merge_stepwise_output(out.output)
+    assert counts["num_seq_after_merge"] == counts["num_seq_before_merge"] == 12
+    assert out.metrics["episode/new_steps_mean"] == 2
+
+
+def test_turn_cap_and_context_limit_end_episodes_with_a_counted_reason(tmp_path):
+    env, tok = make(tmp_path, max_turns=2)
+    out = rollout(env, ScriptedEngine(tok, answer))
+    assert out.metrics["episode/ended_max_turns"] == 4 and out.metrics["episode/turns_mean"] == 2
+    env, tok = make(tmp_path / "short", max_prompt=14)  # the first prompt has 7 tokens, the second 17
+    out = rollout(env, ScriptedEngine(tok, answer))
+    assert out.metrics["episode/ended_context"] == 4 and out.metrics["episode/turns_mean"] == 1
+    assert all(len(p) <= 14 for p in out.output["prompt_token_ids"])
+
+
+def test_failed_episodes_are_left_out_and_counted(tmp_path, capsys):
+    rows = [{"digits": [1, 2], "fail_at": 1}, {"digits": [3, 4]}]
+    env, tok = make(tmp_path, rows=rows)
+    out = rollout(env, ScriptedEngine(tok, answer))
+    assert out.metrics["rollout/failed_samples"] == 2 and set(out.output["uids"]) == {1}
+    assert capsys.readouterr().err.count("Game.step(response) raised RuntimeError: this row breaks") == 1
+    rollout(env, ScriptedEngine(tok, answer))  # logged once per run
+    assert "RuntimeError" not in capsys.readouterr().err
+    env, tok = make(tmp_path / "all", rows=[{"digits": [1, 2], "fail_at": 1}, {"digits": [1, 2], "fail_at": 0}])
+    with pytest.raises(EveryEpisodeFailed, match="every episode of the step's rollouts failed"):
+        rollout(env, ScriptedEngine(tok, answer))
+
+
+@pytest.mark.parametrize("source, spec, message", [
+    (GAME, "Nope", "has no class 'Nope'"),
+    ("Game = 3\n", "Game", "names a int, not a class"),
+    ("class Game:\n    def reset(self): return 'x'\n", "Game", r"class Game has no method step\(response\)"),
+    ("import no_such_module\n", "Game", "importing .* raised ModuleNotFoundError"),
+    ("class Game:\n    def __init__(self, prompt): pass\n    def reset(self): return 'x'\n"
+     "    def step(self, response): return None, 1.0, True\n", "Game", r"Game\(\*\*row\) raised TypeError"),
+    ("class Game:\n    def __init__(self, **row): pass\n    def reset(self): return 3\n"
+     "    def step(self, response): return None, 1.0, True\n", "Game", r"Game.reset\(\) returned '3' \(int\)"),
+    ("class Game:\n    def __init__(self, **row): pass\n    def reset(self): return 'x'\n"
+     "    def step(self, response): return 1.0\n", "Game", r"Game.step\(response\) returned '1.0' \(float\): it must"),
+    ("class Game:\n    def __init__(self, **row): pass\n    def reset(self): return 'x'\n"
+     "    def step(self, response): return 'y', float('nan'), False\n", "Game", "the reward must be a finite number"),
+    ("class Game:\n    def __init__(self, **row): pass\n    def reset(self): return 'x'\n"
+     "    def step(self, response): return None, 0.0, False\n", "Game", "observation is None but done is False"),
+    ("class Game:\n    def __init__(self, **row): pass\n    def reset(self): return 'x'\n"
+     "    def step(self, response): return [{'role': 'assistant', 'content': 'y'}], 0.0, False\n", "Game",
+     r"roles allowed here are \['user', 'tool'\]"),
+])
+def test_mistakes_in_the_class_stop_at_start_up_with_one_line(tmp_path, source, spec, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        make(tmp_path, source=source, spec=spec)
+    assert "\n" not in str(err.value) and "job.environment=" in str(err.value)
+
+
+def test_messages_need_a_chat_template(tmp_path):
+    source = GAME.replace('return f"{self.digits[0]} ?"', 'return [{"role": "user", "content": "1 ?"}]')
+    with pytest.raises(ConfigError, match="no chat template"):
+        make(tmp_path, template=None, source=source)
+
+
+def test_same_seed_same_rollouts_and_the_data_position_is_the_state(tmp_path):
+    from megatron_rl.inference.builtin_engine import BuiltinEngine, uniform_next_token_logprobs
+
+    def run(env, tok):
+        return rollout(env, BuiltinEngine(uniform_next_token_logprobs(len(tok))), num_prompts=3).output
+
+    straight, tok = make(tmp_path / "a")
+    first, second = run(straight, tok), run(straight, tok)
+    resumed, tok = make(tmp_path / "b")
+    assert run(resumed, tok) == first
+    resumed, tok = make(tmp_path / "c")
+    resumed.load_state_dict(json.loads(json.dumps(straight.state_dict())) | {"consumed": 3})
+    assert run(resumed, tok) == second
+
+
+def test_evaluation_plays_each_held_out_row_once(tmp_path):
+    val = [{"digits": [d, d]} for d in range(5)]
+    env, tok = make(tmp_path, val=val)
+    metrics = env.evaluate(ScriptedEngine(tok, answer), SPEC, seed=0, num_prompts=None, pass_threshold=1.0).metrics
+    assert metrics["eval/reward_mean"] == pytest.approx(1.0) and metrics["eval/pass_rate"] == 1.0
+    assert "step-API environment Game" in env.describe() and "val: 5 rows" in env.describe()
+
+
+def test_raw_text_without_a_chat_template(tmp_path):
+    env, tok = make(tmp_path, template=None)
+    out = rollout(env, ScriptedEngine(tok, answer))
+    assert merge_stepwise_output(out.output)[1]["num_seq_after_merge"] == 4
+    assert out.metrics["episode/turn_3/reward_mean"] == pytest.approx(1 / 3)
+
+
+def test_the_example_of_docs_job_md_runs(tmp_path):
+    """The step-API class printed in docs/JOB.md, as written, through the environment."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "JOB.md").read_text()
+    source = text.split("## A multi-turn environment of your own")[1].split("```python\n")[1].split("```")[0]
+    env, tok = make(tmp_path, rows=[{"secret": 5}, {"secret": 2}], source=source, spec="Guess", max_turns=3)
+    out = rollout(env, ScriptedEngine(tok, lambda prompt: "2 <|im_end|>"))
+    assert out.metrics["episode/ended_done"] == 2 and out.metrics["episode/ended_max_turns"] == 2
+    assert out.output["rewards"][-1] == 1.0 and out.metrics["episode/new_steps_mean"] == 0
+
+
+def test_a_module_on_the_path_names_the_class_too(tmp_path, monkeypatch):
+    from megatron_rl.environments.step_api.user_class import UserClass
+
+    (tmp_path / "my_step_env_module.py").write_text(GAME)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert UserClass("my_step_env_module:Game").name == "Game"
+    with pytest.raises(ConfigError, match="cannot import 'no_such_step_module'"):
+        UserClass("no_such_step_module:Game")

@@ -1,0 +1,131 @@
+"""A one-process trainer with a fleet of two real ``vllm serve`` engines, for ``test_fleet.py`` (run as a script).
+
+    python fleet_trainer.py HF_DIR WORK_DIR
+
+Runs every fleet check against the same two servers (they take ~30-60 s each to start, so the checks share
+them) and prints one JSON object on its last line; the test asserts on it:
+
+- ``auth``: HTTP status per route without the token / with a wrong one; ``bind``: each engine's listening address;
+- ``repeat_equal``: the same call twice (same seed) gives the same samples;
+- ``after_kill``: engine 1 SIGKILLed while a call runs: the samples equal the healthy fleet's (same seeds on
+  another engine), ``rollout/engine_restarts`` = 1, then after a sync both engines serve with the trainer's weights;
+- ``after_hang``: engine 0 SIGSTOPped: detected within ``rollout.request_timeout_s``, same samples;
+- ``after_all_down``: both killed: the call waits for the replacements, gives them the current weights, same samples.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROUTES = [("GET", "/health"), ("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/is_paused"),
+          ("GET", "/server_info"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/collective_rpc"),
+          ("POST", "/reset_prefix_cache"), ("POST", "/v1/completions"), ("POST", "/inference/v1/generate")]
+
+
+def _status(server, method: str, path: str, token: str | None) -> int:
+    connection = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    connection.request(method, path, body=b"{}" if method == "POST" else None, headers=headers)
+    status = connection.getresponse().status
+    connection.close()
+    return status
+
+
+def _listen_address(port: int) -> str:
+    """The local address a TCP socket listens on at ``port`` (from /proc/net/tcp{,6})."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, hex_port = fields[1].rsplit(":", 1)
+            if int(hex_port, 16) == port and fields[3] == "0A":  # 0A = LISTEN
+                return "127.0.0.1" if address == "0100007F" else address
+    return "not found"
+
+
+def _same(a, b) -> bool:
+    return [c.token_ids for c in a] == [c.token_ids for c in b] and all(
+        abs(x - y) <= 1e-4 for ca, cb in zip(a, b) for x, y in zip(ca.logprobs, cb.logprobs))
+
+
+def main(hf_dir: str, work_dir: str) -> int:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_trainer import _policy, _rollout_config
+
+    from megatron_rl.inference.engine import SamplingSpec
+    from megatron_rl.inference.vllm_engine import VLLMEngine
+    from megatron_rl.trainer import Trainer
+
+    policy = _policy(hf_dir)
+    engine = VLLMEngine.start(policy, _rollout_config(["rollout.num_engines=2", "rollout.request_timeout_s=15"]),
+                              hf_dir=hf_dir, work_dir=work_dir)
+    result: dict = {}
+    try:
+        slots = engine.fleet.slots
+        token = engine.fleet.token
+        result["auth"] = {f"{m} {p}": [_status(slots[0].server, m, p, None), _status(slots[0].server, m, p, "x" + token)]
+                          for m, p in ROUTES}
+        result["bind"] = [_listen_address(s.server.port) for s in slots]
+        trainer = Trainer(policy.config, policy)
+        spec = SamplingSpec(max_tokens=24, temperature=1.0, stop_token_ids=(2,))
+        prompts = [p for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13], [14]) for _ in range(4)]
+
+        def train_and_sync(completions) -> None:
+            trainer.train_step({
+                "prompt_token_ids": prompts, "response_ids": [c.token_ids for c in completions],
+                "rewards": [float(len(c.token_ids) % 3) for c in completions], "uids": [i // 4 for i in range(16)],
+                "loss_masks": [[1] * len(c.token_ids) for c in completions],
+                "rollout_logprobs": [c.logprobs for c in completions],
+            })  # fmt: skip
+            engine.update_weights(policy)
+
+        train_and_sync(engine.generate(prompts, spec, seed=0))
+        reference = engine.generate(prompts, spec, seed=1)
+        engine.generate(prompts, spec, seed=2)
+        result["repeat_equal"] = _same(reference, engine.generate(prompts, spec, seed=1))
+        result["start_metrics"] = engine.step_metrics()
+
+        engine.generate(prompts, spec, seed=2)
+        killer = threading.Timer(0.2, lambda: os.killpg(slots[1].server.proc.pid, signal.SIGKILL))
+        killer.start()
+        after_kill = engine.generate(prompts, spec, seed=1)
+        killer.join()
+        result["after_kill"] = {"same": _same(reference, after_kill), "metrics": engine.step_metrics()}
+        deadline = time.monotonic() + 300
+        while not engine.fleet.ready_to_join() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        engine.record_digests = True
+        train_and_sync(after_kill)
+        digests = [engine.digests(i) for i in range(2)]
+        result["after_kill"]["synced"] = {"metrics": engine.step_metrics(), "digests_equal": digests[0] == digests[1],
+                                          "tensors": len(digests[0])}
+        reference = engine.generate(prompts, spec, seed=3)
+
+        engine.generate(prompts, spec, seed=2)
+        os.killpg(slots[0].server.proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        after_hang = engine.generate(prompts, spec, seed=3)
+        result["after_hang"] = {"same": _same(reference, after_hang), "seconds": time.monotonic() - started,
+                                "metrics": engine.step_metrics()}
+
+        engine.generate(prompts, spec, seed=2)
+        for slot in slots:
+            if slot.server.proc.poll() is None:
+                os.killpg(slot.server.proc.pid, signal.SIGKILL)
+        after_all_down = engine.generate(prompts, spec, seed=3)
+        result["after_all_down"] = {"same": _same(reference, after_all_down), "metrics": engine.step_metrics()}
+        result["pids"] = [s.server.proc.pid for s in slots]
+    finally:
+        engine.close()
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

@@ -1,0 +1,43 @@
+"""The fleet's router (``megatron_rl/inference/router.py``): a GRPO group stays on one engine, groups are balanced
+by work, and the assignment is a function of the batch alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.inference.router import route
+
+
+def _groups(sizes: list[int], length: int = 4) -> list[list[int]]:
+    return [[g] * length for g, n in enumerate(sizes) for _ in range(n)]
+
+
+def test_a_group_stays_on_one_engine_and_groups_spread():
+    prompts = _groups([4, 4, 4, 4])
+    engines = route(prompts, [0, 1], max_tokens=8)
+    by_group = {}
+    for prompt, engine in zip(prompts, engines):
+        by_group.setdefault(prompt[0], set()).add(engine)
+    assert all(len(e) == 1 for e in by_group.values())
+    assert [engines.count(0), engines.count(1)] == [8, 8]
+
+
+def test_least_loaded_by_work_not_by_count():
+    # one long group, then three short ones: the short ones all go to the other engine
+    prompts = [[0] * 100] * 2 + _groups([2, 2, 2], length=2)
+    engines = route(prompts, [0, 1], max_tokens=1)
+    assert engines[:2] == [0, 0] and set(engines[2:]) == {1}
+
+
+def test_deterministic_and_only_serving_engines():
+    prompts = _groups([3, 1, 2, 5, 2])
+    assert route(prompts, [0, 2], max_tokens=4) == route([list(p) for p in prompts], [0, 2], max_tokens=4)
+    assert set(route(prompts, [2], max_tokens=4)) == {2}
+    with pytest.raises(ValueError, match="no engine"):
+        route(prompts, [], max_tokens=4)
+
+
+def test_session_keys_pin_different_prompts():
+    prompts = [[1], [1, 2, 3], [7], [7, 8, 9]]
+    engines = route(prompts, [0, 1], max_tokens=4, keys=["a", "a", "b", "b"])
+    assert engines[0] == engines[1] and engines[2] == engines[3] and engines[0] != engines[2]
