@@ -5,7 +5,8 @@ plus a quick look at the task.
 torchrun starts any rank; exit code 2 and one line on stderr when the run cannot start (see the library module).
 The environment is built once here on the first ``PREFLIGHT_ROWS`` rows of each data file: the files are read,
 the prompt column and the chat template resolved, the reward function imported and called on the first row, so
-these mistakes come in about a second, before any rank starts (every rank builds it again on all the rows).
+these mistakes come in the pre-flight (seconds, mostly imports), before any rank starts (every rank builds it
+again on all the rows).
 """
 
 from __future__ import annotations
