@@ -16,10 +16,11 @@ of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
                          then the last few samples
 
 Resuming appends to ``metrics.jsonl`` and ``samples.jsonl``; lines of steps after the resume point (a crashed
-tail) are dropped first, so each file holds each step once. Lines are appended whole (one ``write`` each). Every file rewritten here (the truncated ``metrics.jsonl``, ``summary.txt``,
-``reward_loss.png``) is replaced atomically (``megatron_rl/atomic.py``): a kill at any instant leaves the old
-or the new version, so a resume keeps every row up to its checkpoint. TensorBoard resumes with
-``purge_step=start_step + 1``: events of steps after the checkpoint (the crashed tail) are hidden, none twice.
+tail) are dropped first, so each file holds each step once; lines are appended whole (one ``write`` each). Every
+file rewritten here (the truncated ``metrics.jsonl`` and ``samples.jsonl``, ``summary.txt``, ``reward_loss.png``)
+is replaced atomically (``megatron_rl/atomic.py``): a kill at any instant leaves the old or the new version, so
+a resume keeps every row up to its checkpoint. TensorBoard resumes with ``purge_step=start_step + 1``: events of
+steps after the checkpoint (the crashed tail) are hidden, none twice.
 """
 
 from __future__ import annotations

@@ -93,8 +93,9 @@ def test_a_step_where_every_sample_failed_names_the_first_failure(word_tokenizer
         "    if response == '':\n"
         "        return 0.0\n"  # passes the start-up check (called with response='')
         "    return {'reward': 1.0, 'oops': 'text'}\n")
-    env = SingleTurnEnvironment(DataConfig(train_files=str(TRAIN)), RewardConfig(function=f"{tmp_path / 'broken.py'}:reward"),
-                                word_tokenizer, seed=0, max_prompt_tokens=16)
+    env = SingleTurnEnvironment(DataConfig(train_files=str(TRAIN)),
+                                RewardConfig(function=f"{tmp_path / 'broken.py'}:reward"), word_tokenizer, seed=0,
+                                max_prompt_tokens=16)
     spec = SamplingSpec(max_tokens=3, temperature=1.0, stop_token_ids=env.stop_token_ids)
     with pytest.raises(AllSamplesFailed, match=r"all 4 samples .* first: reward.function failed on row \d+: "
                                                r"ConfigError: .*oops='text'"):

@@ -101,19 +101,19 @@ def test_readme_command_from_another_directory_with_relative_paths_and_a_failing
     user-job base config; the reward function raises on one row: the run goes on, says so once, counts it."""
     import shutil
 
-    for name in ("model", "prompts.jsonl"):
-        (shutil.copytree if name == "model" else shutil.copy)(task[name if name == "model" else "data"],
-                                                             tmp_path / name)
+    shutil.copytree(task["model"], tmp_path / "model")
+    shutil.copy(task["data"], tmp_path / "prompts.jsonl")
     (tmp_path / "my_reward.py").write_text(
         "def match(prompt, response, target):\n"
         "    if prompt.startswith('3 '):\n"
         "        raise KeyError('no rule for 3')\n"
         "    return float(response.split()[:1] == [target])\n")
     env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "CONFIG": ""}
-    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), "model.hf_path=model", "data.train_files=prompts.jsonl",
-                           "reward.function=my_reward.py:match", "job.num_steps=2", "batch.train_batch_size=10",
-                           "batch.policy_mini_batch_size=5", "job.n_samples_per_prompt=2", "job.max_new_tokens=4",
-                           "logging.progress_bar=false", "logging.sample_interval=1", "data.shuffle=false"],
+    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), "model.hf_path=model",
+                           "data.train_files=prompts.jsonl", "reward.function=my_reward.py:match", "job.num_steps=2",
+                           "batch.train_batch_size=10", "batch.policy_mini_batch_size=5", "job.n_samples_per_prompt=2",
+                           "job.max_new_tokens=4", "logging.progress_bar=false", "logging.sample_interval=1",
+                           "data.shuffle=false"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.startswith(f"base config: {ROOT / 'configs' / 'user_job.yaml'}")
@@ -143,9 +143,9 @@ def test_a_step_where_every_sample_fails_stops_with_one_line_and_keeps_the_check
                       "        raise RuntimeError('scorer offline')\n"
                       "    return 0.0\n")
     env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port())}
-    overrides = [f"model.hf_path={task['model']}", f"data.train_files={task['data']}", f"reward.function={broken}:match",
-                 f"logging.output_dir={out_dir}", "logging.progress_bar=false", "checkpoint.save_interval=2",
-                 "batch.train_batch_size=4", "job.num_steps=4"]
+    overrides = [f"model.hf_path={task['model']}", f"data.train_files={task['data']}",
+                 f"reward.function={broken}:match", f"logging.output_dir={out_dir}", "logging.progress_bar=false",
+                 "checkpoint.save_interval=2", "batch.train_batch_size=4", "job.num_steps=4"]
     proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *overrides], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
