@@ -9,7 +9,9 @@ Place in the data flow: inside an environment's ``rollout``, between scoring and
 
 Interface for an environment (``single_turn`` uses it; a step-API environment or agent does the same):
 
-1. build the step's ``GeneratorOutput`` as usual, giving a failed sample any finite reward (0.0);
+1. build the step's ``GeneratorOutput`` as usual, giving a failed sample any finite reward (0.0) and at least
+   one row (the turns it played before failing): a group whose samples all failed stays in the batch as one
+   of those rows, so the rows are needed even though they are never trained on;
 2. ``failed[i]`` per sequence (True where sample i raised; step-wise, one failed turn fails its trajectory);
 3. ``output, metrics = drop_failed_samples(output, failed)``; put ``metrics`` and the ``SampleFailure`` records
    (``failure(index, row, err)``) into ``Rollouts``. When every sample failed it raises ``AllSamplesFailed``:
