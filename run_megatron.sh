@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Launch the megatron_rl main job (python -m megatron_rl.job.main) with torchrun.
 #   NPROC        processes per node (default 2); with CUDA, at most one per visible GPU (else parallel.device=cpu)
-#   CONFIG       YAML of config overrides (default configs/demo_cpu.yaml; configs/demo_gpu.yaml: one GPU)
+#   CONFIG       YAML of config overrides (default: configs/user_job.yaml when data.train_files (or
+#                job.environment / job.agent) is given, else configs/demo_cpu.yaml, the digit game;
+#                configs/demo_gpu.yaml: one GPU). Relative paths, here and in every path key, are taken from
+#                the directory you run this script from (megatron_rl/job/paths.py).
 #   PY           the Python to run (a path or a command on PATH, e.g. PY=python3; default: the venv that
 #                scripts/setup.sh --venv names)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   torchrun's multi-node settings (defaults: one node, a free port)
@@ -12,6 +15,7 @@
 # rewritten); 2 for a usage error (config, directories, a checkpoint of another run: one line, before or after
 # the ranks start); 1 for a full or read-only disk during a save; otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
+export MEGATRON_RL_CALLER_CWD=$PWD  # relative paths are the caller's (megatron_rl/job/paths.py)
 cd "$(dirname "$0")"
 PY=${PY:-$(bash scripts/setup.sh --venv)/bin/python}
 command -v "$PY" >/dev/null || {
@@ -19,7 +23,8 @@ command -v "$PY" >/dev/null || {
   exit 1
 }
 NPROC=${NPROC:-2}
-CONFIG=${CONFIG:-configs/demo_cpu.yaml}
+# The base config, printed first ("base config: <path> (<why>)"): $CONFIG, else chosen from the overrides.
+CONFIG=$(CONFIG=${CONFIG:-} "$PY" -m megatron_rl.job.paths "$@") || exit 2
 # parallel.device (docs/DESIGN.md section 11): the last override wins, else the config's `device:` line (only
 # the parallel section has one). bootstrap.py applies and checks it in every rank; this is the early, friendly
 # stop: cpu hides the GPUs from the ranks, otherwise NCCL needs one visible GPU per rank.

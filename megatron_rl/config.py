@@ -462,6 +462,12 @@ class LoggingConfig(ConfigSection):
     """Write TensorBoard events (if tensorboard is installed)."""
     progress_bar: bool = True
     """Live progress bar on rank 0."""
+    sample_interval: int = field(default=10, metadata=NON_NEGATIVE)
+    """Main job: RL steps between sample records (0 = never; evaluations always write theirs): a few decoded
+    (prompt, response, reward) records go to ``<output_dir>/samples.jsonl`` and TensorBoard text
+    (``megatron_rl/job/reporting.py``)."""
+    num_samples: int = field(default=4, metadata=AT_LEAST_1)
+    """Main job: records per sample log (one response per prompt, the first prompts of the step)."""
 
 
 @dataclass(kw_only=True)

@@ -278,10 +278,15 @@ def rollout_metrics(batch: TrainingBatch) -> Metrics:
     """Reward, lengths and (when rollout log-probs are given) the rollout/old log-prob mismatch of a batch.
 
     ``reward/mean`` is the mean over trajectories of the last step's summed token rewards (where step-wise
-    rewards sit; a non-step-wise row is its own last step).
+    rewards sit; a non-step-wise row is its own last step), over the trajectories that are trained: a last step
+    without any loss token (the placeholder of a group dropped for failed samples, ``environments/failures.py``)
+    carries no reward. ``rollout/zero_advantage_groups``: the share of groups (uids with two or more trained
+    trajectories) whose rewards are all equal: GRPO and RLOO give them zero advantage, no learning signal.
     """
     last = torch.tensor(batch.is_last_step, dtype=torch.bool)  # [B]
-    trajectory_rewards = batch["rewards"].sum(dim=-1)[last]  # [num_trajectories]
+    trained = last & (batch["loss_mask"].sum(dim=-1) > 0)  # [B]
+    rows = trained if bool(trained.any()) else last
+    trajectory_rewards = batch["rewards"].sum(dim=-1)[rows]  # [num_trajectories]
     metrics = {
         "reward/mean": mean_metric(trajectory_rewards),
         "reward/max": Metric(float(trajectory_rewards.max()), 1.0, "max"),
@@ -291,9 +296,24 @@ def rollout_metrics(batch: TrainingBatch) -> Metrics:
         "batch/num_trajectories": Metric(int(last.sum()), 1.0, "sum"),
         "batch/loss_tokens": Metric(batch["loss_mask"].sum(), 1.0, "sum"),
     }
+    uids = [uid for uid, keep in zip(batch.uids, rows.tolist()) if keep]
+    metrics.update(zero_advantage_metrics(trajectory_rewards, uids))
     if "rollout_logprobs" in batch and "old_logprobs" in batch:
         metrics.update(logprob_mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["loss_mask"]))
     return metrics
+
+
+def zero_advantage_metrics(rewards: torch.Tensor, uids: list) -> Metrics:
+    """``rollout/zero_advantage_groups``: share of the groups of ``rewards [T]`` (one per trajectory, grouped by
+    ``uids``) with two or more members whose rewards are all equal (to 1e-6); {} when no group has two."""
+    groups: dict[Any, list[float]] = {}
+    for uid, reward in zip(uids, rewards.tolist()):
+        groups.setdefault(uid, []).append(reward)
+    sized = [g for g in groups.values() if len(g) > 1]
+    if not sized:
+        return {}
+    flat = sum(max(g) - min(g) <= 1e-6 * max(1.0, abs(max(g))) for g in sized)
+    return {"rollout/zero_advantage_groups": Metric(float(flat), float(len(sized)), "mean")}
 
 
 def over_mini_batches(batch: TrainingBatch, boundaries: list[tuple[int, int]], epochs: int,

@@ -14,7 +14,7 @@ def test_split_means_equal_the_whole_mean():
     whole = mean_metric(values, mask).final()
     parts = [mean_metric(values[a:b], mask[a:b]) for a, b in ((0, 1), (1, 4), (4, 7))]
     merged = merge_metrics(*({"m": p} for p in parts))["m"].final()
-    assert merged == pytest.approx(whole, rel=1e-6)
+    assert merged == pytest.approx(whole, rel=1e-6, abs=1e-6)  # fp32 sums of +-1 values: the mean can be near 0
     assert whole == pytest.approx(float((values * mask).sum() / mask.sum()), rel=1e-6)
 
 

@@ -21,7 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_rl.data.generator_output import GeneratorOutput
+from megatron_rl.environments.failures import SampleFailure
 from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
+
+
+@dataclass
+class Sample:
+    """One decoded sample for people to read (``samples.jsonl``, TensorBoard text, the summary)."""
+
+    prompt: str
+    response: str
+    reward: float | None
+    """None when scoring it failed (``error`` says why)."""
+    row: int | None = None
+    """The data row of its prompt, when there is one."""
+    error: str | None = None
 
 
 @dataclass
@@ -29,9 +43,25 @@ class Rollouts:
     """One RL step's rollouts and what the environment measured while producing them."""
 
     output: GeneratorOutput
-    """The sequences for ``Trainer.train_step`` (rewards included)."""
+    """The sequences for ``Trainer.train_step`` (rewards included; failed samples already dropped:
+    ``environments/failures.py``)."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """Extra scalars to log (e.g. ``reward_fn/<name>`` from a reward function, ``data/epoch``)."""
+    """Extra scalars to log (e.g. ``reward_fn/<name>`` from a reward function, ``data/epoch``,
+    ``rollout/failed_samples``)."""
+    samples: list[Sample] = field(default_factory=list)
+    """A few decoded samples, one per prompt, the first prompts of the step (the job logs them every
+    ``logging.sample_interval`` steps); may be empty."""
+    failures: list[SampleFailure] = field(default_factory=list)
+    """The samples whose scoring raised this step (the job prints the run's first one)."""
+
+
+@dataclass
+class Evaluation:
+    """One evaluation: ``eval/*`` metrics and a few decoded samples (logged at every evaluation)."""
+
+    metrics: dict[str, float]
+    samples: list[Sample] = field(default_factory=list)
+    failures: list[SampleFailure] = field(default_factory=list)
 
 
 class Environment(Protocol):
@@ -48,9 +78,10 @@ class Environment(Protocol):
         ...
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
-                 pass_threshold: float) -> dict[str, float]:
+                 pass_threshold: float) -> Evaluation:
         """``eval/reward_mean`` and ``eval/pass_rate`` (share of responses with reward >= ``pass_threshold``)
-        over held-out prompts, one response each; ``{}`` when the environment has none."""
+        over held-out prompts, one response each (failed ones left out, counted as ``eval/failed_samples``),
+        and a few decoded samples; empty metrics when the environment has no held-out prompts."""
         ...
 
     def random_baseline(self, seed: int) -> float | None:
@@ -66,9 +97,12 @@ class Environment(Protocol):
         ...
 
 
-def pass_metrics(rewards: list[float], threshold: float) -> dict[str, float]:
-    """``eval/reward_mean`` and ``eval/pass_rate`` of held-out rewards (one response per prompt)."""
-    if not rewards:
-        return {}
-    return {"eval/reward_mean": sum(rewards) / len(rewards),
-            "eval/pass_rate": sum(r >= threshold for r in rewards) / len(rewards)}
+def pass_metrics(rewards: list[float | None], threshold: float) -> dict[str, float]:
+    """``eval/reward_mean`` and ``eval/pass_rate`` of held-out rewards (one response per prompt; None = failed,
+    left out and counted as ``eval/failed_samples`` when there are any)."""
+    scored = [r for r in rewards if r is not None]
+    failed = {"eval/failed_samples": float(len(rewards) - len(scored))} if len(scored) < len(rewards) else {}
+    if not scored:
+        return failed
+    return {"eval/reward_mean": sum(scored) / len(scored),
+            "eval/pass_rate": sum(r >= threshold for r in scored) / len(scored), **failed}

@@ -19,8 +19,10 @@ from typing import Any
 from megatron_rl.config import ConfigError
 from megatron_rl.environments.base import Environment
 
-EnvironmentBuilder = Callable[[Any], Environment]
-"""Job config (``JobConfig``) -> environment; may raise ``ConfigError`` (before any process group)."""
+EnvironmentBuilder = Callable[..., Environment]
+"""``builder(config, *, max_rows=None)``: job config (``JobConfig``) -> environment; may raise ``ConfigError``
+(before any process group). ``max_rows`` (the pre-flight's quick look, ``job/preflight.py``): read only the
+first rows of any data the environment has."""
 ENVIRONMENTS: dict[str, EnvironmentBuilder] = {}
 
 
@@ -43,54 +45,68 @@ def known_environments() -> list[str]:
     return sorted(ENVIRONMENTS)
 
 
-def make_environment(config: Any) -> Environment:
-    """The environment ``config.environment`` names; ConfigError listing the known ones otherwise."""
+def make_environment(config: Any, *, max_rows: int | None = None) -> Environment:
+    """The environment ``config.environment`` names; ConfigError listing the known ones otherwise. ``max_rows``:
+    build it on the first rows of its data only (``job/preflight.py``)."""
     name = config.environment
     if is_class_spec(name):
-        return _step_api(config)
+        return _step_api(config, max_rows=max_rows)
     if name not in ENVIRONMENTS:
         raise ConfigError(f"job.environment={name!r} is not one of {known_environments()} nor a step-API class "
                           "(path/to/file.py:Class or package.module:Class)")
-    return ENVIRONMENTS[name](config)
+    return ENVIRONMENTS[name](config, max_rows=max_rows)
 
 
-def _next_digit(config: Any) -> Environment:
+def _next_digit(config: Any, *, max_rows: int | None = None) -> Environment:
     from megatron_rl.environments.next_digit.environment import NextDigitEnvironment
 
     return NextDigitEnvironment(config.next_digit, max_new_tokens=config.job.max_new_tokens)
 
 
-def _tokenizer_and_prompt_limit(config: Any) -> tuple[Any, int]:
-    """The tokenizer of ``model.hf_path`` and the longest prompt (tokens) a response still fits after:
-    ``data.max_prompt_tokens``, else the model's context minus ``job.max_new_tokens``."""
+def _tokenizer_and_context(config: Any) -> tuple[Any, int]:
+    """The tokenizer of ``model.hf_path`` and the model's context (``max_position_embeddings``); errors name
+    ``model.hf_path``."""
     from megatron_rl.hf.config import model_config_from_hf
     from megatron_rl.hf.tokenizer import load_tokenizer
 
     hf_path = config.rl.model.hf_path
     assert hf_path is not None, "JobConfig checks that this environment has model.hf_path"
     try:  # a folder that is not a supported checkpoint stops here, before any process group
-        context = model_config_from_hf(hf_path).max_position_embeddings
-        tokenizer = load_tokenizer(hf_path)
+        context = model_config_from_hf(hf_path, key="model.hf_path").max_position_embeddings
+        tokenizer = load_tokenizer(hf_path, key="model.hf_path")
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    return tokenizer, context
+
+
+def prompt_limit(config: Any, context: int) -> int:
+    """Longest prompt kept: ``data.max_prompt_tokens``, else the context minus ``job.max_new_tokens`` but at
+    least half the context (responses are then capped by what the context leaves: ``SingleTurnEnvironment``)."""
+    limit = config.data.max_prompt_tokens or max(context - config.job.max_new_tokens, context // 2)
+    if limit >= context:
+        raise ConfigError(f"data.max_prompt_tokens={limit} leaves no room for a response in the model's "
+                          f"max_position_embeddings={context}; set data.max_prompt_tokens below {context}")
+    return limit
+
+
+def _single_turn(config: Any, *, max_rows: int | None = None) -> Environment:
+    from megatron_rl.environments.single_turn.environment import SingleTurnEnvironment
+
+    tokenizer, context = _tokenizer_and_context(config)
+    return SingleTurnEnvironment(config.data, config.reward, tokenizer, seed=config.rl.seed,
+                                 max_prompt_tokens=prompt_limit(config, context), context=context, max_rows=max_rows)
+
+
+def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
+    """A step-API class (its turns are capped by ``job.max_new_tokens`` and the context per turn: the old rule,
+    ``data.max_prompt_tokens`` else the context minus ``job.max_new_tokens``)."""
+    from megatron_rl.environments.step_api.environment import StepApiEnvironment
+
+    tokenizer, context = _tokenizer_and_context(config)
     limit = config.data.max_prompt_tokens or context - config.job.max_new_tokens
     if limit < 1 or limit + config.job.max_new_tokens > context:
         raise ConfigError(f"data.max_prompt_tokens={limit} + job.max_new_tokens={config.job.max_new_tokens} exceeds "
                           f"the model's max_position_embeddings={context}; lower one of them")
-    return tokenizer, limit
-
-
-def _single_turn(config: Any) -> Environment:
-    from megatron_rl.environments.single_turn.environment import SingleTurnEnvironment
-
-    tokenizer, limit = _tokenizer_and_prompt_limit(config)
-    return SingleTurnEnvironment(config.data, config.reward, tokenizer, seed=config.rl.seed, max_prompt_tokens=limit)
-
-
-def _step_api(config: Any) -> Environment:
-    from megatron_rl.environments.step_api.environment import StepApiEnvironment
-
-    tokenizer, limit = _tokenizer_and_prompt_limit(config)
     return StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
                               max_turns=config.job.max_turns, max_prompt_tokens=limit)
 

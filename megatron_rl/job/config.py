@@ -42,6 +42,7 @@ from megatron_rl.environments.next_digit.config import NextDigitConfig
 from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
 from megatron_rl.inference.config import RolloutConfig, check_engine_model
+from megatron_rl.job.paths import resolve_path_keys
 
 
 @dataclass(kw_only=True)
@@ -280,10 +281,12 @@ def job_schema() -> Schema:
 def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobConfig:
     """Defaults <- YAML at ``path`` <- dotted overrides, for the library sections and the job's; validated once.
 
-    Raises ``ConfigError`` naming the key (unknown keys get a suggestion). The world size is checked later, by
-    ``initialize_distributed`` (and the pre-flight).
+    Relative paths (``model.hf_path``, ``data.*_files``, ``reward.function``'s file, ``logging.output_dir``, ...)
+    are made absolute against the caller's directory (``job/paths.py``). Raises ``ConfigError`` naming the key
+    (unknown keys get a suggestion). The world size is checked later, by ``initialize_distributed`` (and the
+    pre-flight).
     """
-    flat = read_overrides(path, overrides, renames=MOVED_KEYS)
+    flat = resolve_path_keys(read_overrides(path, overrides, renames=MOVED_KEYS))  # from where the user stands
     check_keys(flat, job_schema(), {**KEY_ALIASES, **JOB_KEY_ALIASES})
     sections = {name: build_config(JobConfig.__dataclass_fields__[name].default_factory, flat, f"{name}.")  # type: ignore
                 for name in JobConfig.SECTIONS}

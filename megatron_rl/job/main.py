@@ -10,13 +10,17 @@ rollout engine (``rollout.engine``: builtin or vllm). Each RL step, on every ran
     engine.update_weights(policy) every rollout.sync_interval steps
     every eval.interval steps: environment.evaluate (greedy by default)                  -> eval/* metrics
     rank 0: progress bar, metrics.jsonl, TensorBoard (job/reporting.py); every rank: checkpoint, HF export when due
+    rank 0, every logging.sample_interval steps and every evaluation: decoded samples -> samples.jsonl
 
-At the end (rank 0): ``reward_loss.png`` and ``summary.txt`` in ``logging.output_dir``. Rollouts of step ``k``
+At the end (rank 0): ``reward_loss.png`` and ``summary.txt`` in ``logging.output_dir``. A sample whose scoring
+raised is left out of training by the environment (``environments/failures.py``); rank 0 prints the run's first
+one, once; a step where every sample failed stops the run (``AllSamplesFailed``: one line, exit code 2, the last
+checkpoint kept). Rollouts of step ``k``
 depend only on ``(seed, k)``, the weights and the environment's data position (saved in every checkpoint), so a
 run resumed from the checkpoint of step ``k`` continues exactly as the uninterrupted run would have. Ctrl-C keeps
 the last complete checkpoint (saves are atomic); running the same command again resumes from it.
 
-    python -m megatron_rl.job.main --config configs/demo_cpu.yaml [section.key=value ...]
+    python -m megatron_rl.job.main [--config X.yaml] [section.key=value ...]   (no --config: job/paths.py picks)
 
 A configuration mistake (``ConfigError``: a bad key or value, a prompt file or reward function that does not
 work, a world size the parallel sizes do not divide) is
@@ -40,12 +44,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.config import ConfigError
-from megatron_rl.environments.base import Environment
+from megatron_rl.environments.base import Environment, Evaluation, Rollouts
+from megatron_rl.environments.failures import AllSamplesFailed
 from megatron_rl.environments.registry import make_environment
 from megatron_rl.inference.builtin_engine import rollout_seed
 from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
 from megatron_rl.inference.server import EngineError, EngineStartError
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
+from megatron_rl.job.paths import base_config
 from megatron_rl.job.reporting import RunReporter
 from megatron_rl.metrics import Metric
 
@@ -59,7 +65,8 @@ if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are impo
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="megatron_rl main job (RL on an environment: the digit game by "
                                      "default, or prompt files + a reward function)")
-    parser.add_argument("--config", default="configs/demo_cpu.yaml", help="YAML of config overrides")
+    parser.add_argument("--config", default=None, help="YAML of config overrides (default: job/paths.py: "
+                        "base_config, the user-job config for prompt files, else the digit game's)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-3 job.num_steps=20")
     return parser.parse_args(argv)
 
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
     try:
-        config = load_job_config(args.config, args.overrides)
+        config = load_job_config(base_config(args.config, args.overrides)[0], args.overrides)
         environment = make_environment(config)  # reads the data, checks the reward function: before any collective
         groups = initialize_distributed(config.rl.parallel, config.rl.seed)  # checks the world size first
     except ConfigError as err:
@@ -107,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         return report_config_error(err)
     except (EngineProblem, EngineError, EngineStartError) as err:  # the same message on every rank
         return report_error(str(err), kind="engine error", code=1)
+    except AllSamplesFailed as err:
+        return report_error(f"{err}. Nothing to train on: stopped, the last complete checkpoint in {config.save_dir} "
+                            "is kept; fix the function and run the same command again to resume", kind="rollout error",
+                            code=2)
     finally:
         if job is not None and job.engine is not None:
             job.engine.close()
@@ -229,11 +240,20 @@ def run(job: Job) -> int:
     reporter = open_reporter(job, start_step)
     baseline = job.environment.random_baseline(config.rl.seed) if job.is_rank0 else None
     started, step = time.time(), start_step
+    logging = config.rl.logging
     try:
         for step in range(start_step + 1, config.job.num_steps + 1):
-            metrics = rl_step(job, step)
+            metrics, rollouts = rl_step(job, step)
+            if reporter is not None:
+                reporter.note_failures(rollouts.failures, "reward.function" if job.config.environment == "single_turn"
+                                       else "the environment")
+                if due(logging.sample_interval, step, config.job.num_steps):
+                    reporter.log_samples(step, "train", rollouts.samples[:logging.num_samples])
             if due(config.eval.interval, step, config.job.num_steps):
-                metrics.update(evaluate(job, step))
+                evaluation = evaluate(job, step)
+                metrics.update(evaluation.metrics)
+                if reporter is not None:
+                    reporter.log_samples(step, "eval", evaluation.samples[:logging.num_samples])
             if reporter is not None:
                 reporter.log_step(step, metrics)
             if checkpoint_due(config, step):
@@ -248,6 +268,10 @@ def run(job: Job) -> int:
 
         return report(f"\nmegatron_rl: interrupted during step {step}; the last complete checkpoint in "
                       f"{job.save_dir} is kept. Run the same command again to resume from it.", code=130)
+    except AllSamplesFailed:
+        if reporter is not None:
+            reporter.close()
+        raise
     if reporter is not None:
         summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
@@ -267,9 +291,10 @@ def report_finished(job: Job, step: int) -> int:
     return 0
 
 
-def rl_step(job: Job, step: int) -> dict[str, float]:
+def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
     """Rollouts with the current policy, then one train step, then the engine's weight sync when due. Same on
-    every rank (seeded by (seed, step))."""
+    every rank (seeded by (seed, step)). Returns the metrics and the rollouts (their samples and failures are
+    logged by rank 0)."""
     config, rl = job.config, job.config.rl
     started = time.perf_counter()
     rollouts = job.environment.rollout(
@@ -279,7 +304,7 @@ def rl_step(job: Job, step: int) -> dict[str, float]:
         seed=rollout_seed(rl.seed, step),
         step_wise=rl.stepwise.step_wise_trajectories,
     )
-    check_ranks_agree(job.groups, rollouts.output["response_ids"])
+    check_ranks_agree(job.groups, [rollouts.output["response_ids"], rollouts.output["rewards"]])
     rollout_s = time.perf_counter() - started
     metrics = job.trainer.train_step(rollouts.output)
     metrics.update(rollouts.metrics)
@@ -290,7 +315,7 @@ def rl_step(job: Job, step: int) -> dict[str, float]:
             metrics["timing/weight_sync_s"] = sync_s
     metrics.update(job.engine.step_metrics())  # the vLLM fleet's restarts and live engines (rank 0)
     metrics["timing/step_s"] = time.perf_counter() - started
-    return metrics
+    return metrics, rollouts
 
 
 def due(interval: int, step: int, last_step: int, *, always_last: bool = False) -> bool:
@@ -301,14 +326,16 @@ def due(interval: int, step: int, last_step: int, *, always_last: bool = False) 
     return step % interval == 0 or step == last_step
 
 
-def evaluate(job: Job, step: int) -> dict[str, float]:
-    """``eval/reward_mean`` and ``eval/pass_rate`` on the held-out prompts (collective), plus its time."""
+def evaluate(job: Job, step: int) -> Evaluation:
+    """``eval/reward_mean`` and ``eval/pass_rate`` on the held-out prompts (collective), plus its time, and a few
+    decoded samples."""
     started = time.perf_counter()
     ev = job.config.eval
-    metrics = job.environment.evaluate(job.engine, job.eval_sampling, seed=rollout_seed(job.config.rl.seed, -2 - step),
-                                       num_prompts=ev.num_prompts, pass_threshold=ev.pass_threshold)
-    metrics["timing/eval_s"] = time.perf_counter() - started
-    return metrics
+    evaluation = job.environment.evaluate(job.engine, job.eval_sampling,
+                                          seed=rollout_seed(job.config.rl.seed, -2 - step),
+                                          num_prompts=ev.num_prompts, pass_threshold=ev.pass_threshold)
+    evaluation.metrics["timing/eval_s"] = time.perf_counter() - started
+    return evaluation
 
 
 def export(job: Job, step: int, reporter: RunReporter | None) -> None:
@@ -329,11 +356,12 @@ def export(job: Job, step: int, reporter: RunReporter | None) -> None:
             reporter.write(f"exported the policy of step {step} as a Hugging Face checkpoint: {final}")
 
 
-def check_ranks_agree(groups: ParallelGroups, responses: list) -> None:
-    """Every rank must have sampled the same tokens, else each would train on different data (silently)."""
+def check_ranks_agree(groups: ParallelGroups, rollouts: list) -> None:
+    """Every rank must have sampled the same tokens and given them the same rewards (a reward function that
+    failed on one rank only drops other samples there), else each would train on different data (silently)."""
     from megatron_rl.distributed.metrics import reduce_metrics
 
-    checksum = zlib.crc32(json.dumps(responses).encode())
+    checksum = zlib.crc32(json.dumps(rollouts).encode())
     probe = {"max": Metric(checksum, 1.0, "max"), "min": Metric(checksum, 1.0, "min")}
     for name in ("dp_group", "tp_group", "pp_group", "cp_group"):
         agreed = reduce_metrics(probe, getattr(groups, name))

@@ -1,8 +1,12 @@
-"""Pre-flight of the main job: ``megatron_rl.preflight`` with the job's config (library sections + job sections).
+"""Pre-flight of the main job: ``megatron_rl.preflight`` with the job's config (library sections + job sections),
+plus a quick look at the task.
 
 ``run_megatron.sh`` runs ``python -m megatron_rl.job.preflight --config X --world-size N [key=value ...]`` before
 torchrun starts any rank; exit code 2 and one line on stderr when the run cannot start (see the library module).
-The environment (prompt files, reward function) is checked by every rank at start-up, before any process group.
+The environment is built once here on the first ``PREFLIGHT_ROWS`` rows of each data file: the files are read,
+the prompt column and the chat template resolved, the reward function imported and called on the first row, so
+these mistakes come in the pre-flight (seconds, mostly imports), before any rank starts (every rank builds it
+again on all the rows).
 """
 
 from __future__ import annotations
@@ -15,17 +19,26 @@ from megatron_rl.config import MegatronRLConfig
 from megatron_rl.job.config import load_job_config
 from megatron_rl.preflight import main as preflight_main
 
+PREFLIGHT_ROWS = 64
+"""Rows of each data file the pre-flight reads."""
+
 
 def load_job_rl_config(path: str, overrides: Sequence[str]) -> MegatronRLConfig:
-    """The library config of the job (the job's sections are validated on the way, by ``load_job_config``);
-    with ``model.hf_path``, its model section is the checkpoint's (``config.json``), so the parallel-size and
-    free-space checks see the real shapes (a folder that is not a supported checkpoint: ValueError, exit 2)."""
-    rl = load_job_config(path, overrides).rl
-    if rl.model.hf_path is None:
-        return rl
-    from megatron_rl.hf.config import model_config_from_hf
+    """The library config of the job (the job's sections are validated on the way, by ``load_job_config``, and
+    the environment is built on the first rows of its data: ConfigError naming the key); with
+    ``model.hf_path``, its model section is the checkpoint's (``config.json``), so the parallel-size and
+    free-space checks see the real shapes (a folder that is not a supported checkpoint: ValueError naming
+    ``model.hf_path``, exit 2)."""
+    from megatron_rl.environments.registry import make_environment
 
-    return dataclasses.replace(rl, model=model_config_from_hf(rl.model.hf_path, base=rl.model))
+    config = load_job_config(path, overrides)
+    rl = config.rl
+    if rl.model.hf_path is not None:
+        from megatron_rl.hf.config import model_config_from_hf
+
+        rl = dataclasses.replace(rl, model=model_config_from_hf(rl.model.hf_path, base=rl.model, key="model.hf_path"))
+    make_environment(config, max_rows=PREFLIGHT_ROWS)
+    return rl
 
 
 if __name__ == "__main__":

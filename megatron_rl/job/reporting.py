@@ -7,26 +7,41 @@ of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
     tensorboard/         the same scalars as TensorBoard events (when logging.tensorboard and tensorboard exist)
     reward_loss.png      reward (and eval reward / pass rate, when evaluated) and policy loss vs step (matplotlib);
                          a third panel with the router losses (moe/*) for a mixture-of-experts model
-    summary.txt          one paragraph: start reward, end reward, random baseline (if any), last eval, wall time
+    samples.jsonl        every logging.sample_interval steps and at every evaluation, a few decoded samples, one
+                         JSON object each: {"step", "split": "train"|"eval", "row", "prompt", "response",
+                         "reward", "error"} (reward null and error set where the reward function raised); the
+                         same records as TensorBoard text (tag samples/<split>)
+    summary.txt          one paragraph: start reward, end reward, random baseline (if any), last eval, wall time,
+                         steps without a learning signal (rollout/zero_advantage_groups = 1), failed samples;
+                         then the last few samples
 
-Resuming appends to ``metrics.jsonl``; lines of steps after the resume point (a crashed tail) are dropped first,
-so the file holds each step once. Every file rewritten here (the truncated ``metrics.jsonl``, ``summary.txt``,
-``reward_loss.png``) is replaced atomically (``megatron_rl/atomic.py``): a kill at any instant leaves the old
-or the new version, so a resume keeps every row up to its checkpoint. TensorBoard resumes with
-``purge_step=start_step + 1``: events of steps after the checkpoint (the crashed tail) are hidden, none twice.
+Resuming appends to ``metrics.jsonl`` and ``samples.jsonl``; lines of steps after the resume point (a crashed
+tail) are dropped first, so each file holds each step once; lines are appended whole (one ``write`` each). Every
+file rewritten here (the truncated ``metrics.jsonl`` and ``samples.jsonl``, ``summary.txt``, ``reward_loss.png``)
+is replaced atomically (``megatron_rl/atomic.py``): a kill at any instant leaves the old or the new version, so
+a resume keeps every row up to its checkpoint. TensorBoard resumes with ``purge_step=start_step + 1``: events of
+steps after the checkpoint (the crashed tail) are hidden, none twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.atomic import atomic_replace, atomic_write_text
+from megatron_rl.environments.base import Sample
+from megatron_rl.environments.failures import SampleFailure
 
 REWARD_KEY = "reward/mean"
+ZERO_ADVANTAGE_KEY = "rollout/zero_advantage_groups"
+"""Share of the step's groups whose rewards are all equal (``trainer.py: zero_advantage_metrics``)."""
+FAILED_KEY = "rollout/failed_samples"
+SUMMARY_SAMPLES = 3
+"""Samples quoted at the end of ``summary.txt`` (the last ones logged)."""
 LOSS_KEY = "policy/loss"
 EVAL_KEYS = ("eval/reward_mean", "eval/pass_rate")
 MOE_PREFIX = "moe/"
@@ -106,6 +121,22 @@ def plot_reward_and_loss(rows: list[dict[str, float]], png_path: Path, *, baseli
     plt.close(fig)
 
 
+def no_signal_sentence(rows: list[dict[str, float]]) -> str | None:
+    """"no learning signal in N of M steps" (steps where every group had equal rewards, so every advantage was
+    0) with the likely cause, or None when every step had a signal."""
+    flagged = [r for r in rows if r.get(ZERO_ADVANTAGE_KEY, 0.0) >= 1.0]
+    if not flagged:
+        return None
+    rewards = sorted({round(r[REWARD_KEY], 6) for r in flagged if REWARD_KEY in r})
+    same = (f"every response of those steps got reward {rewards[0]:g}" if len(rewards) == 1
+            else "every response of a prompt got the same reward")
+    cause = ("the task is out of reach of the policy (or the reward function never tells responses apart): check "
+             "samples.jsonl for what it answers, lower the difficulty, raise job.max_new_tokens, or reward "
+             "partial answers")
+    return (f"no learning signal in {len(flagged)} of {len(rows)} steps ({same}, so every advantage was 0); "
+            f"likely cause: {cause}")
+
+
 def window_mean(rows: list[dict[str, float]], key: str, *, first: bool, window: int = 5) -> float:
     """Mean of ``key`` over the first (or last) ``window`` rows that have it; NaN when none do."""
     values = [r[key] for r in rows if key in r]
@@ -122,6 +153,7 @@ def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, w
     steps = int(rows[-1]["step"]) if rows else 0
     verdict = "learned" if end > max(start, baseline if baseline is not None else start) + 0.1 else \
         "did not clearly learn"
+    no_signal = no_signal_sentence(rows)
     text = (
         f"After {steps} train steps ({wall_time_s:.0f} s of wall time in this run), the policy {verdict}: mean "
         f"reward {start:.3f} over the first {window} steps -> {end:.3f} over the last {window} steps"
@@ -134,7 +166,23 @@ def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, w
         text += (f"; evaluation (step {int(first['step'])} -> {int(last['step'])}): reward "
                  f"{first[EVAL_KEYS[0]]:.3f} -> {last[EVAL_KEYS[0]]:.3f}, pass rate "
                  f"{first.get(EVAL_KEYS[1], float('nan')):.3f} -> {last.get(EVAL_KEYS[1], float('nan')):.3f}")
-    return text + "."
+    failed = sum(r.get(FAILED_KEY, 0.0) for r in rows)
+    if failed:
+        text += f"; {failed:.0f} samples failed (the reward function raised; left out of training: {FAILED_KEY})"
+    return text + "." + (f" {no_signal[0].upper()}{no_signal[1:]}." if no_signal else "")
+
+
+def format_sample(record: Mapping) -> str:
+    """One sample record as a few readable lines (the summary, TensorBoard text)."""
+    reward = f"reward {record['reward']:.3f}" if record.get("reward") is not None else f"failed: {record.get('error')}"
+    row = f", row {record['row']}" if record.get("row") is not None else ""
+    return (f"[step {record['step']} {record['split']}{row}] {reward}\n  prompt:   {_clip(record['prompt'])}\n"
+            f"  response: {_clip(record['response'])}")
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass
@@ -152,7 +200,10 @@ class RunReporter:
     def __post_init__(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.samples_path = self.output_dir / "samples.jsonl"
         truncate_metrics(self.metrics_path, self.start_step)
+        truncate_metrics(self.samples_path, self.start_step)
+        self._failure_shown = False
         self._tb = self._open_tensorboard() if self.tensorboard else None
         self._bar = self._open_progress_bar() if self.progress_bar else None
 
@@ -188,6 +239,25 @@ class RunReporter:
                                   loss=f"{metrics.get(LOSS_KEY, float('nan')):.4f}")
             self._bar.update(1)
 
+    def log_samples(self, step: int, split: str, samples: Sequence[Sample]) -> None:
+        """Append decoded samples to ``samples.jsonl`` (one whole line each) and TensorBoard text."""
+        if not samples:
+            return
+        records = [{"step": step, "split": split, **dataclasses.asdict(sample)} for sample in samples]
+        with self.samples_path.open("a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+        if self._tb is not None:
+            text = "\n\n".join(format_sample(r).replace("\n", "  \n") for r in records)  # markdown line breaks
+            self._tb.add_text(f"samples/{split}", text, step)
+            self._tb.flush()
+
+    def note_failures(self, failures: Sequence[SampleFailure], what: str) -> None:
+        """Print the run's first failed sample, once, in one line (the count goes to every metrics row)."""
+        if failures and not self._failure_shown:
+            self._failure_shown = True
+            self.write(f"megatron_rl: {failures[0].line(what)}; the sample is left out of training and the run goes "
+                       f"on (each step counts them in {FAILED_KEY}; this message is shown once)")
+
     def write(self, message: str) -> None:
         """Print without breaking the progress bar."""
         if self._bar is not None:
@@ -201,6 +271,10 @@ class RunReporter:
         rows = read_metrics(self.metrics_path)
         plot_reward_and_loss(rows, self.output_dir / "reward_loss.png", baseline=baseline)
         summary = summary_paragraph(rows, baseline=baseline, wall_time_s=wall_time_s)
+        quoted = read_metrics(self.samples_path)[-SUMMARY_SAMPLES:]
+        if quoted:
+            summary += f"\n\nThe last {len(quoted)} samples (all in {self.samples_path.name}):\n" + \
+                "\n".join(format_sample(r) for r in quoted)
         atomic_write_text(self.output_dir / "summary.txt", summary + "\n")
         return summary
 

@@ -43,5 +43,6 @@ def test_evaluation_and_baseline():
     env = NextDigitEnvironment(NextDigitConfig(eval_games=20, baseline_episodes=300), max_new_tokens=3)
     greedy = SamplingSpec(max_tokens=3, temperature=0.0, stop_token_ids=env.stop_token_ids)
     result = env.evaluate(BuiltinEngine(oracle(env)), greedy, seed=0, num_prompts=None, pass_threshold=1.0)
-    assert result == {"eval/reward_mean": 1.0, "eval/pass_rate": 1.0}
+    assert result.metrics == {"eval/reward_mean": 1.0, "eval/pass_rate": 1.0}
+    assert result.samples[0].reward == 1.0 and result.samples[0].prompt.startswith("<bos>")
     assert 0.0 < env.random_baseline(0) < 0.1

@@ -169,7 +169,7 @@ def test_rollout_through_an_engine_and_evaluation(word_tokenizer, tmp_path):
     assert all(len(lp) == len(r) for lp, r in zip(out["rollout_logprobs"], out["response_ids"]))
     assert sum(out["rewards"]) / 12 > 0.5 and "reward_fn/first_word_right" in rollouts.metrics
     greedy = SamplingSpec(max_tokens=3, temperature=0.0, stop_token_ids=env.stop_token_ids)
-    assert env.evaluate(engine, greedy, seed=0, num_prompts=None, pass_threshold=1.0) == \
+    assert env.evaluate(engine, greedy, seed=0, num_prompts=None, pass_threshold=1.0).metrics == \
         {"eval/reward_mean": 1.0, "eval/pass_rate": 1.0}
 
 

@@ -174,7 +174,7 @@ def test_same_seed_same_rollouts_and_the_data_position_is_the_state(tmp_path):
 def test_evaluation_plays_each_held_out_row_once(tmp_path):
     val = [{"digits": [d, d]} for d in range(5)]
     env, tok = make(tmp_path, val=val)
-    metrics = env.evaluate(ScriptedEngine(tok, answer), SPEC, seed=0, num_prompts=None, pass_threshold=1.0)
+    metrics = env.evaluate(ScriptedEngine(tok, answer), SPEC, seed=0, num_prompts=None, pass_threshold=1.0).metrics
     assert metrics["eval/reward_mean"] == pytest.approx(1.0) and metrics["eval/pass_rate"] == 1.0
     assert "step-API environment Game" in env.describe() and "val: 5 rows" in env.describe()
 

@@ -20,12 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multirank
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory) -> dict[str, Path]:
-    """A fresh tiny model, a JSONL of prompts with a `target` column, and a reward function file."""
+def make_task(path: Path) -> dict[str, Path]:
+    """A fresh tiny model, a JSONL of prompts with a `target` column, and a reward function file in ``path``."""
     import importlib.util
 
-    path = tmp_path_factory.mktemp("task")
     spec = importlib.util.spec_from_file_location("make_model", ROOT / "examples" / "arithmetic" / "make_model.py")
     make_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_model)
@@ -36,6 +34,11 @@ def task(tmp_path_factory) -> dict[str, Path]:
         "def match(prompt, response, target):\n"
         "    return {'reward': float(response.split()[:1] == [target]), 'length': len(response.split())}\n")
     return {"model": path / "model", "data": path / "prompts.jsonl", "reward": path / "my_reward.py"}
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory) -> dict[str, Path]:
+    return make_task(tmp_path_factory.mktemp("task"))
 
 
 def run(task: dict[str, Path], out_dir: Path, *extra: str) -> str:
@@ -91,3 +94,63 @@ def test_broken_reward_stops_before_any_process_group(task, monkeypatch, capsys,
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+def test_readme_command_from_another_directory_with_relative_paths_and_a_failing_row(task, tmp_path):
+    """The README's generic command as written, run from the user's directory with relative paths, on the
+    user-job base config; the reward function raises on one row: the run goes on, says so once, counts it."""
+    import shutil
+
+    shutil.copytree(task["model"], tmp_path / "model")
+    shutil.copy(task["data"], tmp_path / "prompts.jsonl")
+    (tmp_path / "my_reward.py").write_text(
+        "def match(prompt, response, target):\n"
+        "    if prompt.startswith('3 '):\n"
+        "        raise KeyError('no rule for 3')\n"
+        "    return float(response.split()[:1] == [target])\n")
+    env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "CONFIG": ""}
+    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), "model.hf_path=model",
+                           "data.train_files=prompts.jsonl", "reward.function=my_reward.py:match", "job.num_steps=2",
+                           "batch.train_batch_size=10", "batch.policy_mini_batch_size=5", "job.n_samples_per_prompt=2",
+                           "job.max_new_tokens=4", "logging.progress_bar=false", "logging.sample_interval=1",
+                           "data.shuffle=false"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.startswith(f"base config: {ROOT / 'configs' / 'user_job.yaml'}")
+    out_dir = tmp_path / "outputs" / "user_job"  # logging.output_dir of the base, from the user's directory
+    assert "reward.function failed on row 3: KeyError: 'no rule for 3'" in proc.stdout + proc.stderr
+    assert (proc.stdout + proc.stderr).count("failed on row") == 1
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/failed_samples"] for m in metrics] == [2.0, 2.0]  # row 3's two samples, every step
+    assert all(m["rollout/dropped_groups"] == 1.0 and "rollout/zero_advantage_groups" in m for m in metrics)
+    samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {1, 2} and any(s["error"] for s in samples)
+    assert "The last 3 samples" in (out_dir / "summary.txt").read_text()
+    import yaml
+
+    written = yaml.safe_load((out_dir / "config.yaml").read_text())
+    assert written["model"]["hf_path"] == str(tmp_path / "model")  # absolute in the written config
+
+
+def test_a_step_where_every_sample_fails_stops_with_one_line_and_keeps_the_checkpoint(task, tmp_path):
+    """Two good steps (a checkpoint at step 2), then a reward function that raises on every response (it passes
+    the start-up check, which calls it with response=''): the resumed run stops at step 3 with one line."""
+    out_dir = tmp_path / "run"
+    run(task, out_dir, "job.num_steps=2")
+    broken = tmp_path / "broken.py"
+    broken.write_text("def match(prompt, response, target):\n"
+                      "    if response:\n"
+                      "        raise RuntimeError('scorer offline')\n"
+                      "    return 0.0\n")
+    env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port())}
+    overrides = [f"model.hf_path={task['model']}", f"data.train_files={task['data']}",
+                 f"reward.function={broken}:match", f"logging.output_dir={out_dir}", "logging.progress_bar=false",
+                 "checkpoint.save_interval=2", "batch.train_batch_size=4", "job.num_steps=4"]
+    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "rollout error" in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "samples of the step failed" in lines[0] and "RuntimeError: scorer offline" in lines[0]
+    assert f"the last complete checkpoint in {out_dir / 'checkpoints'} is kept" in lines[0]
+    assert sorted(p.name for p in (out_dir / "checkpoints").glob("step_*")) == ["step_00000002"]

@@ -20,7 +20,7 @@ GENERIC = ["model.hf_path=some/model", "data.train_files=examples/arithmetic/tra
 def test_the_environment_follows_the_keys():
     assert load_job_config(CPU).environment == "next_digit"
     generic = load_job_config(CPU, GENERIC)
-    assert generic.environment == "single_turn" and generic.rl.model.hf_path == "some/model"
+    assert generic.environment == "single_turn" and generic.rl.model.hf_path == str(Path.cwd() / "some/model")
     assert load_job_config(ARITH).environment == "single_turn"
 
 
@@ -54,7 +54,7 @@ def test_old_demo_keys_and_directories():
 
 def test_dump_round_trip(tmp_path):
     config = load_job_config(ARITH, ["data.train_files=[a.jsonl, b.parquet]"])
-    assert config.data.paths("train_files") == ["a.jsonl", "b.parquet"]
+    assert config.data.paths("train_files") == [str(Path.cwd() / "a.jsonl"), str(Path.cwd() / "b.parquet")]
     dump_job_config(config, tmp_path / "config.yaml")
     assert load_job_config(tmp_path / "config.yaml") == config
 

@@ -49,7 +49,7 @@ def rows(out_dir: Path) -> list[dict]:
 def test_the_digit_game_class_trains_through_the_main_job_and_resumes_exactly(model, tmp_path):
     straight = tmp_path / "straight"
     out = run(model, straight, "job.num_steps=2")
-    assert "step-API environment DigitGame (examples/digit_game/env.py:DigitGame)" in out
+    assert f"step-API environment DigitGame ({ROOT / 'examples/digit_game/env.py'}:DigitGame)" in out
     full = rows(straight)
     assert [r["step"] for r in full] == [1, 2]
     for r in full:

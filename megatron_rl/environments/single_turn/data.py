@@ -11,6 +11,7 @@ goes into every checkpoint, so a resumed run sees exactly the prompts the uninte
 
 from __future__ import annotations
 
+import io
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,22 +24,24 @@ JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
 
 
-def read_rows(paths: Sequence[str], key: str) -> list[dict[str, Any]]:
-    """Rows (dicts) of JSONL or Parquet files, concatenated; ConfigError naming ``key`` for a missing file, an
-    unknown format, or an unreadable one."""
+def read_rows(paths: Sequence[str], key: str, *, max_rows: int | None = None) -> list[dict[str, Any]]:
+    """Rows (dicts) of JSONL or Parquet files, concatenated (only the first ``max_rows`` of each file when given:
+    the pre-flight's quick look); ConfigError naming ``key`` for a missing file, an unknown format, or an
+    unreadable one."""
     if not paths:
         raise ConfigError(f"{key} is not set; set it to a JSONL or Parquet prompt file (or a list of them)")
     rows: list[dict[str, Any]] = []
     for path in map(Path, paths):
         if not path.is_file():
-            raise ConfigError(f"{key}: {str(path)!r} is not a file; give the path of a JSONL or Parquet file")
-        rows += _read_file(path, key)
+            raise ConfigError(f"{key}={str(path)!r} is not a file; give the path of a JSONL or Parquet file "
+                              "(relative paths are taken from the directory you run the command from)")
+        rows += _read_file(path, key, max_rows)
     if not rows:
         raise ConfigError(f"{key}={list(paths)!r} holds no rows")
     return rows
 
 
-def _read_file(path: Path, key: str) -> list[dict[str, Any]]:
+def _read_file(path: Path, key: str, max_rows: int | None = None) -> list[dict[str, Any]]:
     try:
         import pyarrow as pa
     except ImportError:
@@ -49,11 +52,18 @@ def _read_file(path: Path, key: str) -> list[dict[str, Any]]:
         if path.suffix in PARQUET_SUFFIXES:
             import pyarrow.parquet as pq
 
-            return pq.read_table(path).to_pylist()
+            if max_rows is None:
+                return pq.read_table(path).to_pylist()
+            first = next(pq.ParquetFile(path).iter_batches(batch_size=max_rows), None)
+            return [] if first is None else first.to_pylist()
         if path.suffix in JSONL_SUFFIXES:
             import pyarrow.json as pj
 
-            return pj.read_json(path).to_pylist()
+            if max_rows is None:
+                return pj.read_json(path).to_pylist()
+            with path.open("rb") as f:
+                head = b"".join(line for _, line in zip(range(max_rows), f))
+            return pj.read_json(io.BytesIO(head)).to_pylist()
     except (pa.ArrowInvalid, OSError) as err:
         raise ConfigError(f"{key}: cannot read {str(path)!r} ({err})") from None
     raise ConfigError(f"{key}: {str(path)!r} is neither JSONL ({', '.join(JSONL_SUFFIXES)}) nor Parquet "
@@ -80,6 +90,8 @@ class Prompt:
     text: str
     token_ids: list[int]
     extra: dict[str, Any]
+    row: int = 0
+    """Its row in the file(s) (0-based, rows of several files counted in the order given)."""
 
 
 @dataclass
@@ -102,7 +114,7 @@ def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
-        kept.append(Prompt(text, ids, {k: v for k, v in row.items() if k != prompt_key}))
+        kept.append(Prompt(text, ids, {k: v for k, v in row.items() if k != prompt_key}, row=i))
     if not kept:
         raise ConfigError(f"every prompt of {files_key} is longer than {max_prompt_tokens} tokens "
                           "(data.max_prompt_tokens); raise it (and model.max_position_embeddings) or shorten them")

@@ -6,16 +6,24 @@ Place in the data flow: ``job/main.py`` -> ``SingleTurnEnvironment.rollout``::
       ->  reward function (prompt text, response text, other columns)  ->  GeneratorOutput  ->  Trainer.train_step
 
 Everything a user can get wrong (files, prompt column, chat template, reward function) is checked in the
-constructor, on every rank, before any process group exists (``ConfigError`` naming the key). The tokenizer is
-the one of ``model.hf_path``; responses are decoded without special tokens (the eos that ended them).
+constructor, on every rank, before any process group exists (``ConfigError`` naming the key); the pre-flight
+builds the same environment before torchrun. The tokenizer is the one of ``model.hf_path``; responses are
+decoded without special tokens (the eos that ended them) and capped at what the context leaves after the
+longest kept prompt. A reward function that raises (or returns a non-number) on one row fails that sample
+only: it is left out of training (``environments/failures.py``), counted as ``rollout/failed_samples``, and
+the job prints the first such failure once; a step where every sample failed stops the run
+(``AllSamplesFailed``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.environments.base import Rollouts, pass_metrics
+from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
+from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
 from megatron_rl.environments.single_turn.data import Prompt, PromptOrder, Prompts, read_rows, tokenize_rows
 from megatron_rl.environments.single_turn.reward import check_reward_function, load_reward_function, score
@@ -24,7 +32,8 @@ from megatron_rl.inference.engine import Completion, RolloutEngine, SamplingSpec
 
 class SingleTurnEnvironment:
     def __init__(self, data: DataConfig, reward: RewardConfig, tokenizer: Any, *, seed: int,
-                 max_prompt_tokens: int) -> None:
+                 max_prompt_tokens: int, context: int | None = None, max_rows: int | None = None) -> None:
+        """``max_rows``: read only the first rows of each file (the pre-flight's quick check)."""
         from megatron_rl.hf.tokenizer import pad_token_id
 
         self.tokenizer = tokenizer
@@ -34,18 +43,21 @@ class SingleTurnEnvironment:
             raise ValueError("model.hf_path: the tokenizer has no eos token, so responses could not stop; set "
                              "eos_token in its tokenizer_config.json")
         self.stop_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-        self.train = self._prompts(data, "train_files", max_prompt_tokens)
-        self.val = self._prompts(data, "val_files", max_prompt_tokens) if data.paths("val_files") else None
+        self.train = self._prompts(data, "train_files", max_prompt_tokens, max_rows)
+        self.val = self._prompts(data, "val_files", max_prompt_tokens, max_rows) if data.paths("val_files") else None
         self.reward_spec = reward.function or ""
         self.reward_fn = load_reward_function(reward.function)
         first = self.train.kept[0]
         check_reward_function(self.reward_fn, self.reward_spec, prompt=first.text, extra=first.extra)
         self.order = PromptOrder(len(self.train.kept), seed=seed, shuffle=data.shuffle)
         self.max_prompt_tokens = max_prompt_tokens
+        longest = max(len(p.token_ids) for split in (self.train, self.val) if split is not None for p in split.kept)
+        self.max_response_tokens = None if context is None else context - longest
+        """What the context leaves after the longest kept prompt: caps ``job.max_new_tokens`` (None: no cap)."""
 
-    def _prompts(self, data: DataConfig, which: str, max_prompt_tokens: int) -> Prompts:
+    def _prompts(self, data: DataConfig, which: str, max_prompt_tokens: int, max_rows: int | None) -> Prompts:
         key = f"data.{which}"
-        rows = read_rows(data.paths(which), key)
+        rows = read_rows(data.paths(which), key, max_rows=max_rows)
         return tokenize_rows(rows, self.tokenizer, prompt_key=data.prompt_key, max_prompt_tokens=max_prompt_tokens,
                              files_key=key)
 
@@ -54,18 +66,27 @@ class SingleTurnEnvironment:
         parts = [f"{name}: {len(p.kept)} prompts" + (f", {p.skipped} skipped (longer than {self.max_prompt_tokens} "
                                                       "tokens: data.max_prompt_tokens)" if p.skipped else "")
                  for name, p in (("train", self.train), ("val", self.val)) if p is not None]
-        return f"single_turn: {'; '.join(parts)}; reward {self.reward_spec}"
+        cap = f"; responses up to {self.max_response_tokens} tokens (what the context leaves)" \
+            if self.max_response_tokens is not None else ""
+        return f"single_turn: {'; '.join(parts)}; reward {self.reward_spec}{cap}"
+
+    def _generate(self, engine: RolloutEngine, prompts: Sequence[Prompt], spec: SamplingSpec, seed: int
+                  ) -> list[Completion]:
+        """``engine.generate`` with ``spec.max_tokens`` capped by what the context leaves."""
+        if self.max_response_tokens is not None and spec.max_tokens > self.max_response_tokens:
+            spec = dataclasses.replace(spec, max_tokens=self.max_response_tokens)
+        return engine.generate([p.token_ids for p in prompts], spec, seed=seed)
 
     def rollout(self, engine: RolloutEngine, spec: SamplingSpec, *, num_prompts: int, n_samples_per_prompt: int,
                 seed: int, step_wise: bool) -> Rollouts:
         prompts = [self.train.kept[i] for i in self.order.next(num_prompts)]
         repeated = [p for p in prompts for _ in range(n_samples_per_prompt)]  # a group's rows are contiguous
-        completions = engine.generate([p.token_ids for p in repeated], spec, seed=seed)
-        rewards, reward_metrics = self._score(repeated, completions)
+        completions = self._generate(engine, repeated, spec, seed)
+        scored = self._score(repeated, completions)
         output = {
             "prompt_token_ids": [p.token_ids for p in repeated],
             "response_ids": [c.token_ids for c in completions],
-            "rewards": rewards,
+            "rewards": [0.0 if r is None else r for r in scored.rewards],  # failed ones: dropped just below
             "loss_masks": [[1] * len(c.token_ids) for c in completions],
             "uids": [i // n_samples_per_prompt for i in range(len(repeated))],
             "rollout_logprobs": [c.logprobs for c in completions],
@@ -75,31 +96,46 @@ class SingleTurnEnvironment:
         }
         if all("routed_experts" in c.extra for c in completions):  # MoE routing replay R3 (builtin_engine.py)
             output["routed_experts"] = [c.extra["routed_experts"] for c in completions]
-        metrics = {f"reward_fn/{k}": v for k, v in reward_metrics.items()}
+        try:
+            output, failure_metrics = drop_failed_samples(output, [r is None for r in scored.rewards])
+        except AllSamplesFailed as err:
+            raise AllSamplesFailed(f"{err}: every call of reward.function={self.reward_spec!r} raised; first: "
+                                   f"{scored.failures[0].line('reward.function')}") from None
+        metrics = {f"reward_fn/{k}": v for k, v in scored.metrics.items()}
+        metrics.update(failure_metrics)
         metrics["data/epoch"] = float(self.order.epoch)
-        return Rollouts(output, metrics)  # type: ignore[arg-type]
+        return Rollouts(output, metrics, samples=scored.samples[::n_samples_per_prompt],  # type: ignore[arg-type]
+                        failures=scored.failures)
 
-    def _score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]
-               ) -> tuple[list[float], dict[str, float]]:
-        """Rewards per response and the means of the reward function's extra metrics."""
-        rewards, sums = [], {}
-        for prompt, completion in zip(prompts, completions):
+    def _score(self, prompts: Sequence[Prompt], completions: Sequence[Completion]) -> Scored:
+        """Rewards per response (None where the reward function raised or returned a non-number: that row's
+        failure, not the run's), the means of its extra metrics over the scored ones, and the decoded samples."""
+        scored = Scored()
+        sums: dict[str, float] = {}
+        for index, (prompt, completion) in enumerate(zip(prompts, completions)):
             text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            reward, metrics = score(self.reward_fn, self.reward_spec, prompt=prompt.text, response=text,
-                                    extra=prompt.extra)
-            rewards.append(reward)
+            try:
+                reward, metrics = score(self.reward_fn, self.reward_spec, prompt=prompt.text, response=text,
+                                        extra=prompt.extra)
+            except Exception as err:  # noqa: BLE001 - any exception of the user's function fails this row only
+                scored.failures.append(failure(index, prompt.row, err))
+                reward, metrics = None, {}
+            scored.rewards.append(reward)
+            scored.samples.append(Sample(prompt.text, text, reward, row=prompt.row,
+                                         error=scored.failures[-1].error if reward is None else None))
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
-        return rewards, {k: v / len(prompts) for k, v in sums.items()}
+        ok = sum(r is not None for r in scored.rewards)
+        scored.metrics = {k: v / ok for k, v in sums.items()} if ok else {}
+        return scored
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
-                 pass_threshold: float) -> dict[str, float]:
+                 pass_threshold: float) -> Evaluation:
         if self.val is None:
-            return {}
+            return Evaluation({})
         prompts = self.val.kept[:num_prompts] if num_prompts else self.val.kept
-        completions = engine.generate([p.token_ids for p in prompts], spec, seed=seed)
-        rewards, _ = self._score(prompts, completions)
-        return pass_metrics(rewards, pass_threshold)
+        scored = self._score(prompts, self._generate(engine, prompts, spec, seed))
+        return Evaluation(pass_metrics(scored.rewards, pass_threshold), scored.samples, scored.failures)
 
     def random_baseline(self, seed: int) -> float | None:
         return None
@@ -109,3 +145,15 @@ class SingleTurnEnvironment:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.order.consumed = int(state.get("consumed", 0))
+
+
+@dataclass
+class Scored:
+    """What scoring a list of responses gives (``SingleTurnEnvironment._score``)."""
+
+    rewards: list[float | None] = field(default_factory=list)
+    """One per response; None where scoring failed."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Means of the reward function's extra numbers over the scored responses."""
+    samples: list[Sample] = field(default_factory=list)
+    failures: list[SampleFailure] = field(default_factory=list)

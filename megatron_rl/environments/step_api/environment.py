@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.environments.base import Rollouts, pass_metrics
+from megatron_rl.environments.base import Evaluation, Rollouts, pass_metrics
 from megatron_rl.environments.conversation import Conversation, has_chat_template, trajectory_rows
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
@@ -88,15 +88,15 @@ class StepApiEnvironment:
         return Rollouts(output, metrics)  # type: ignore[arg-type]
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
-                 pass_threshold: float) -> dict[str, float]:
+                 pass_threshold: float) -> Evaluation:
         if self.val is None:
-            return {}
+            return Evaluation({})
         rows = self.val[:num_prompts] if num_prompts else self.val
         finished = self.play([Episode(row, uid, 0) for uid, row in enumerate(rows)], engine, spec, seed,
                              "an evaluation")
         metrics = pass_metrics([sum(ep.rewards) for ep in finished], pass_threshold)
         metrics["eval/failed_samples"] = float(self.failures.count)
-        return metrics
+        return Evaluation(metrics)
 
     def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int,
              what: str) -> list[Episode]:

@@ -1,0 +1,139 @@
+"""Samples that failed: left out of training without killing the run (a reward function, environment or agent
+that raised on one row).
+
+Place in the data flow: inside an environment's ``rollout``, between scoring and ``Rollouts``::
+
+    score each sample (catch the exception -> SampleFailure)  ->  drop_failed_samples(output, failed)
+      ->  Rollouts(output, metrics | failure metrics, failures)  ->  job/main.py prints the first failure once
+                                                                    ->  Trainer.train_step
+
+Interface for an environment (``single_turn`` uses it; a step-API environment or agent does the same):
+
+1. build the step's ``GeneratorOutput`` as usual, giving a failed sample any finite reward (0.0) and at least
+   one row (the turns it played before failing): a group whose samples all failed stays in the batch as one
+   of those rows, so the rows are needed even though they are never trained on;
+2. ``failed[i]`` per sequence (True where sample i raised; step-wise, one failed turn fails its trajectory);
+3. ``output, metrics = drop_failed_samples(output, failed)``; put ``metrics`` and the ``SampleFailure`` records
+   (``failure(index, row, err)``) into ``Rollouts``. When every sample failed it raises ``AllSamplesFailed``:
+   the main job stops with one line, keeping the last checkpoint.
+
+What happens to the batch (and why): a failed trajectory is removed from its group (its rows are gone, so the
+group baseline of GRPO/RLOO is the mean over the samples that did get a reward). A group left with fewer than
+``min_group_size`` (2) trajectories has no baseline to learn from: it is *dropped from training* but keeps one
+placeholder trajectory (its first, ``loss_masks`` all 0, reward 0), so the batch still holds
+``batch.train_batch_size`` prompts. The trainer counts mini-batches in prompts (``data/minibatch.py``): a batch
+with fewer prompts would take fewer optimizer steps than the LR schedule counts on, or not divide into
+mini-batches at all. The placeholder carries no gradient: its advantage is 0 (a singleton group with reward 0)
+and no token of it is in any loss; with ``loss_reduction: token_mean`` (the default) the step's gradient is
+exactly that of the batch without it. With ``sequence_mean`` it still counts as a row of its mini-batch (as a
+zero-advantage group does), the same on every DP split. The trainer's ``reward/*`` metrics skip rows without
+loss tokens, so placeholders do not pull ``reward/mean`` down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from megatron_rl.data.generator_output import PER_SEQUENCE_FIELDS, GeneratorOutput, is_scalar_reward
+
+FAILED_SAMPLES = "rollout/failed_samples"
+"""Metric: samples (trajectories) of the step whose scoring raised (0 when none)."""
+DROPPED_GROUPS = "rollout/dropped_groups"
+"""Metric: groups (prompts) left out of training because fewer than two of their samples survived."""
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    """One failed sample, for the one line the job prints (the first of the run) and for samples.jsonl."""
+
+    index: int
+    """Position of the sample among the step's samples."""
+    row: int | None
+    """The data row it came from (e.g. its prompt's row in ``data.train_files``), None when there is none."""
+    error: str
+    """``ExceptionType: message``, one line."""
+
+    def line(self, what: str) -> str:
+        where = f"row {self.row}" if self.row is not None else f"sample {self.index}"
+        return f"{what} failed on {where}: {self.error}"
+
+
+def failure(index: int, row: int | None, err: BaseException) -> SampleFailure:
+    """A ``SampleFailure`` from a caught exception (message on one line, at most 300 characters)."""
+    message = " ".join(str(err).split())
+    message = message if len(message) <= 300 else message[:297] + "..."
+    return SampleFailure(index, row, f"{type(err).__name__}: {message}" if message else type(err).__name__)
+
+
+class AllSamplesFailed(Exception):
+    """Every sample of a step failed: nothing to train on. The message names the first failure."""
+
+
+def _trajectories(output: GeneratorOutput) -> list[list[int]]:
+    """Row indices of each trajectory, in order (one row each when there are no trajectory ids)."""
+    ids = output.get("trajectory_ids")
+    if ids is None:
+        return [[i] for i in range(len(output["uids"]))]
+    runs: list[list[int]] = []
+    for i, tid in enumerate(ids):
+        if runs and ids[runs[-1][0]] == tid:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _groups(output: GeneratorOutput, trajectories: list[list[int]]) -> list[list[list[int]]]:
+    """Trajectories grouped by their (contiguous) uid."""
+    uids: list[Hashable] = output["uids"]
+    groups: list[list[list[int]]] = []
+    for rows in trajectories:
+        if groups and uids[groups[-1][0][0]] == uids[rows[0]]:
+            groups[-1].append(rows)
+        else:
+            groups.append([rows])
+    return groups
+
+
+def drop_failed_samples(output: GeneratorOutput, failed: Sequence[bool], *, min_group_size: int = 2
+                        ) -> tuple[GeneratorOutput, dict[str, float]]:
+    """``output`` without its failed trajectories, and the failure metrics (module docstring).
+
+    ``failed``: one flag per sequence. Returns a new ``GeneratorOutput`` (``output`` is not modified) and
+    ``{FAILED_SAMPLES: n, DROPPED_GROUPS: g}``. Raises ``AllSamplesFailed`` when every trajectory failed.
+    """
+    assert len(failed) == len(output["uids"]), (len(failed), len(output["uids"]))
+    trajectories = _trajectories(output)
+    bad = [any(failed[i] for i in rows) for rows in trajectories]
+    metrics = {FAILED_SAMPLES: float(sum(bad)), DROPPED_GROUPS: 0.0}
+    if not any(bad):
+        return output, metrics
+    if all(bad):
+        raise AllSamplesFailed(f"all {len(bad)} samples of the step failed")
+    bad_of = {id(rows): b for rows, b in zip(trajectories, bad)}
+    keep: list[int] = []
+    placeholders: set[int] = set()
+    for group in _groups(output, trajectories):
+        survivors = [rows for rows in group if not bad_of[id(rows)]]
+        if len(survivors) >= min(min_group_size, len(group)):
+            keep += [i for rows in survivors for i in rows]
+        else:
+            metrics[DROPPED_GROUPS] += 1
+            keep += group[0]
+            placeholders.update(group[0])
+    return _select(output, keep, placeholders), metrics
+
+
+def _select(output: GeneratorOutput, keep: list[int], placeholders: set[int]) -> GeneratorOutput:
+    """Rows ``keep`` of every per-sequence field; rows in ``placeholders`` get loss mask 0 and reward 0."""
+    out = dict(output)
+    for name in PER_SEQUENCE_FIELDS:
+        if output.get(name) is not None:
+            out[name] = [output[name][i] for i in keep]
+    for j, i in enumerate(keep):
+        if i in placeholders:
+            out["loss_masks"][j] = [0] * len(output["loss_masks"][i])
+            reward = output["rewards"][i]
+            out["rewards"][j] = 0.0 if is_scalar_reward(reward) else [0.0] * len(reward)
+    return out  # type: ignore[return-value]

@@ -1,0 +1,128 @@
+"""Where the main job starts from: the base config it reads, and paths taken from where the user stands.
+
+Place in the data flow: the very first step of a launch. ``run_megatron.sh`` records the caller's directory in
+``$MEGATRON_RL_CALLER_CWD`` before it changes into the repository, then runs
+``python -m megatron_rl.job.paths "$@"`` (stdlib only, ~0.05 s), which prints the base config to read; every
+rank and the pre-flight load the config with ``job/config.py: load_job_config``, which resolves the path keys
+with ``resolve_path_keys``.
+
+Base config (``base_config``): ``$CONFIG`` when set; else ``configs/user_job.yaml`` (values for a pretrained
+model on a real task) when the command names a task of the user's (``USER_TASK_KEYS``), else
+``configs/demo_cpu.yaml`` (the digit game).
+
+Paths: every relative value of ``PATH_KEYS`` (and the file part of ``path/to/file.py:name`` in ``SPEC_KEYS``),
+from the YAML or the command line, is made absolute against the caller's directory (``caller_cwd``), so the
+config a run writes holds absolute paths and the ranks (which run in the repository) find the same files.
+``$CONFIG`` itself is taken from the caller's directory too; a relative one that is not there but is in the
+repository (``configs/demo_gpu.yaml``) is the repository's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+"""The checkout (``configs/`` lives here)."""
+CALLER_CWD_ENV = "MEGATRON_RL_CALLER_CWD"
+"""The directory the user ran ``run_megatron.sh`` from (exported by it before it changes directory)."""
+DEMO_CONFIG = "configs/demo_cpu.yaml"
+USER_JOB_CONFIG = "configs/user_job.yaml"
+USER_TASK_KEYS = ("data.train_files", "job.environment", "job.agent")
+"""Overrides that make the command a user's job (``job.environment`` unless it names the digit game)."""
+DEMO_ENVIRONMENTS = ("auto", "next_digit")
+PATH_KEYS = ("model.hf_path", "data.train_files", "data.val_files", "logging.output_dir", "checkpoint.save_dir",
+             "export.dir", "rollout.sync_dir")
+"""Keys whose values are file-system paths (a string, or a list of them)."""
+SPEC_KEYS = ("reward.function", "job.environment", "job.agent")
+"""Keys of the form ``path/to/file.py:name`` (or ``package.module:name``, left alone)."""
+
+
+def caller_cwd() -> Path:
+    """The user's directory: ``$MEGATRON_RL_CALLER_CWD`` when a launcher set it, else this process's."""
+    return Path(os.environ.get(CALLER_CWD_ENV) or os.getcwd())
+
+
+def _override_value(overrides: Sequence[str], key: str) -> str | None:
+    """The last ``key=value`` among ``overrides`` (raw text), or None."""
+    values = [item.split("=", 1)[1] for item in overrides if item.split("=", 1)[0].strip() == key and "=" in item]
+    return values[-1] if values else None
+
+
+def user_task_key(overrides: Sequence[str]) -> str | None:
+    """The first override that names a task of the user's (prompt files, an environment other than the digit
+    game, an agent), or None."""
+    for key in USER_TASK_KEYS:
+        value = _override_value(overrides, key)
+        if value and not (key == "job.environment" and value.strip() in DEMO_ENVIRONMENTS):
+            return key
+    return None
+
+
+def base_config(config: str | None, overrides: Sequence[str]) -> tuple[Path, str]:
+    """``(base config file, why it was chosen)``: ``config`` (``$CONFIG``) when given, resolved with
+    ``resolve_config``, else the user-job or the demo config (module docstring)."""
+    if config:
+        return resolve_config(config), "CONFIG"
+    key = user_task_key(overrides)
+    if key is not None:
+        return REPO_ROOT / USER_JOB_CONFIG, f"your job: {key} is set; CONFIG=... picks another"
+    return REPO_ROOT / DEMO_CONFIG, "the digit-game demo: no data.train_files; CONFIG=... picks another"
+
+
+def resolve_config(config: str) -> Path:
+    """``$CONFIG`` against the caller's directory; a relative path found only in the repository is its file."""
+    path = Path(config).expanduser()
+    if path.is_absolute():
+        return path
+    mine = caller_cwd() / path
+    return mine if mine.exists() or not (REPO_ROOT / path).exists() else REPO_ROOT / path
+
+
+def absolute(value: str, base: Path) -> str:
+    """``value`` made absolute against ``base`` (``~`` expanded); absolute paths unchanged."""
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else base / path)
+
+
+def _resolve_spec(value: str, base: Path) -> str:
+    where, sep, name = value.rpartition(":")
+    return f"{absolute(where, base)}:{name}" if sep and where.endswith(".py") else value
+
+
+def resolve_path_keys(flat: Mapping[str, Any], base: Path | None = None) -> dict[str, Any]:
+    """``flat`` (dotted key -> raw value) with every relative path of ``PATH_KEYS`` and ``SPEC_KEYS`` made
+    absolute against ``base`` (default ``caller_cwd()``); other values untouched."""
+    base = caller_cwd() if base is None else base
+    out = dict(flat)
+    for key in PATH_KEYS:
+        value = out.get(key)
+        if isinstance(value, str) and value:
+            out[key] = absolute(value, base)
+        elif isinstance(value, list):
+            out[key] = [absolute(v, base) if isinstance(v, str) and v else v for v in value]
+    for key in SPEC_KEYS:
+        if isinstance(out.get(key), str):
+            out[key] = _resolve_spec(out[key], base)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m megatron_rl.job.paths [key=value ...]`` (``$CONFIG`` from the environment): prints the base
+    config's path on stdout, and ``base config: <path> (<why>)`` on stderr; exit 2 when it does not exist."""
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    path, why = base_config(os.environ.get("CONFIG") or None, overrides)
+    if not path.is_file():
+        print(f"run_megatron.sh: CONFIG={os.environ.get('CONFIG')!r} is not a file (looked in {caller_cwd()} and "
+              f"the repository {REPO_ROOT}); give the path of a YAML config", file=sys.stderr)
+        return 2
+    print(f"base config: {path} ({why})", file=sys.stderr, flush=True)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The user job explains itself (issue 31), fast checks: the base config chosen and named, paths from the
+caller's directory, samples and "no learning signal" in the reports, zero-advantage groups flagged, and the
+pre-flight catching data and reward mistakes before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.environments.base import Sample
+from megatron_rl.environments.failures import failure
+from megatron_rl.job import paths
+from megatron_rl.job.config import load_job_config
+from megatron_rl.job.reporting import RunReporter, read_metrics, summary_paragraph
+from megatron_rl.trainer import zero_advantage_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_base_config_follows_the_task():
+    assert paths.base_config(None, [])[0] == ROOT / "configs" / "demo_cpu.yaml"
+    assert paths.base_config(None, ["data.train_files=p.jsonl"])[0] == ROOT / "configs" / "user_job.yaml"
+    assert paths.base_config(None, ["job.environment=next_digit"])[0] == ROOT / "configs" / "demo_cpu.yaml"
+    assert paths.base_config(None, ["job.agent=a.py:fn"])[0] == ROOT / "configs" / "user_job.yaml"
+    assert paths.base_config("configs/demo_gpu.yaml", ["data.train_files=p.jsonl"])[0] == \
+        ROOT / "configs" / "demo_gpu.yaml"  # CONFIG wins; a shipped one is found from anywhere
+
+
+def test_the_user_job_base_fits_a_pretrained_model():
+    config = load_job_config(ROOT / "configs" / "user_job.yaml",
+                             ["data.train_files=p.jsonl", "reward.function=r.py:f", "model.hf_path=m"])
+    assert config.rl.optimizer.lr <= 1e-5 and config.rl.algorithm.entropy_loss_coef == 0.0
+    assert config.job.max_new_tokens >= 256 and config.rl.checkpoint.save_interval > 0
+    assert config.rl.logging.sample_interval > 0
+
+
+def test_the_launcher_names_the_base_config_first(tmp_path):
+    env = {**os.environ, "CONFIG": "", "MEGATRON_RL_CALLER_CWD": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths", "data.train_files=p.jsonl"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == str(ROOT / "configs" / "user_job.yaml")
+    assert proc.stderr.startswith("base config: ") and "your job: data.train_files is set" in proc.stderr
+    (tmp_path / "mine.yaml").write_text("job:\n  num_steps: 3\n")
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths"], cwd=ROOT, capture_output=True,
+                          text=True, env={**env, "CONFIG": "mine.yaml"})
+    assert proc.stdout.strip() == str(tmp_path / "mine.yaml")  # CONFIG from where the user stands
+    proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths"], cwd=ROOT, capture_output=True,
+                          text=True, env={**env, "CONFIG": "nope.yaml"})
+    assert proc.returncode == 2 and "CONFIG='nope.yaml' is not a file" in proc.stderr
+
+
+def test_path_keys_resolve_against_the_callers_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.CALLER_CWD_ENV, str(tmp_path))
+    config = load_job_config(ROOT / "configs" / "user_job.yaml", [
+        "model.hf_path=my_model", "data.train_files=[a.jsonl, /abs/b.jsonl]", "data.val_files=v.jsonl",
+        "reward.function=rewards/r.py:score", "logging.output_dir=out"])
+    assert config.rl.model.hf_path == str(tmp_path / "my_model")
+    assert config.data.train_files == [str(tmp_path / "a.jsonl"), "/abs/b.jsonl"]
+    assert config.data.val_files == str(tmp_path / "v.jsonl")
+    assert config.reward.function == f"{tmp_path / 'rewards' / 'r.py'}:score"
+    assert config.rl.logging.output_dir == str(tmp_path / "out") and config.save_dir == tmp_path / "out/checkpoints"
+    module = load_job_config(ROOT / "configs" / "user_job.yaml", ["data.train_files=a.jsonl", "model.hf_path=m",
+                                                                   "reward.function=my_pkg.rewards:score"])
+    assert module.reward.function == "my_pkg.rewards:score"  # a module is not a path
+
+
+def test_errors_name_the_users_key(tmp_path, monkeypatch):
+    from megatron_rl.config import ConfigError
+    from megatron_rl.environments.registry import make_environment
+
+    monkeypatch.setenv(paths.CALLER_CWD_ENV, str(tmp_path))
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1 plus one equals"}\n')
+    config = load_job_config(ROOT / "configs" / "user_job.yaml",
+                             ["model.hf_path=my_model", "data.train_files=p.jsonl", "reward.function=r.py:f"])
+    with pytest.raises(ConfigError, match=f"^model.hf_path='{tmp_path / 'my_model'}' has no config.json"):
+        make_environment(config)
+
+
+def zero_adv(rewards, uids):
+    return {k: m.final() for k, m in zero_advantage_metrics(torch.tensor(rewards), uids).items()}
+
+
+def test_zero_advantage_groups_are_counted():
+    assert zero_adv([1.0, 1.0, 0.0, 1.0], [0, 0, 1, 1]) == {"rollout/zero_advantage_groups": 0.5}
+    assert zero_adv([0.0, 0.0, 0.0, 0.0], [0, 0, 1, 1]) == {"rollout/zero_advantage_groups": 1.0}
+    assert zero_adv([0.0, 1.0], [0, 1]) == {}  # singletons: no group to compare within
+
+
+def test_summary_says_when_there_was_no_learning_signal():
+    rows = [{"step": s, "reward/mean": 0.0, "rollout/zero_advantage_groups": 1.0} for s in range(1, 5)]
+    rows.append({"step": 5, "reward/mean": 0.5, "rollout/zero_advantage_groups": 0.5})
+    text = summary_paragraph(rows, baseline=None, wall_time_s=1.0)
+    assert "No learning signal in 4 of 5 steps (every response of those steps got reward 0" in text
+    assert "likely cause" in text and "samples.jsonl" in text
+
+
+def test_samples_are_logged_resumed_and_quoted(tmp_path, capsys):
+    reporter = RunReporter(tmp_path, total_steps=4, tensorboard=True, progress_bar=False)
+    for step in (1, 2, 3):
+        reporter.log_step(step, {"reward/mean": 0.0, "rollout/failed_samples": 1.0})
+        reporter.log_samples(step, "train", [Sample("2 plus one equals", "3", 1.0, row=7),
+                                             Sample("3 plus two equals", "5", None, row=3, error="ValueError: x")])
+        reporter.note_failures([failure(0, 3, ValueError("no threes"))], "reward.function")
+    reporter.log_samples(3, "eval", [Sample("q", "a", 0.0)])
+    reporter.close()
+    out = capsys.readouterr().out
+    assert out.count("reward.function failed on row 3: ValueError: no threes") == 1  # once per run, one line
+    records = read_metrics(tmp_path / "samples.jsonl")
+    assert len(records) == 7 and records[0] == {"step": 1, "split": "train", "row": 7, "prompt": "2 plus one equals",
+                                                "response": "3", "reward": 1.0, "error": None}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    assert {"samples/train/text_summary", "samples/eval/text_summary"} <= set(events.Tags()["tensors"])
+
+    resumed = RunReporter(tmp_path, total_steps=4, start_step=1, tensorboard=False, progress_bar=False)
+    assert [r["step"] for r in read_metrics(tmp_path / "samples.jsonl")] == [1, 1]  # the crashed tail is gone
+    resumed.log_samples(2, "train", [Sample("p", "r", 0.25)])
+    summary = resumed.finish(baseline=None, wall_time_s=1.0)
+    assert "1 samples failed" in summary and "The last 3 samples" in summary
+    assert "[step 2 train] reward 0.250" in summary and "failed: ValueError: x" in summary
+    assert summary in (tmp_path / "summary.txt").read_text()
+
+
+def test_preflight_finds_data_and_reward_mistakes_before_the_ranks(tmp_path):
+    """python -m megatron_rl.job.preflight builds the environment: a wrong column and a missing function."""
+    from test_generic_job import make_task
+
+    task = make_task(tmp_path)
+    (tmp_path / "wrong.jsonl").write_text(json.dumps({"question": "1 plus one equals", "target": "2"}) + "\n")
+    common = [f"model.hf_path={task['model']}", f"logging.output_dir={tmp_path / 'out'}"]
+    cases = [([f"data.train_files={tmp_path / 'wrong.jsonl'}", f"reward.function={task['reward']}:match"],
+              "data.prompt_key='prompt': row 0 of data.train_files has no such column"),
+             ([f"data.train_files={task['data']}", f"reward.function={task['reward']}:nope"],
+              "has no function 'nope'")]
+    for overrides, needle in cases:
+        proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.preflight", "--config",
+                               str(ROOT / "configs" / "user_job.yaml"), "--world-size", "2", *common, *overrides],
+                              cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
