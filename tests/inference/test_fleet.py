@@ -45,6 +45,8 @@ def test_same_call_same_samples(fleet_result):
 
 def test_a_step_of_any_size_and_quiet_logs(fleet_result):
     assert fleet_result["big_step"] == [8] * 32
+    assert fleet_result["bad_token"] == ("prompt 1 has token ids [256]: token ids must be in [0, 256) "
+                                         "(model.vocab_size) and a prompt needs at least one")
     assert fleet_result["quiet_logs"] == {"engine0.log": [], "engine1.log": []}
 
 
