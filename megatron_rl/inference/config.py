@@ -41,6 +41,11 @@ class RolloutConfig(ConfigSection):
     request_timeout_s: float = field(default=600.0, metadata=POSITIVE)
     """An engine with requests outstanding that finishes none and generates no token for this long is taken as
     hung: it is killed and replaced, its requests go to the other engines."""
+    sleep_while_training: bool = False
+    """GPUs, engines sharing the trainer's devices (colocated): put every engine to sleep (vLLM sleep mode level
+    1: KV cache freed, weights moved to host memory) before the optimizer steps and wake it before the weight sync,
+    so that training has the device memory. Unmeasured (no GPU here); on CPU a ConfigError (there is no device
+    memory to free)."""
     engine_python: str | None = None
     """Interpreter of the engine's environment; None = ``$MEGATRON_RL_ENGINE_PYTHON``, else
     ``.venv-engine/bin/python`` (what ``scripts/setup_engine.sh`` makes)."""
@@ -90,7 +95,12 @@ any other fails at the first generation step, not at start-up)."""
 def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) -> None:
     """ConfigError for a model the configured engine cannot run, before anything starts. With ``model.hf_path``
     the shapes are the checkpoint's (its ``config.json``), not the ``model.*`` keys (which it replaces)."""
-    if rollout.engine != "vllm" or device != "cpu":
+    if rollout.engine != "vllm":
+        return
+    if rollout.sleep_while_training and device == "cpu":
+        raise ConfigError("rollout.sleep_while_training=true frees GPU memory for training, but parallel.device=cpu; "
+                          "unset it (on CPU the engines use host memory)")
+    if device != "cpu":
         return
     shapes = _hf_shapes(model.hf_path) if model.hf_path else None
     if shapes is not None:

@@ -81,6 +81,8 @@ class ServeOptions:
     gpu_memory_utilization: float
     tensor_parallel_size: int = 1
     max_num_seqs: int = 256
+    sleep_mode: bool = False
+    """``--enable-sleep-mode`` (``rollout.sleep_while_training``)."""
 
 
 class EngineServer:
@@ -125,7 +127,7 @@ class EngineServer:
             "--no-enable-chunked-prefill",
             "--gpu-memory-utilization", str(options.gpu_memory_utilization),
             "--tensor-parallel-size", str(options.tensor_parallel_size),
-            "--disable-uvicorn-access-log",
+            "--disable-uvicorn-access-log", *(["--enable-sleep-mode"] if options.sleep_mode else []),
         ]  # fmt: skip
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:

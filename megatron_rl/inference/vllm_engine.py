@@ -393,7 +393,7 @@ class VLLMEngine:
                 python=python or "", dtype=model_cfg.params_dtype if config.dtype == "auto" else config.dtype,
                 max_model_len=config.max_model_len or model_cfg.max_position_embeddings, seed=seed,
                 kv_cache_gib=config.kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
-                tensor_parallel_size=config.engine_tensor_parallel_size,
+                tensor_parallel_size=config.engine_tensor_parallel_size, sleep_mode=config.sleep_while_training,
             )  # fmt: skip
             fleet = Fleet(config, options, model_dir, work_dir)
             try:
@@ -566,6 +566,22 @@ class VLLMEngine:
                 return (f"{slot.name} failed during a weight sync: {result}; last lines of its log:\n"
                         f"{log_tail(slot.server.log_path if slot.server else None)}")
         return None
+
+    def sleep(self) -> None:
+        """Rank 0: every serving engine frees its device memory (vLLM sleep level 1) while the trainer trains
+        (``rollout.sleep_while_training``; other ranks: nothing). ``wake`` before the next sync or generation."""
+        self._each_serving("/sleep?level=1")
+
+    def wake(self) -> None:
+        self._each_serving("/wake_up")
+
+    def _each_serving(self, path: str) -> None:
+        if self.fleet is None:
+            return
+        results = self.fleet.each(self.fleet.serving(), lambda s: s.server.call("POST", path, timeout_s=600))
+        for index, result in results.items():
+            if isinstance(result, EngineDown):
+                self.fleet.mark_down(self.fleet.slots[index], str(result))
 
     def step_metrics(self) -> dict[str, float]:
         """Rank 0: ``rollout/engine_restarts`` (since the last call) and ``rollout/engines_alive``; else {}."""

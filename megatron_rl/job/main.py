@@ -306,7 +306,12 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
     )
     check_ranks_agree(job.groups, [rollouts.output["response_ids"], rollouts.output["rewards"]])
     rollout_s = time.perf_counter() - started
+    sleeping = config.rollout.engine == "vllm" and config.rollout.sleep_while_training
+    if sleeping:  # colocated engines give the trainer their device memory (rank 0 asks them; docs/INFERENCE.md)
+        job.engine.sleep()
     metrics = job.trainer.train_step(rollouts.output)
+    if sleeping:
+        job.engine.wake()
     metrics.update(rollouts.metrics)
     metrics["timing/rollout_s"] = rollout_s
     if step % config.rollout.sync_interval == 0:

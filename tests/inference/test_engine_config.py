@@ -30,3 +30,11 @@ def test_hf_checkpoint_with_an_unsupported_head_size_names_the_path(tmp_path):
     with pytest.raises(ConfigError, match=r"model.hf_path=.* has a head size of 16"):
         check_engine_model(RolloutConfig(engine="vllm"), ModelConfig(hf_path=bad), "cpu")
     check_engine_model(RolloutConfig(engine="vllm"), ModelConfig(hf_path=bad), "cuda")  # GPU kernels: any size
+
+
+def test_sleep_while_training_is_for_gpus():
+    rollout = RolloutConfig(engine="vllm", sleep_while_training=True)
+    model = ModelConfig(hidden_size=64, num_attention_heads=2)
+    with pytest.raises(ConfigError, match="rollout.sleep_while_training=true frees GPU memory"):
+        check_engine_model(rollout, model, "cpu")
+    check_engine_model(rollout, model, "cuda")
