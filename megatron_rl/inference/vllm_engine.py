@@ -121,6 +121,8 @@ class Fleet:
         self.slots: list[Slot] = []
         self.cpu = cpu_shares(config.num_engines)
         self.restarts_in_step = 0
+        self.closed = False
+        """Set by ``kill_all``: no more restarts."""
         self.sessions: dict[str, int] = {}
         """Agent session -> the engine its calls go to (``complete``)."""
         self.lock = threading.RLock()
@@ -181,6 +183,8 @@ class Fleet:
     def _restart(self, slot: Slot, reason: str) -> None:
         """Launch a replacement for ``slot`` and wait for it in the background (it joins when up); a replacement
         that dies while starting is replaced again, up to ``MAX_RESTARTS``."""
+        if self.closed:
+            return
         if slot.restarts >= MAX_RESTARTS:
             slot.error = f"{reason}; restarted {slot.restarts} times already"
             slot.state = "dead"
@@ -198,7 +202,8 @@ class Fleet:
                 slot.state = "joining"
             except EngineStartError as err:
                 server.kill()
-                self._restart(slot, str(err))
+                if not self.closed:  # (killed by ``kill_all``: the job is ending)
+                    self._restart(slot, str(err))
 
         slot.restarter = threading.Thread(target=wait, name=f"megatron_rl-restart-{slot.index}", daemon=True)
         slot.restarter.start()
@@ -230,6 +235,7 @@ class Fleet:
         return count
 
     def kill_all(self) -> None:
+        self.closed = True
         for slot in self.slots:
             if slot.server is not None:
                 slot.server.kill()

@@ -106,7 +106,7 @@ def _wait_rows(out: Path, proc: subprocess.Popen, condition, what: str, timeout:
 
 def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(engine_py, tmp_path):
     out = tmp_path / "run"
-    proc = _launch(out, engine_py, "demo.num_steps=100", "rollout.num_engines=2")
+    proc = _launch(out, engine_py, "demo.num_steps=1000", "rollout.num_engines=2")  # killed long before
     _wait_rows(out, proc, lambda rows: len(rows) >= 3, "reach step 3")
     engines = sorted(_engine_pids(out))
     assert len(engines) == 2, engines
