@@ -157,15 +157,18 @@ def _timed_sync(engine, policy, groups, rpcs: list | None = None) -> dict:
               f"{len(engine.fleet.slots)} serve")
         out["engines"] = [dict(stats) for _, stats in per_engine]
         out["engine"] = max(out["engines"], key=lambda e: e["seconds"])  # the slowest engine
+    if groups.rank == 0:
+        out["reset_s"] = max((s for _i, what, s, _r in rpcs if what == "/reset_prefix_cache"), default=0.0)
     if groups.rank == 0 and engine.transport == "disk":
-        out["reload_s"] = [s for _i, method, s, _r in rpcs if method == "megatron_rl_reload_path"]
+        out["reload_s"] = [s for _i, method, s, _r in sorted(rpcs, key=lambda call: call[0])
+                           if method == "megatron_rl_reload_path"]  # one per engine, in engine order
         check(len(out["reload_s"]) == len(engine.fleet.slots), "not every engine reloaded from disk")
     return out
 
 
 def _time_rpcs(engine) -> list:
-    """Rank 0: time every engine's ``collective_rpc`` (the fleet calls them concurrently); returns the record,
-    (engine index, method, seconds, result) per call."""
+    """Rank 0: time every engine's ``collective_rpc`` and plain ``call`` (``/reset_prefix_cache`` after a sync; the
+    fleet calls the engines concurrently); returns the record, (engine index, method or path, seconds, result)."""
     record: list = []
     for slot in engine.fleet.slots:
         real = slot.server.collective_rpc
@@ -177,6 +180,15 @@ def _time_rpcs(engine) -> list:
             return result
 
         slot.server.collective_rpc = timed
+        real_call = slot.server.call
+
+        def timed_call(method, path, *args, _real=real_call, _index=slot.index, **kwargs):
+            started = time.perf_counter()
+            result = _real(method, path, *args, **kwargs)
+            record.append((_index, path, time.perf_counter() - started, result))
+            return result
+
+        slot.server.call = timed_call
     return record
 
 
@@ -347,6 +359,7 @@ def summarize(model: str, layout: str, buckets: list[float], ranks: list[dict], 
             "engine_s_each": [statistics.median(s["engines"][e]["seconds"] for s in timed0) for e in range(engines)],
             "sender_s": statistics.median(s["sender"]["seconds"] for s in timed0),
             "sender_broadcast_s": statistics.median(s["broadcast_s"] for s in timed0),
+            "reset_prefix_cache_s": statistics.median(s["reset_s"] for s in timed0),
             "peak_extra_mib": peak, "peak_extra_per_rank_mib": [max(s["peak_extra_mib"] for s in syncs[1:])
                                                                 for syncs in per_rank],
             "bucket_plus_largest_mib": bound, "memory_ok": peak <= bound,
@@ -356,6 +369,8 @@ def summarize(model: str, layout: str, buckets: list[float], ranks: list[dict], 
     row["disk"] = {"first_s": disk[0][0]["s"], "sync_s": disk_s, "syncs_s": [s["s"] for s in disk[0][1:]],
                    "min_s": min(s["s"] for s in disk[0][1:]), "mb_s": convert_bytes / disk_s / 1e6,
                    "reload_s": statistics.median(max(s["reload_s"]) for s in disk[0][1:]),
+                   "reload_s_each": [statistics.median(s["reload_s"][e] for s in disk[0][1:]) for e in range(engines)],
+                   "reset_prefix_cache_s": statistics.median(s["reset_s"] for s in disk[0][1:]),
                    "peak_extra_mib": max(max(s["peak_extra_mib"] for s in syncs[1:]) for syncs in disk)}  # fmt: skip
     check(all(r["generated"] >= 1 for r in ranks), f"{model} {layout} e{engines}: no tokens generated after the syncs")
     return row
@@ -368,8 +383,8 @@ def _senders(layout: str, world: int) -> set[int]:
 
 def table(rows: list[dict]) -> str:
     head = ["model", "layout", "engines", "HF MB", "bucket MiB", "sync s (median; first)", "MB/s", "raw MB/s",
-            "sync/raw", "engine s", "sender bcast s", "convert s", "peak extra MiB", "bucket+largest MiB", "disk s",
-            "disk MB/s", "disk reload s"]
+            "sync/raw", "engine s", "sender bcast s", "reset s", "convert s", "peak extra MiB", "bucket+largest MiB",
+            "disk s", "disk MB/s", "disk reload s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         if "error" in row:
@@ -383,6 +398,7 @@ def table(rows: list[dict]) -> str:
                 f"{b['bucket_mib']:g}",
                 f"{b['sync_s']:.3f}; {b['first_s']:.3f}", f"{b['mb_s']:.0f}", f"{b['raw_mb_s']:.0f}",
                 f"{b['ratio_to_raw']:.2f}", f"{b['engine_s']:.3f}", f"{b['sender_broadcast_s']:.3f}",
+                f"{b['reset_prefix_cache_s']:.3f}",
                 f"{row['convert_s']:.3f}", f"{b['peak_extra_mib']:.0f}", f"{b['bucket_plus_largest_mib']:.0f}",
                 f"{row['disk']['sync_s']:.3f}", f"{row['disk']['mb_s']:.0f}", f"{row['disk']['reload_s']:.3f}",
             ]) + " |")  # fmt: skip
