@@ -79,6 +79,33 @@ def start_fleet(num_engines: int, model_dir: Path, work_dir: Path, max_model_len
     return fleet, time.perf_counter() - started
 
 
+def _role(comm: str) -> str:
+    if comm.startswith("VLLM::EngineCor"):
+        return "engine core"
+    if "Worker" in comm:
+        return "worker"
+    return "api server"
+
+
+def fleet_cpu(fleet) -> dict[str, float]:
+    """CPU seconds (user + system, /proc) so far of every process of the fleet's servers, by role (the API
+    server, vLLM's engine core, its worker), and of this process (the client: request threads, route, JSON)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    groups = {s.server.proc.pid for s in fleet.slots if s.server is not None and s.server.proc is not None}
+    cpu = {"api server": 0.0, "engine core": 0.0, "worker": 0.0}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(rest[2]) in groups:  # field 5: the process group
+            cpu[_role(comm)] += (int(rest[11]) + int(rest[12])) / tick  # fields 14, 15: utime, stime
+    own = os.times()
+    cpu["client"] = own.user + own.system
+    return cpu
+
+
 def timed_generate(fleet, prompts, max_tokens: int, call_seed: int, serving: list[int]) -> dict:
     """One ``Fleet.generate`` with only the slots in ``serving`` in service: seconds, tokens, completions."""
     from megatron_rl.inference.engine import SamplingSpec
@@ -95,9 +122,11 @@ def timed_generate(fleet, prompts, max_tokens: int, call_seed: int, serving: lis
 
         slot.server.complete = counted
     try:
+        cpu_before = fleet_cpu(fleet)
         started = time.perf_counter()
         completions = fleet.generate(prompts, spec, seeds_for(call_seed, len(prompts)))
         seconds = time.perf_counter() - started
+        cpu = {role: v - cpu_before[role] for role, v in fleet_cpu(fleet).items()}
     finally:
         for slot in fleet.slots:
             slot.server.complete = real_complete[slot.index]
@@ -108,7 +137,7 @@ def timed_generate(fleet, prompts, max_tokens: int, call_seed: int, serving: lis
     check(all(counts[i] > 0 for i in serving), f"an engine served no request: {counts}")
     counts = {i: counts[i] for i in serving}
     tokens = sum(len(c.token_ids) for c in completions)
-    return {"s": seconds, "tokens": tokens, "tok_s": tokens / seconds, "per_engine": counts,
+    return {"s": seconds, "tokens": tokens, "tok_s": tokens / seconds, "per_engine": counts, "cpu_s": cpu,
             "ids": [c.token_ids for c in completions]}
 
 
@@ -134,7 +163,10 @@ def throughput(fleet, num_engines: int, workloads: list[int], prompts, repeats: 
         rows.append({"variant": variant, "engines_serving": len(variants[variant]), "fleet": num_engines,
                      "prompts": len(prompts), "max_tokens": max_tokens, "tok_s": statistics.median(tok_s),
                      "tok_s_all": tok_s, "s": statistics.median(r["s"] for r in rs),
-                     "per_engine": rs[-1]["per_engine"]})  # fmt: skip
+                     "per_engine": rs[-1]["per_engine"],
+                     "cpu_ms_per_1k_tokens": {role: statistics.median(r["cpu_s"][role] / r["tokens"] * 1e6 for r in rs)
+                                              for role in rs[0]["cpu_s"]},
+                     "cores_busy": statistics.median(sum(r["cpu_s"].values()) / r["s"] for r in rs)})  # fmt: skip
     return {"rows": rows, "ids": ids}
 
 
@@ -267,13 +299,16 @@ def run_model(model: str, hf_dir: Path, work_root: Path, engines: list[int], num
 
 
 def tables(results: list[dict]) -> str:
-    lines = ["| model | fleet | serving | prompts x tokens | tok/s median (min-max) | s | requests per engine |",
-             "|---|---|---|---|---|---|---|"]
+    roles = ("api server", "engine core", "worker", "client")
+    lines = ["| model | fleet | serving | prompts x tokens | tok/s median (min-max) | s | requests per engine | CPU ms "
+             "per 1k tokens: " + " / ".join(roles) + " | cores busy |", "|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in sorted(res["throughput"], key=lambda r: (r["max_tokens"], r["fleet"], -r["engines_serving"])):
             lines.append(f"| {res['model']} | {r['fleet']} | {r['engines_serving']} | {r['prompts']} x "
                          f"{r['max_tokens']} | {r['tok_s']:.0f} ({min(r['tok_s_all']):.0f}-{max(r['tok_s_all']):.0f})"
-                         f" | {r['s']:.2f} | {'/'.join(str(v) for v in r['per_engine'].values())} |")
+                         f" | {r['s']:.2f} | {'/'.join(str(v) for v in r['per_engine'].values())} | "
+                         + " / ".join(f"{r['cpu_ms_per_1k_tokens'][k]:.0f}" for k in roles)
+                         + f" | {r['cores_busy']:.2f} |")
     lines += ["", "| model | path to engine 0 (1 request, max_tokens=1) | median ms | p90 ms | added vs raw (new "
               "connection), ms |", "|---|---|---|---|---|"]
     for res in results:
