@@ -145,3 +145,35 @@ def test_bench_weight_sync_small(tmp_path):
     assert bucket["tensors"] == 2 * 11 + 3 and bucket["sync_s"] > 0 and bucket["raw_mb_s"] > 0
     assert row["disk"]["sync_s"] > 0
     assert "| tiny | tp1 |" in proc.stdout
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_bench_fleet_small(tmp_path):
+    """``bench_fleet.py --small`` end to end: a real fleet of 2 engines (also with engine 0 alone), the tiny
+    model, 8 prompts x 8 tokens, and the latency paths (~2-3 min here)."""
+    import json
+    import os
+    import subprocess
+
+    from inference.conftest import engine_python  # skips (or fails under MEGATRON_RL_REQUIRE_ENGINE=1)
+
+    engine_py = engine_python()
+    bench = Path(__file__).resolve().parents[2] / "bench" / "bench_fleet.py"
+    out = tmp_path / "fleet.json"
+    env = {**os.environ, "MEGATRON_RL_ENGINE_PYTHON": engine_py}
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--small", "--out", str(out), "--model-dir", str(tmp_path / "models"),
+         "--work-dir", str(tmp_path / "work")],
+        env=env, capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (res,) = json.loads(out.read_text())["results"]
+    rows = {r["engines_serving"]: r for r in res["throughput"]}
+    assert set(rows) == {1, 2} and all(r["tok_s"] > 0 and r["max_tokens"] == 8 for r in rows.values())
+    assert rows[2]["per_engine"] == {"0": 4, "1": 4}  # 8 distinct prompts: the router splits them evenly
+    assert set(res["latency"]) == {"raw http.client, new connection", "raw http.client, keep-alive",
+                                   "EngineServer.complete", "Fleet.generate (1 prompt)"}
+    assert all(v["median_ms"] > 0 for v in res["latency"].values())
+    assert all(f >= 0.9 for f in res["same_samples_fraction"].values())
+    assert "| tiny | 2 | 1 | 8 x 8 |" in proc.stdout
