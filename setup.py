@@ -25,7 +25,8 @@ setup(
     extras_require={
         "test": ["pytest>=8", "hypothesis", "pytest-timeout"],
         "hf": ["transformers>=5,<6", "safetensors", "mbridge==0.15.1"],
-        "demo": ["tqdm", "tensorboard", "matplotlib", "pyarrow"],  # the main job: progress, logs, plot, prompt files
+        "demo": ["tqdm", "tensorboard", "matplotlib", "pyarrow", "openai"],  # the main job: progress, logs, plot,
+        # prompt files; openai: the client of job.agent functions (examples/tool_agent)
         "gpu": ["transformer-engine"],
     },
 )

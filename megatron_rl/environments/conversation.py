@@ -63,10 +63,12 @@ class Conversation:
     """The token-exact record of one conversation (see the module docstring). ``prompt_ids`` is the prompt of
     the turn to sample next; ``turns`` the turns sampled so far."""
 
-    def __init__(self, tokenizer: Any, first: str | list[Message]) -> None:
+    def __init__(self, tokenizer: Any, first: str | list[Message], tools: list[dict] | None = None) -> None:
         """``first``: the opening messages, or a string (a user message with a chat template, raw text
-        without); ValueError for messages and a tokenizer without a chat template."""
+        without); ValueError for messages and a tokenizer without a chat template. ``tools``: the tool schemas
+        the template renders (an agent's call; None = none)."""
         self.tokenizer = tokenizer
+        self.tools = tools
         self.chat = has_chat_template(tokenizer)
         self.turns: list[Turn] = []
         self.messages: list[Message] = []
@@ -95,15 +97,17 @@ class Conversation:
         """Append the environment's answer to the last reply and make the next prompt (extend or new step)."""
         assert self.turns, "an observation answers a reply: add_response first"
         if self.chat:
-            self.continue_with(self.messages + as_messages(observation))
+            self.continue_with(self.messages + as_messages(observation), self.tools)
             return
         self.prompt_ids = self._seen_ids() + self._encode(_raw_text(observation))
         self._extends = True
 
-    def continue_with(self, messages: list[Message]) -> None:
+    def continue_with(self, messages: list[Message], tools: list[dict] | None = None) -> None:
         """The next prompt for the whole conversation ``messages`` (the history so far, the last reply's text
-        included, plus what follows it): extend or new step. An agent's call hands its own history here."""
+        included, plus what follows it): extend or new step. An agent's call hands its own history here, and the
+        call's ``tools``."""
         assert self.chat and self.turns, "continue_with needs a chat template and a reply to continue from"
+        self.tools = tools
         text = self._render(messages)
         seen = self.text + self._decode(self.turns[-1].response_ids, skip_special_tokens=False)
         self._extends = text.startswith(seen)
@@ -115,7 +119,8 @@ class Conversation:
         return last.prompt_ids + last.response_ids
 
     def _render(self, messages: list[Message]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
+                                                  tokenize=False)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -5,7 +5,9 @@ so a bad prompt file, reward function or environment class stops the run with on
 
 - a registered name (``next_digit``, ``single_turn``, or one a plug-in adds with ``register_environment`` from
   its own module, imported before the job starts);
-- a user's step-API class, ``path/to/file.py:Class`` or ``package.module:Class`` (``step_api/``): no registration.
+- a user's step-API class, ``path/to/file.py:Class`` or ``package.module:Class`` (``step_api/``): no registration;
+- ``agent``: what ``job.environment`` resolves to when ``job.agent`` names a user's OpenAI-client agent function
+  (``agent/``).
 
 Environments are plug-ins of the job: this module never imports the job's config. A builder is called with the
 job's config (``megatron_rl/job/config.py: JobConfig``) and reads the sections it needs.
@@ -111,5 +113,15 @@ def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
                               max_turns=config.job.max_turns, max_prompt_tokens=limit)
 
 
+def _agent(config: Any) -> Environment:
+    from megatron_rl.environments.agent.environment import AgentEnvironment
+
+    tokenizer, limit = _tokenizer_and_prompt_limit(config)
+    return AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
+                            max_concurrency=config.job.max_concurrency, max_prompt_tokens=limit,
+                            tool_call_parser_name=config.rollout.tool_call_parser)
+
+
 register_environment("next_digit", _next_digit)
 register_environment("single_turn", _single_turn)
+register_environment("agent", _agent)

@@ -72,6 +72,10 @@ class RolloutConfig(ConfigSection):
     """Seconds the engine may take to start before the job stops with the tail of its log."""
     sync_dir: str | None = None
     """Directory for the 'disk' transport's safetensors; None = ``/dev/shm`` when it exists, else the temp dir."""
+    tool_call_parser: str = "hermes"
+    """How the replies to a ``job.agent``'s calls are parsed into tool calls (the job parses: the engines run
+    token-in/token-out): 'hermes' (``<tool_call>{json}</tool_call>`` blocks: Hermes, Qwen2.5, Qwen3) or 'none'
+    (``megatron_rl/environments/agent/tool_parsers.py``, which registers more)."""
 
     def _check_rules(self) -> None:
         if isinstance(self.engine_urls, str):  # one URL given as a plain value

@@ -59,6 +59,16 @@ class JobSection(ConfigSection):
     when ``data.train_files`` is set, else next_digit; or a step-API class, ``path/to/file.py:Class`` or
     ``package.module:Class`` (``Class(**row)`` per episode, ``reset()``, ``step(response)``: docs/JOB.md; needs
     ``model.hf_path``, ``data.train_files`` and ``stepwise.step_wise_trajectories``)."""
+    agent: str | None = None
+    """A user's OpenAI-client agent, ``path/to/file.py:function`` or ``package.module:function``: called once per
+    episode as ``function(base_url=<an OpenAI-compatible /v1 URL the job serves for that episode>, **row)`` and
+    returns the episode's reward (a number, or a dict with ``reward``); its chat.completions calls are sampled on
+    the vLLM fleet and trained token-exact (docs/JOB.md, ``environments/agent/``). Leave ``job.environment`` at
+    'auto'; needs ``model.hf_path`` (a tokenizer with a chat template), ``data.train_files`` (one row per GRPO
+    group of ``n_samples_per_prompt`` episodes), ``rollout.engine=vllm`` and ``stepwise.step_wise_trajectories``."""
+    max_concurrency: int = field(default=32, metadata=AT_LEAST_1)
+    """Episodes of ``job.agent`` running at once (threads on global rank 0; each waits on the fleet for its
+    calls)."""
     max_turns: int = field(default=8, metadata=AT_LEAST_1)
     """Turns per episode at most (a step-API environment): an episode not done after this many replies ends,
     counted in ``episode/ended_max_turns``."""
@@ -136,7 +146,9 @@ class JobConfig:
 
     @property
     def environment(self) -> str:
-        """``job.environment`` with 'auto' resolved."""
+        """``job.environment`` with 'auto' resolved ('agent' when ``job.agent`` is set)."""
+        if self.job.agent and self.job.environment == "auto":
+            return "agent"
         if self.job.environment != "auto":
             return self.job.environment
         return "single_turn" if self.data.train_files else "next_digit"
@@ -179,7 +191,9 @@ def check_job_config(config: JobConfig) -> None:
     from megatron_rl.environments.registry import ENVIRONMENTS, is_class_spec
 
     env = config.environment
-    if is_class_spec(env):
+    if config.job.agent or env == "agent":
+        check_agent_config(config)
+    elif is_class_spec(env):
         check_step_api_config(config)
     elif env not in ENVIRONMENTS:
         raise ConfigError(f"job.environment={env!r} is not one of {['auto', *sorted(ENVIRONMENTS)]} nor a "
@@ -193,7 +207,7 @@ def check_job_config(config: JobConfig) -> None:
             if not value:
                 raise ConfigError(f"job.environment=single_turn needs {key}; set it (README: 'Your model, your "
                                   "prompts, your reward')")
-    if config.eval.interval > 0 and (env == "single_turn" or is_class_spec(env)) and not config.data.val_files:
+    if config.eval.interval > 0 and (env in ("single_turn", "agent") or is_class_spec(env)) and not config.data.val_files:
         raise ConfigError(f"eval.interval={config.eval.interval} but data.val_files is not set; set it to a "
                           "held-out prompt file, or eval.interval=0")
 
@@ -209,6 +223,32 @@ def check_step_api_config(config: JobConfig) -> None:
         raise ConfigError(f"job.environment={env!r} (a step-API environment) trains step-wise: set "
                           "stepwise.step_wise_trajectories=true (and stepwise.merge_stepwise_output=true to merge "
                           "the turns whose prompts extend into one sequence)")
+
+
+def check_agent_config(config: JobConfig) -> None:
+    """An agent (``job.agent=<file.py>:<function>``) needs a tokenizer, rows, step-wise training and the vLLM fleet
+    (its calls are single requests on rank 0's fleet), and a tool-call parser that exists."""
+    from megatron_rl.environments.agent.tool_parsers import TOOL_CALL_PARSERS
+
+    agent = config.job.agent
+    if not agent:
+        raise ConfigError("job.environment=agent needs job.agent=<path/to/file.py>:<function> (docs/JOB.md)")
+    if config.job.environment not in ("auto", "agent"):
+        raise ConfigError(f"job.agent={agent!r} and job.environment={config.job.environment!r}: an agent is its own "
+                          "environment; set one of them (leave job.environment at 'auto')")
+    for key, value in (("model.hf_path", config.rl.model.hf_path), ("data.train_files", config.data.train_files)):
+        if not value:
+            raise ConfigError(f"job.agent={agent!r} needs {key}; set it (docs/JOB.md)")
+    if config.rollout.engine != "vllm":
+        raise ConfigError(f"job.agent={agent!r} samples its calls on the vLLM fleet, but rollout.engine="
+                          f"{config.rollout.engine!r}; set rollout.engine=vllm (bash scripts/setup_engine.sh)")
+    if not config.rl.stepwise.step_wise_trajectories:
+        raise ConfigError(f"job.agent={agent!r} trains step-wise (one step per call): set "
+                          "stepwise.step_wise_trajectories=true (and stepwise.merge_stepwise_output=true to merge "
+                          "the calls whose prompts extend into one sequence)")
+    if config.rollout.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ConfigError(f"rollout.tool_call_parser={config.rollout.tool_call_parser!r} is not one of "
+                          f"{sorted(TOOL_CALL_PARSERS)}")
 
 
 def next_digit_longest_sequence(num_turns: int, max_new_tokens: int) -> int:

@@ -1,0 +1,240 @@
+"""A user's OpenAI-client agent as an ``Environment`` (``environments/base.py``): ``job.agent=<file.py>:<function>``.
+
+Place in the data flow: ``job/main.py`` -> ``AgentEnvironment.rollout`` (every rank) ->
+``distributed/rank0.on_rank0`` (global rank 0 plays, every rank receives the same ``GeneratorOutput``)::
+
+    PromptOrder.next (seeded, checkpointed) -> per row n episodes (one GRPO group, uid = the row's index in the step)
+      -> up to job.max_concurrency threads: function(base_url=<episode URL>, **row) -> reward (or {"reward": ...})
+           each chat.completions call -> endpoint.Session (render, sample on the fleet, record, parse tool calls)
+      -> trajectory_rows of the episode's calls (step-wise; merged where prompts extend; reward on the last step)
+
+The user's function::
+
+    def my_agent(base_url: str, **row) -> float | dict:   # one episode; the row's columns as keyword arguments
+        client = openai.OpenAI(base_url=base_url, api_key="unused")
+        ...client.chat.completions.create(model="any", messages=..., tools=...)...
+        return reward                                     # or {"reward": reward, ...}
+
+An episode whose function raises, returns no finite reward, or made no call is left out (``rollout/failed_samples``,
+each kind of failure logged once: ``step_api/failures.py``); a batch where every episode failed stops the run
+with one line. A call the fleet cannot serve stops the step with an ``EngineError`` on every rank.
+
+Determinism: the seed of each call is a function of (rollout seed, row, sample, call index within the episode),
+and one episode's calls stay on one engine (``Fleet.complete``'s session); an agent that makes its calls in an
+order fixed by its row and the replies gets the same samples on a rerun or a resume.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import hashlib
+import inspect
+import math
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_rl.config import ConfigError
+from megatron_rl.environments.agent.endpoint import AgentEndpoint, Session
+from megatron_rl.environments.agent.tool_parsers import tool_call_parser
+from megatron_rl.environments.base import Rollouts, pass_metrics
+from megatron_rl.environments.conversation import trajectory_rows
+from megatron_rl.environments.single_turn.config import DataConfig
+from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
+from megatron_rl.environments.step_api.failures import METRIC as FAILED, FailedEpisodes
+from megatron_rl.environments.user_code import load_object
+from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
+
+KEY = "job.agent"
+
+
+@dataclass
+class Episode:
+    row: Mapping[str, Any]
+    uid: int
+    sample: int
+    session: Session | None = None
+    reward: float = 0.0
+    failed: bool = False
+
+
+def call_seed(seed: int, row: int, sample: int, call: int) -> int:
+    """The sampling seed of one agent call: a hash of (rollout seed, row index in the step, sample, call index)."""
+    digest = hashlib.blake2b(f"{seed}:{row}:{sample}:{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # < 2**63
+
+
+class AgentEnvironment:
+    def __init__(self, spec: str, data: DataConfig, tokenizer: Any, *, seed: int, max_concurrency: int,
+                 max_prompt_tokens: int, tool_call_parser_name: str) -> None:
+        from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
+
+        self.spec, self.function = spec, load_agent(spec)
+        self.name = getattr(self.function, "__name__", spec)
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(f"{KEY}={spec!r} needs a tokenizer with a chat template (the agent's messages are "
+                              "rendered with it); model.hf_path's tokenizer has none: add chat_template to its "
+                              "tokenizer_config.json")
+        self.tokenizer = tokenizer
+        self.pad_token_id = pad_token_id(tokenizer)
+        self.stop_token_ids = stop_token_ids(tokenizer)
+        self.train = read_rows(data.paths("train_files"), "data.train_files")
+        self.val = read_rows(data.paths("val_files"), "data.val_files") if data.paths("val_files") else None
+        check_signature(self.function, spec, self.train[0], "row 0 of data.train_files")
+        self.order = PromptOrder(len(self.train), seed=seed, shuffle=data.shuffle)
+        self.max_concurrency, self.max_prompt_tokens = max_concurrency, max_prompt_tokens
+        self.parser_name, self.parse = tool_call_parser_name, tool_call_parser(tool_call_parser_name)
+        self.failures = FailedEpisodes()
+        self.endpoint: AgentEndpoint | None = None
+        """Started at the first rollout, on global rank 0 only."""
+        self._tokenizer_lock = threading.Lock()
+
+    def describe(self) -> str:
+        rows = f"train: {len(self.train)} rows" + (f"; val: {len(self.val)} rows" if self.val else "")
+        return (f"agent {self.name} ({self.spec}): {rows}; up to {self.max_concurrency} episodes at once "
+                f"(job.max_concurrency); tool calls parsed as {self.parser_name} (rollout.tool_call_parser); "
+                f"at most {self.max_prompt_tokens} prompt tokens per call")
+
+    def rollout(self, engine: RolloutEngine, spec: SamplingSpec, *, num_prompts: int, n_samples_per_prompt: int,
+                seed: int, step_wise: bool) -> Rollouts:
+        from megatron_rl.distributed.rank0 import on_rank0
+
+        assert step_wise, "JobConfig checks that an agent trains step-wise"
+        rows = [self.train[i] for i in self.order.next(num_prompts)]  # every rank: the data position is state
+        episodes = [Episode(row, uid, k) for uid, row in enumerate(rows) for k in range(n_samples_per_prompt)]
+        epoch = float(self.order.epoch)
+
+        def play() -> Rollouts:
+            finished = self.play(episodes, engine, spec, seed, "the step's rollouts")
+            out_rows = [row for ep in finished for row in trajectory_rows(
+                ep.session.turns, reward=ep.reward, uid=ep.uid, trajectory_id=(ep.uid, ep.sample))]
+            output = {name: [row[name] for row in out_rows] for name in out_rows[0]}
+            metrics = episode_metrics(finished)
+            metrics[FAILED] = float(self.failures.count)
+            metrics["data/epoch"] = epoch
+            return Rollouts(output, metrics)  # type: ignore[arg-type]
+
+        return on_rank0(play)
+
+    def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
+                 pass_threshold: float) -> dict[str, float]:
+        from megatron_rl.distributed.rank0 import on_rank0
+
+        if self.val is None:
+            return {}
+        rows = self.val[:num_prompts] if num_prompts else self.val
+
+        def play() -> dict[str, float]:
+            finished = self.play([Episode(row, uid, 0) for uid, row in enumerate(rows)], engine, spec, seed,
+                                 "an evaluation")
+            metrics = pass_metrics([ep.reward for ep in finished], pass_threshold)
+            metrics["eval/failed_samples"] = float(self.failures.count)
+            return metrics
+
+        return on_rank0(play)
+
+    def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int,
+             what: str) -> list[Episode]:
+        """Run every episode (``max_concurrency`` at once) against ``engine``'s fleet; returns those that did not
+        fail. Rank 0 only."""
+        fleet = getattr(engine, "fleet", None)
+        assert fleet is not None, "JobConfig checks rollout.engine=vllm; the fleet lives on global rank 0"
+        if self.endpoint is None:
+            self.endpoint = AgentEndpoint()
+        self.failures.start_batch()
+        for ep in episodes:
+            ep.session = Session(f"agent-{seed}-{ep.uid}-{ep.sample}", self.tokenizer, fleet.complete, spec,
+                                 seed_of_call=lambda call, ep=ep: call_seed(seed, ep.uid, ep.sample, call),
+                                 max_prompt_tokens=self.max_prompt_tokens, parse=self.parse,
+                                 tokenizer_lock=self._tokenizer_lock)
+        with futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="agent") as pool:
+            list(pool.map(lambda ep: self._run(ep, fleet), episodes))
+        engine_error = next((ep.session.engine_error for ep in episodes if ep.session.engine_error), None)
+        if engine_error is not None:
+            from megatron_rl.inference.server import EngineError
+
+            raise EngineError(f"an agent call could not be served: {engine_error}")
+        finished = [ep for ep in episodes if not ep.failed]
+        self.failures.check_some_finished(len(finished), what)
+        return finished
+
+    def _run(self, ep: Episode, fleet: Any) -> None:
+        """One episode: the user's function against its own URL; its reward, or a recorded failure."""
+        session = ep.session
+        assert session is not None and self.endpoint is not None
+        base_url = self.endpoint.open(session)
+        try:
+            result = self.function(base_url=base_url, **ep.row)
+        except Exception as err:  # noqa: BLE001 - the user's code: the episode fails, the run goes on
+            return self._fail(ep, f"{self.name}(base_url, **row) raised {type(err).__name__}: {err}")
+        finally:
+            self.endpoint.close_session(base_url)
+            fleet.end_session(session.name)
+        reward = as_reward(result)
+        if reward is None:
+            return self._fail(ep, f"{self.name}(base_url, **row) returned {str(result)[:80]!r} "
+                                  f"({type(result).__name__}): it must return a finite number or a dict with "
+                                  "'reward'")
+        if not session.turns:
+            return self._fail(ep, f"{self.name}(base_url, **row) made no chat.completions call that was served: "
+                                  "an episode trains on its calls" + (f" ({session.context_error})"
+                                                                      if session.context_error else ""))
+        ep.reward = reward
+
+    def _fail(self, ep: Episode, message: str) -> None:
+        ep.failed = True
+        self.failures.record(message)
+
+    def random_baseline(self, seed: int) -> float | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed": self.order.consumed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.order.consumed = int(state.get("consumed", 0))
+
+
+def load_agent(spec: str) -> Any:
+    function = load_object(spec, KEY, "function")
+    if not callable(function) or inspect.isclass(function):
+        raise ConfigError(f"{KEY}={spec!r} names a {type(function).__name__}, not a function "
+                          "function(base_url, **row) -> reward (docs/JOB.md)")
+    return function
+
+
+def check_signature(function: Any, spec: str, row: Mapping[str, Any], what: str) -> None:
+    """ConfigError when ``function(base_url=..., **row)`` cannot be called with ``row``'s columns."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: found out at the first episode
+    try:
+        signature.bind(base_url="http://127.0.0.1:1/token/v1", **row)
+    except TypeError as err:
+        raise ConfigError(f"{KEY}={spec!r}: {getattr(function, '__name__', spec)}(base_url, **row) cannot take "
+                          f"{what}, whose columns are {sorted(row)}: {err}; define it as "
+                          "def agent(base_url, **row) or name the columns it takes") from None
+
+
+def as_reward(result: Any) -> float | None:
+    """The episode's reward from the function's return: a finite number, or a dict's ``reward``; else None."""
+    if isinstance(result, Mapping):
+        result = result.get("reward")
+    if hasattr(result, "item") and getattr(result, "ndim", 1) == 0:  # numpy / torch scalars
+        result = result.item()
+    if isinstance(result, (int, float)) and not isinstance(result, bool) and math.isfinite(float(result)):
+        return float(result)
+    return None
+
+
+def episode_metrics(finished: list[Episode]) -> dict[str, float]:
+    """Per episode: calls, new steps (calls whose prompt did not extend the previous one), calls refused for
+    length; per call: the reply length."""
+    count = max(len(finished), 1)
+    turns = [t for ep in finished for t in ep.session.turns]
+    return {"episode/calls_mean": len(turns) / count,
+            "episode/new_steps_mean": sum(ep.session.conversation.new_steps for ep in finished) / count,
+            "episode/ended_context": float(sum(ep.session.context_error is not None for ep in finished)),
+            "episode/response_tokens_mean": sum(len(t.response_ids) for t in turns) / max(len(turns), 1)}
