@@ -99,27 +99,34 @@ def _single_turn(config: Any, *, max_rows: int | None = None) -> Environment:
                                  max_prompt_tokens=prompt_limit(config, context), context=context, max_rows=max_rows)
 
 
-def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
-    """A step-API class (its turns are capped by ``job.max_new_tokens`` and the context per turn: the old rule,
-    ``data.max_prompt_tokens`` else the context minus ``job.max_new_tokens``)."""
-    from megatron_rl.environments.step_api.environment import StepApiEnvironment
-
-    tokenizer, context = _tokenizer_and_context(config)
+def turn_prompt_limit(config: Any, context: int) -> int:
+    """The longest prompt of one turn (a step-API turn, an agent's call): ``data.max_prompt_tokens``, else the
+    context minus ``job.max_new_tokens`` (each reply is capped by ``job.max_new_tokens``)."""
     limit = config.data.max_prompt_tokens or context - config.job.max_new_tokens
     if limit < 1 or limit + config.job.max_new_tokens > context:
         raise ConfigError(f"data.max_prompt_tokens={limit} + job.max_new_tokens={config.job.max_new_tokens} exceeds "
                           f"the model's max_position_embeddings={context}; lower one of them")
+    return limit
+
+
+def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
+    """A step-API class (its turns are capped by ``job.max_new_tokens`` and ``turn_prompt_limit``)."""
+    from megatron_rl.environments.step_api.environment import StepApiEnvironment
+
+    tokenizer, context = _tokenizer_and_context(config)
     return StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
-                              max_turns=config.job.max_turns, max_prompt_tokens=limit)
+                              max_turns=config.job.max_turns, max_prompt_tokens=turn_prompt_limit(config, context))
 
 
-def _agent(config: Any) -> Environment:
+def _agent(config: Any, *, max_rows: int | None = None) -> Environment:
+    """A user's OpenAI-client agent (``job.agent``; each call capped as a step-API turn)."""
     from megatron_rl.environments.agent.environment import AgentEnvironment
 
-    tokenizer, limit = _tokenizer_and_prompt_limit(config)
+    tokenizer, context = _tokenizer_and_context(config)
     return AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
-                            max_concurrency=config.job.max_concurrency, max_prompt_tokens=limit,
-                            tool_call_parser_name=config.rollout.tool_call_parser)
+                            max_concurrency=config.job.max_concurrency,
+                            max_prompt_tokens=turn_prompt_limit(config, context),
+                            tool_call_parser_name=config.rollout.tool_call_parser, max_rows=max_rows)
 
 
 register_environment("next_digit", _next_digit)

@@ -1,7 +1,8 @@
 """OpenAI-client agents (``job.agent=<file.py>:<function>``) without an engine: the hermes parser, the endpoint's
 token check and its ChatCompletion answers (read by the real ``openai`` client), and an episode's calls recorded
 as step-wise rows trained token-exact (a scripted fleet stands in for vLLM: the recording is under test, not the
-engine; the real engine runs in tests/job/test_agent_job.py)."""
+engine; the real engine runs in tests/job/test_agent_job.py); failed episodes left out as every environment's
+(``environments/failures.py``); mistakes in the function found at start-up."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from megatron_rl.environments.agent.endpoint import AgentEndpoint, Session
 from megatron_rl.environments.agent.environment import AgentEnvironment, call_seed
 from megatron_rl.environments.agent.tool_parsers import parse_hermes, tool_call_parser
 from megatron_rl.environments.single_turn.config import DataConfig
-from megatron_rl.environments.step_api.failures import EveryEpisodeFailed
+from megatron_rl.environments.failures import AllSamplesFailed
 from megatron_rl.inference.engine import Completion, SamplingSpec
 
 openai = pytest.importorskip("openai")
@@ -194,8 +195,16 @@ def test_an_episodes_calls_become_step_wise_rows_of_the_sampled_ids(tmp_path):
     rollouts = env.rollout(FakeEngine(fleet), SPEC, num_prompts=3, n_samples_per_prompt=2, seed=11, step_wise=True)
     out = rollouts.output
     validate_generator_output(out, step_wise=True)
-    # the failing row's two episodes are left out and counted; rows 0 (2 calls) and 2 (1 call) give 2 x 3 rows
-    assert rollouts.metrics["rollout/failed_samples"] == 2 and len(out["response_ids"]) == 6
+    # the failing row's two episodes are left out and counted (the group keeps one zero-loss placeholder row, so
+    # the batch holds every prompt); rows 0 (2 calls) and 2 (1 call) give 2 x 3 rows
+    assert rollouts.metrics["rollout/failed_samples"] == 2 and rollouts.metrics["rollout/dropped_groups"] == 1
+    placeholder = out["uids"].index(1)
+    assert out["loss_masks"][placeholder] == [0] * len(out["response_ids"][placeholder])
+    assert rollouts.failures[0].row == 1 and "agent(base_url, **row) raised KeyError" in rollouts.failures[0].error
+    for name in out:
+        if isinstance(out[name], list) and len(out[name]) == 7:
+            del out[name][placeholder]
+    assert len(out["response_ids"]) == 6
     assert sorted(map(tuple, out["response_ids"])) == sorted(map(tuple, fleet.sampled))  # trained == sampled
     assert out["uids"] == [0, 0, 0, 0, 2, 2] and out["rewards"] == [0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
     assert out["is_last_step"] == [False, True, False, True, True, True]
@@ -224,7 +233,7 @@ def test_a_template_that_rewrites_history_starts_a_new_step(tmp_path):
 
 def test_every_episode_failing_stops_and_mistakes_are_found_at_start_up(tmp_path):
     env, tokenizer = make_env(tmp_path, [{"digits": [1, 2], "fail": True}])
-    with pytest.raises(EveryEpisodeFailed, match=r"agent\(base_url, \*\*row\) raised KeyError: 'this row breaks'"):
+    with pytest.raises(AllSamplesFailed, match=r"agent\(base_url, \*\*row\) raised KeyError: 'this row breaks'"):
         env.rollout(FakeEngine(ScriptedFleet(tokenizer, next_digit)), SPEC, num_prompts=1, n_samples_per_prompt=2,
                     seed=0, step_wise=True)
     with pytest.raises(ConfigError, match="cannot take row 0 of data.train_files, whose columns are"):

@@ -15,9 +15,11 @@ The user's function::
         ...client.chat.completions.create(model="any", messages=..., tools=...)...
         return reward                                     # or {"reward": reward, ...}
 
-An episode whose function raises, returns no finite reward, or made no call is left out (``rollout/failed_samples``,
-each kind of failure logged once: ``step_api/failures.py``); a batch where every episode failed stops the run
-with one line. A call the fleet cannot serve stops the step with an ``EngineError`` on every rank.
+An episode whose function raises, returns no finite reward, or made no call is left out of training
+(``environments/failures.py``: counted in ``rollout/failed_samples``, the job prints the run's first one; a group
+left with fewer than two episodes keeps a zero-loss placeholder so the batch holds every prompt); a step where
+every episode failed stops the run with one line (``AllSamplesFailed``). A call the fleet cannot serve stops the
+step with an ``EngineError`` on every rank.
 
 Determinism: the seed of each call is a function of (rollout seed, row, sample, call index within the episode),
 and one episode's calls stay on one engine (``Fleet.complete``'s session); an agent that makes its calls in an
@@ -38,11 +40,11 @@ from typing import Any
 from megatron_rl.config import ConfigError
 from megatron_rl.environments.agent.endpoint import AgentEndpoint, Session
 from megatron_rl.environments.agent.tool_parsers import tool_call_parser
-from megatron_rl.environments.base import Rollouts, pass_metrics
-from megatron_rl.environments.conversation import trajectory_rows
+from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
+from megatron_rl.environments.conversation import Turn, trajectory_rows
+from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
-from megatron_rl.environments.step_api.failures import METRIC as FAILED, FailedEpisodes
 from megatron_rl.environments.user_code import load_object
 from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
 
@@ -52,11 +54,15 @@ KEY = "job.agent"
 @dataclass
 class Episode:
     row: Mapping[str, Any]
+    index: int
+    """The row's index in its data file."""
     uid: int
     sample: int
     session: Session | None = None
     reward: float = 0.0
-    failed: bool = False
+    error: str | None = None
+    """Why the episode failed, one line after ``function(base_url, **row)`` ("raised KeyError: ..."); None when
+    it did not."""
 
 
 def call_seed(seed: int, row: int, sample: int, call: int) -> int:
@@ -67,7 +73,8 @@ def call_seed(seed: int, row: int, sample: int, call: int) -> int:
 
 class AgentEnvironment:
     def __init__(self, spec: str, data: DataConfig, tokenizer: Any, *, seed: int, max_concurrency: int,
-                 max_prompt_tokens: int, tool_call_parser_name: str) -> None:
+                 max_prompt_tokens: int, tool_call_parser_name: str, max_rows: int | None = None) -> None:
+        """``max_rows``: read only the first rows of each data file (the pre-flight's check)."""
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
         self.spec, self.function = spec, load_agent(spec)
@@ -79,13 +86,13 @@ class AgentEnvironment:
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id(tokenizer)
         self.stop_token_ids = stop_token_ids(tokenizer)
-        self.train = read_rows(data.paths("train_files"), "data.train_files")
-        self.val = read_rows(data.paths("val_files"), "data.val_files") if data.paths("val_files") else None
+        self.train = read_rows(data.paths("train_files"), "data.train_files", max_rows=max_rows)
+        self.val = (read_rows(data.paths("val_files"), "data.val_files", max_rows=max_rows)
+                    if data.paths("val_files") else None)
         check_signature(self.function, spec, self.train[0], "row 0 of data.train_files")
         self.order = PromptOrder(len(self.train), seed=seed, shuffle=data.shuffle)
         self.max_concurrency, self.max_prompt_tokens = max_concurrency, max_prompt_tokens
         self.parser_name, self.parse = tool_call_parser_name, tool_call_parser(tool_call_parser_name)
-        self.failures = FailedEpisodes()
         self.endpoint: AgentEndpoint | None = None
         """Started at the first rollout, on global rank 0 only."""
         self._tokenizer_lock = threading.Lock()
@@ -101,48 +108,57 @@ class AgentEnvironment:
         from megatron_rl.distributed.rank0 import on_rank0
 
         assert step_wise, "JobConfig checks that an agent trains step-wise"
-        rows = [self.train[i] for i in self.order.next(num_prompts)]  # every rank: the data position is state
-        episodes = [Episode(row, uid, k) for uid, row in enumerate(rows) for k in range(n_samples_per_prompt)]
+        indices = self.order.next(num_prompts)  # every rank: the data position is state
+        episodes = [Episode(self.train[i], i, uid, k) for uid, i in enumerate(indices)
+                    for k in range(n_samples_per_prompt)]
         epoch = float(self.order.epoch)
 
         def play() -> Rollouts:
-            finished = self.play(episodes, engine, spec, seed, "the step's rollouts")
-            out_rows = [row for ep in finished for row in trajectory_rows(
-                ep.session.turns, reward=ep.reward, uid=ep.uid, trajectory_id=(ep.uid, ep.sample))]
+            self.play(episodes, engine, spec, seed)
+            out_rows, failed = [], []
+            for ep in episodes:
+                rows = trajectory_rows(ep.session.turns or [self._placeholder_turn()], reward=ep.reward,
+                                       uid=ep.uid, trajectory_id=(ep.uid, ep.sample))
+                out_rows += rows
+                failed += [ep.error is not None] * len(rows)
             output = {name: [row[name] for row in out_rows] for name in out_rows[0]}
-            metrics = episode_metrics(finished)
-            metrics[FAILED] = float(self.failures.count)
+            failures = self._failures(episodes)
+            try:
+                output, metrics = drop_failed_samples(output, failed)
+            except AllSamplesFailed as err:
+                raise AllSamplesFailed(f"{err}: every episode of {KEY}={self.spec!r} failed; first: "
+                                       f"{failures[0].line(self.name)}") from None
+            metrics.update(episode_metrics([ep for ep in episodes if ep.error is None]))
             metrics["data/epoch"] = epoch
-            return Rollouts(output, metrics)  # type: ignore[arg-type]
+            return Rollouts(output, metrics, samples=self._samples(episodes[::n_samples_per_prompt]),  # type: ignore[arg-type]
+                            failures=failures)
 
         return on_rank0(play)
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
-                 pass_threshold: float) -> dict[str, float]:
+                 pass_threshold: float) -> Evaluation:
         from megatron_rl.distributed.rank0 import on_rank0
 
         if self.val is None:
-            return {}
+            return Evaluation({})
         rows = self.val[:num_prompts] if num_prompts else self.val
 
-        def play() -> dict[str, float]:
-            finished = self.play([Episode(row, uid, 0) for uid, row in enumerate(rows)], engine, spec, seed,
-                                 "an evaluation")
-            metrics = pass_metrics([ep.reward for ep in finished], pass_threshold)
-            metrics["eval/failed_samples"] = float(self.failures.count)
-            return metrics
+        def play() -> Evaluation:
+            episodes = [Episode(row, i, i, 0) for i, row in enumerate(rows)]
+            self.play(episodes, engine, spec, seed)
+            rewards = [None if ep.error is not None else ep.reward for ep in episodes]
+            return Evaluation(pass_metrics(rewards, pass_threshold), self._samples(episodes),
+                              self._failures(episodes))
 
         return on_rank0(play)
 
-    def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int,
-             what: str) -> list[Episode]:
-        """Run every episode (``max_concurrency`` at once) against ``engine``'s fleet; returns those that did not
-        fail. Rank 0 only."""
+    def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
+        """Run every episode (``max_concurrency`` at once) against ``engine``'s fleet: each gets its reward or
+        its error. Rank 0 only. EngineError when a call could not be served."""
         fleet = getattr(engine, "fleet", None)
         assert fleet is not None, "JobConfig checks rollout.engine=vllm; the fleet lives on global rank 0"
         if self.endpoint is None:
             self.endpoint = AgentEndpoint()
-        self.failures.start_batch()
         for ep in episodes:
             ep.session = Session(f"agent-{seed}-{ep.uid}-{ep.sample}", self.tokenizer, fleet.complete, spec,
                                  seed_of_call=lambda call, ep=ep: call_seed(seed, ep.uid, ep.sample, call),
@@ -155,36 +171,48 @@ class AgentEnvironment:
             from megatron_rl.inference.server import EngineError
 
             raise EngineError(f"an agent call could not be served: {engine_error}")
-        finished = [ep for ep in episodes if not ep.failed]
-        self.failures.check_some_finished(len(finished), what)
-        return finished
 
     def _run(self, ep: Episode, fleet: Any) -> None:
-        """One episode: the user's function against its own URL; its reward, or a recorded failure."""
+        """One episode: the user's function against its own URL; its reward, or its error."""
         session = ep.session
         assert session is not None and self.endpoint is not None
         base_url = self.endpoint.open(session)
         try:
             result = self.function(base_url=base_url, **ep.row)
         except Exception as err:  # noqa: BLE001 - the user's code: the episode fails, the run goes on
-            return self._fail(ep, f"{self.name}(base_url, **row) raised {type(err).__name__}: {err}")
+            ep.error = f"raised {failure(0, None, err).error}"
+            return
         finally:
             self.endpoint.close_session(base_url)
             fleet.end_session(session.name)
         reward = as_reward(result)
         if reward is None:
-            return self._fail(ep, f"{self.name}(base_url, **row) returned {str(result)[:80]!r} "
-                                  f"({type(result).__name__}): it must return a finite number or a dict with "
-                                  "'reward'")
-        if not session.turns:
-            return self._fail(ep, f"{self.name}(base_url, **row) made no chat.completions call that was served: "
-                                  "an episode trains on its calls" + (f" ({session.context_error})"
-                                                                      if session.context_error else ""))
-        ep.reward = reward
+            ep.error = (f"returned {str(result)[:80]!r} ({type(result).__name__}): it must return a finite number "
+                        "or a dict with 'reward'")
+        elif not session.turns:
+            ep.error = ("made no chat.completions call that was served: an episode trains on its calls"
+                        + (f" ({session.context_error})" if session.context_error else ""))
+        else:
+            ep.reward = reward
 
-    def _fail(self, ep: Episode, message: str) -> None:
-        ep.failed = True
-        self.failures.record(message)
+    def _placeholder_turn(self) -> Turn:
+        """The row of a failed episode that made no call (``failures.py`` needs one per sample; never trained)."""
+        return Turn([self.pad_token_id], [self.stop_token_ids[0]], [0.0], "stop", extends=False)
+
+    def _failures(self, episodes: list[Episode]) -> list[SampleFailure]:
+        return [SampleFailure(i, ep.index, f"{self.name}(base_url, **row) {ep.error}")
+                for i, ep in enumerate(episodes) if ep.error is not None]
+
+    def _samples(self, episodes: list[Episode]) -> list[Sample]:
+        """Per episode: the first call's prompt and the last call's reply, decoded."""
+        samples = []
+        for ep in episodes:
+            turns = ep.session.turns if ep.session is not None else []
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            samples.append(Sample(decode(turns[0].prompt_ids) if turns else "",
+                                  decode(turns[-1].response_ids) if turns else "",
+                                  None if ep.error else ep.reward, row=ep.index, error=ep.error))
+        return samples
 
     def random_baseline(self, seed: int) -> float | None:
         return None
