@@ -207,7 +207,8 @@ def check_job_config(config: JobConfig) -> None:
             if not value:
                 raise ConfigError(f"job.environment=single_turn needs {key}; set it (README: 'Your model, your "
                                   "prompts, your reward')")
-    if config.eval.interval > 0 and (env in ("single_turn", "agent") or is_class_spec(env)) and not config.data.val_files:
+    reads_rows = env in ("single_turn", "agent") or is_class_spec(env)
+    if config.eval.interval > 0 and reads_rows and not config.data.val_files:
         raise ConfigError(f"eval.interval={config.eval.interval} but data.val_files is not set; set it to a "
                           "held-out prompt file, or eval.interval=0")
 

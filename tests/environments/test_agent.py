@@ -259,3 +259,16 @@ def test_a_call_past_the_prompt_limit_is_refused_and_the_episode_keeps_its_calls
     rollouts = env.rollout(FakeEngine(fleet), SPEC, num_prompts=1, n_samples_per_prompt=1, seed=0, step_wise=True)
     assert rollouts.output["rewards"][-1] == 0.5 and 1 <= len(rollouts.output["response_ids"]) < 3
     assert rollouts.metrics["episode/ended_context"] == 1
+
+
+def test_the_config_names_the_fix_for_an_agent_without_the_vllm_fleet(tmp_path):
+    from megatron_rl.job.config import load_job_config
+
+    base = [f"model.hf_path={tmp_path}", "data.train_files=rows.jsonl", "job.agent=agent.py:agent",
+            "stepwise.step_wise_trajectories=true"]
+    with pytest.raises(ConfigError, match="rollout.engine='builtin'; set rollout.engine=vllm"):
+        load_job_config(None, base)
+    with pytest.raises(ConfigError, match=r"rollout.tool_call_parser='qwen9' is not one of \['hermes', 'none'\]"):
+        load_job_config(None, [*base, "rollout.engine=vllm", "rollout.tool_call_parser=qwen9"])
+    with pytest.raises(ConfigError, match="an agent is its own environment"):
+        load_job_config(None, [*base, "rollout.engine=vllm", "job.environment=single_turn"])

@@ -26,7 +26,8 @@ def test_unknown_name_lists_the_known_ones():
     class Config:
         environment = "nope"
 
-    with pytest.raises(ConfigError, match=r"'nope' is not one of \['agent', 'next_digit', 'single_turn'\] nor a step-API"):
+    known = r"\['agent', 'next_digit', 'single_turn'\]"
+    with pytest.raises(ConfigError, match=rf"'nope' is not one of {known} nor a step-API"):
         registry.make_environment(Config())
 
 

@@ -17,7 +17,7 @@ import pytest
 from multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.slow]
 
 
 def test_the_tool_agent_example_trains_on_the_vllm_fleet(tmp_path):
@@ -25,7 +25,8 @@ def test_the_tool_agent_example_trains_on_the_vllm_fleet(tmp_path):
 
     engine_py = engine_python()
     pytest.importorskip("openai")
-    spec = importlib.util.spec_from_file_location("tool_agent_make_model", ROOT / "examples" / "tool_agent" / "make_model.py")
+    spec = importlib.util.spec_from_file_location("tool_agent_make_model",
+                                                  ROOT / "examples" / "tool_agent" / "make_model.py")
     make_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_model)
     model = make_model.make_model(tmp_path / "model", seed=1)

@@ -130,8 +130,8 @@ class AgentEnvironment:
                                        f"{failures[0].line(self.name)}") from None
             metrics.update(episode_metrics([ep for ep in episodes if ep.error is None]))
             metrics["data/epoch"] = epoch
-            return Rollouts(output, metrics, samples=self._samples(episodes[::n_samples_per_prompt]),  # type: ignore[arg-type]
-                            failures=failures)
+            samples = self._samples(episodes[::n_samples_per_prompt])
+            return Rollouts(output, metrics, samples=samples, failures=failures)  # type: ignore[arg-type]
 
         return on_rank0(play)
 
