@@ -181,8 +181,9 @@ def make_env(tmp_path: Path, rows: list[dict], template: str = KEEP_HISTORY, sou
     (tmp_path / "agent.py").write_text(source)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokenizer = chat_tokenizer(tmp_path / "tok", template)
-    env = AgentEnvironment(f"{tmp_path / 'agent.py'}:{function}", DataConfig(train_files=str(tmp_path / "train.jsonl"),
-                           shuffle=False), tokenizer, seed=0, max_concurrency=kwargs.pop("max_concurrency", 4),
+    data = DataConfig(train_files=str(tmp_path / "train.jsonl"), val_files=str(tmp_path / "train.jsonl"), shuffle=False)
+    env = AgentEnvironment(f"{tmp_path / 'agent.py'}:{function}", data, tokenizer, seed=0,
+                           max_concurrency=kwargs.pop("max_concurrency", 4),
                            max_prompt_tokens=kwargs.pop("max_prompt_tokens", 200), tool_call_parser_name="hermes")
     return env, tokenizer
 
@@ -219,6 +220,10 @@ def test_an_episodes_calls_become_step_wise_rows_of_the_sampled_ids(tmp_path):
         (call_seed(11, row, sample, call), f"agent-11-{row}-{sample}")
         for row, calls in ((0, 2), (2, 1)) for sample in range(2) for call in range(calls)}
     assert len(fleet.ended) == 6 and env.state_dict() == {"consumed": 3}
+
+    evaluation = env.evaluate(FakeEngine(fleet), SPEC, seed=5, num_prompts=None, pass_threshold=1.0)
+    assert evaluation.metrics == {"eval/reward_mean": 1.0, "eval/pass_rate": 1.0, "eval/failed_samples": 1.0}
+    assert [s.row for s in evaluation.samples] == [0, 1, 2] and evaluation.failures[0].row == 1
 
 
 def test_a_template_that_rewrites_history_starts_a_new_step(tmp_path):

@@ -42,6 +42,6 @@ def test_the_tool_agent_example_trains_on_the_vllm_fleet(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["rollout/failed_samples"] == 0 and r["episode/calls_mean"] >= 1
+        assert r["rollout/failed_samples"] == 0 and r["episode/calls_mean"] >= 2  # at least: a reply and a nudge
         assert r["rollout/logprob_abs_diff_max"] < 1e-4  # the endpoint samples what the trainer scores
         assert "episode/new_steps_mean" in r and "stepwise/num_seq_after_merge" in r

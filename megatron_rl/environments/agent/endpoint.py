@@ -72,6 +72,9 @@ class Session:
         """A ChatCompletion for ``request`` (the JSON body); RequestError for a call that is refused."""
         messages, tools, max_tokens = _checked_request(request, self.spec.max_tokens)
         with self._lock:
+            if self.engine_error:  # the step stops after its episodes: no more calls
+                raise RequestError(503, f"the rollout engine could not serve an earlier call: {self.engine_error}",
+                                   "engine_error")
             prompt_ids = self._render(messages, tools)
             spec = SamplingSpec(max_tokens=max_tokens, temperature=self.spec.temperature, top_p=self.spec.top_p,
                                 stop_token_ids=self.spec.stop_token_ids)
@@ -93,10 +96,14 @@ class Session:
         if self.context_error:
             raise RequestError(400, self.context_error, "context_length_exceeded")
         with self.tokenizer_lock:
-            if self.conversation is None:
-                self.conversation = Conversation(self.tokenizer, messages, tools)
-            else:
-                self.conversation.continue_with(messages, tools)
+            try:
+                if self.conversation is None:
+                    self.conversation = Conversation(self.tokenizer, messages, tools)
+                else:
+                    self.conversation.continue_with(messages, tools)
+            except Exception as err:  # noqa: BLE001 - the template's (jinja) errors on these messages
+                raise RequestError(400, f"the chat template could not render these messages: "
+                                        f"{type(err).__name__}: {err}") from None
             prompt_ids = self.conversation.prompt_ids
         if len(prompt_ids) > self.max_prompt_tokens:
             self.context_error = (f"the prompt has {len(prompt_ids)} tokens, more than the {self.max_prompt_tokens} "
@@ -249,6 +256,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, session.chat(request))
         except RequestError as err:
             self._send(err.status, _error(str(err), err.code))
+        except Exception as err:  # noqa: BLE001 - a bug of ours: the agent gets a 500 instead of a dropped connection
+            self._send(500, _error(f"{type(err).__name__}: {err}", "internal_error"))
+            raise
 
     def _route(self) -> tuple[str, str]:
         """``/<token>/v1/...`` -> (token, ``/v1/...``)."""
