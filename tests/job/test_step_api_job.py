@@ -79,3 +79,17 @@ def test_a_broken_class_stops_before_any_process_group(model, monkeypatch, capsy
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+@pytest.mark.engine
+def test_the_digit_game_class_trains_on_the_vllm_fleet(model, tmp_path):
+    from engine_env import engine_python
+
+    os.environ.setdefault("MEGATRON_RL_ENGINE_PYTHON", engine_python())
+    out_dir = tmp_path / "vllm"
+    run(model, out_dir, "job.num_steps=2", "rollout.engine=vllm", "eval.interval=0")
+    table = rows(out_dir)
+    assert [r["step"] for r in table] == [1, 2]
+    for r in table:  # the engine's samples of every turn, scored by the trainer with the same weights
+        assert r["episode/turns_mean"] == 3 and r["rollout/failed_samples"] == 0 and r["rollout/engines_alive"] == 1
+        assert r["rollout/logprob_abs_diff_max"] <= 1e-4
