@@ -38,7 +38,7 @@ def test_rules_between_sections():
         load_job_config(CPU, ["model.hf_path=x", "job.environment=next_digit"])
     with pytest.raises(ConfigError, match="job.top_p=0.0 is out of range"):
         load_job_config(CPU, ["job.top_p=0"])
-    with pytest.raises(ConfigError, match=r"job.environment='chess' is not one of \['auto', 'next_digit'"):
+    with pytest.raises(ConfigError, match=r"job.environment='chess' is not one of \['auto', 'agent', 'next_digit'"):
         load_job_config(CPU, ["job.environment=chess"])
     with pytest.raises(ConfigError, match="did you mean 'data.train_files'"):
         load_job_config(CPU, ["data.train_file=x.jsonl"])
