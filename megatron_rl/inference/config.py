@@ -107,6 +107,8 @@ def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) 
     if device != "cpu":
         return
     shapes = _hf_shapes(model.hf_path) if model.hf_path else None
+    if model.hf_path and shapes is None:  # not readable (yet): the checkpoint's loader reports that
+        return
     if shapes is not None:
         head_dim, source = shapes, f"model.hf_path={model.hf_path} has a head size of"
         fix = "use a checkpoint with one of those head sizes, or rollout.engine=builtin"
