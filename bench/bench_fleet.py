@@ -2,7 +2,8 @@
 run, and what the router adds to a request's latency.
 
     MEGATRON_RL_ENGINE_PYTHON=.venv-engine/bin/python .venv/bin/python bench/bench_fleet.py \\
-        [--models tiny mid] [--engines 1 2] [--prompts 64] [--tokens 32 256] [--repeats 3] [--small]
+        [--models tiny mid 0.6b] [--engines 1 2] [--prompts 64] [--tokens 32 256] [--repeats 3] [--small] \
+        [--dtype float32] [--engine-tp 1] [--gpu-memory-utilization 0.4]
 
 Place in the data flow: ``VLLMEngine.generate`` on trainer rank 0 is ``Fleet.generate`` (``vllm_engine.py``):
 ``router.route`` assigns each prompt's group to an engine (least work first), then one token-in
@@ -62,15 +63,18 @@ def seeds_for(call_seed: int, n: int) -> list[int]:
     return [(call_seed * 1_000_003 + i) % (2**63) for i in range(n)]
 
 
-def start_fleet(num_engines: int, model_dir: Path, work_dir: Path, max_model_len: int):
+def start_fleet(num_engines: int, model_dir: Path, work_dir: Path, max_model_len: int, *, dtype: str = "float32",
+                engine_tp: int = 1, gpu_memory_utilization: float = 0.4):
     from megatron_rl.inference.config import RolloutConfig
     from megatron_rl.inference.server import ServeOptions
     from megatron_rl.inference.vllm_engine import Fleet, engine_python
 
     config = RolloutConfig(engine="vllm", num_engines=num_engines, max_model_len=max_model_len, kv_cache_gib=1.0,
-                           start_timeout_s=1200, request_timeout_s=600)  # fmt: skip
-    options = ServeOptions(python=engine_python(config), dtype="float32", max_model_len=max_model_len, seed=0,
-                           kv_cache_gib=1.0, gpu_memory_utilization=0.4)  # fmt: skip
+                           start_timeout_s=1200, request_timeout_s=600, engine_tensor_parallel_size=engine_tp,
+                           gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+    options = ServeOptions(python=engine_python(config), dtype=dtype, max_model_len=max_model_len, seed=0,
+                           kv_cache_gib=1.0, gpu_memory_utilization=gpu_memory_utilization,
+                           tensor_parallel_size=engine_tp)  # fmt: skip
     fleet = Fleet(config, options, model_dir, work_dir)
     started = time.perf_counter()
     fleet.start()
@@ -262,18 +266,19 @@ def request_latency(fleet, prompt: list[int], reps: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ run
-MAX_MODEL_LEN = {"tiny": 1024, "mid": 1024}
-VOCAB = {"tiny": 256, "mid": 32000}
+MAX_MODEL_LEN = {"tiny": 1024, "mid": 1024, "0.6b": 2048}
+VOCAB = {"tiny": 256, "mid": 32000, "0.6b": 151936}
 
 
 def run_model(model: str, hf_dir: Path, work_root: Path, engines: list[int], num_prompts: int, workloads: list[int],
-              repeats: int, latency_reps: int) -> dict:
+              repeats: int, latency_reps: int, **serve) -> dict:
     prompts = make_prompts(num_prompts, VOCAB[model], seed=0)
     result: dict = {"model": model, "throughput": [], "start_s": {}, "load_avg": {}}
     ids_by_fleet = {}
     for num_engines in engines:
         print(f"{model}: a fleet of {num_engines} (load {os.getloadavg()[0]:.1f})", flush=True)
-        fleet, start_s = start_fleet(num_engines, hf_dir, work_root / f"{model}_e{num_engines}", MAX_MODEL_LEN[model])
+        fleet, start_s = start_fleet(num_engines, hf_dir, work_root / f"{model}_e{num_engines}", MAX_MODEL_LEN[model],
+                                     **serve)
         try:
             result["start_s"][num_engines] = start_s
             load_before = os.getloadavg()
@@ -330,6 +335,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 256], help="max_tokens per workload")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up one (median)")
     parser.add_argument("--latency-reps", type=int, default=30)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the engines' dtype")
+    parser.add_argument("--engine-tp", type=int, default=1, help="rollout.engine_tensor_parallel_size")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4, help="per engine (GPU only)")
     parser.add_argument("--small", action="store_true",
                         help="tiny model, one fleet of 2 (so also '1 of 2 serving'), 8 prompts x 8 tokens, 1 round")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/megatron_rl_bench_models"))
@@ -344,14 +352,16 @@ def main() -> None:
     out = args.out or (None if args.small else Path(__file__).resolve().parent / "results" / "fleet.json")
     meta = {"command": " ".join(sys.argv), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(), "shared": True},
-            "commit": _git_commit(), "engine_dtype": "float32", "prompt_tokens": PROMPT_LEN}  # fmt: skip
+            "commit": _git_commit(), "engine_dtype": args.dtype, "engine_tp": args.engine_tp,
+            "prompt_tokens": PROMPT_LEN}  # fmt: skip
     results = []
     try:
         route = route_cost(args.prompts)
         for model in args.models:
             hf_dir = hf_model(args.model_dir, model)
             res = run_model(model, hf_dir, args.work_dir, args.engines, args.prompts, args.tokens, args.repeats,
-                            args.latency_reps)
+                            args.latency_reps, dtype=args.dtype, engine_tp=args.engine_tp,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
             res["route"] = route
             results.append(res)
             if out is not None:

@@ -238,7 +238,8 @@ def _measure(rank: int, world: int, point: dict) -> dict:
     weight_sync._bench_broadcast_s = 0.0
 
     tp, pp = point["tp"], point["pp"]
-    cfg = load_config(None, ["parallel.device=cpu", f"parallel.tensor_model_parallel_size={tp}",
+    device = point.get("device", "cpu")
+    cfg = load_config(None, [f"parallel.device={device}", f"parallel.tensor_model_parallel_size={tp}",
                              f"parallel.pipeline_model_parallel_size={pp}", "model.params_dtype=bfloat16",
                              "model.attention_backend=local"], world_size=world)  # fmt: skip
     groups = initialize_distributed(cfg.parallel, cfg.seed)
@@ -290,13 +291,13 @@ def _measure(rank: int, world: int, point: dict) -> dict:
 
 
 def run_point(model: str, layout: str, hf_dir: Path, work_root: Path, buckets: list[float], repeats: int,
-              timeout: float, engines: int = 1) -> dict:
+              timeout: float, engines: int = 1, device: str = "cpu") -> dict:
     """One (model, layout, engines) on fresh ranks with a fleet of ``engines``: every bucket size, then the disk
     transport."""
     tp, pp = LAYOUTS[layout]
     world = tp * pp
     point = {"tp": tp, "pp": pp, "hf_dir": str(hf_dir), "work_dir": str(work_root / f"{model}_{layout}_e{engines}"),
-             "buckets": buckets, "repeats": repeats, "engines": engines}  # fmt: skip
+             "buckets": buckets, "repeats": repeats, "engines": engines, "device": device}  # fmt: skip
     ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), _free_port()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -430,6 +431,8 @@ def main() -> None:
     parser.add_argument("--engines", type=int, nargs="+", default=[1],
                         help="rollout.num_engines: a fresh fleet of each size, side by side in one run")
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs after the warm-up one (median)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="the trainer ranks' device (cuda: one GPU per rank, NCCL transport; not measured yet)")
     parser.add_argument("--small", action="store_true", help="tiny model, TP1, bucket 1 MiB, 1 repeat (~1 min)")
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/megatron_rl_bench_models"))
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/megatron_rl_bench_weight_sync"))
@@ -447,6 +450,7 @@ def main() -> None:
             "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg(), "shared": True,
                         "torch": torch.__version__},
             "commit": _git_commit(), "dtype": "bfloat16", "repeats": args.repeats, "engines": args.engines,
+            "device": args.device,
             "notes": "sync_s = median of the timed syncs; first_s = the warm-up sync, not in the median"}  # fmt: skip
     try:
         for model in args.models:
@@ -455,7 +459,7 @@ def main() -> None:
                 for engines in args.engines:
                     try:
                         row = run_point(model, layout, hf_dir, args.work_dir, args.buckets, args.repeats,
-                                        args.timeout, engines)
+                                        args.timeout, engines, args.device)
                     except SanityCheckFailed as err:
                         if not args.keep_going:
                             raise
