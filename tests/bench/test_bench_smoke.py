@@ -149,6 +149,7 @@ def test_bench_weight_sync_small(tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.slow
+@pytest.mark.fleet
 def test_bench_fleet_small(tmp_path):
     """``bench_fleet.py --small`` end to end: a real fleet of 2 engines (also with engine 0 alone), the tiny
     model, 8 prompts x 8 tokens, and the latency paths (~2-3 min here)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.fleet]
 
 SCRIPT = Path(__file__).with_name("fleet_trainer.py")
 REPO = Path(__file__).resolve().parents[2]

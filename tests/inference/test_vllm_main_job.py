@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from multirank import free_port
 
-pytestmark = [pytest.mark.engine, pytest.mark.multirank]
+pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.fleet]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4  # as in test_vllm_sync.py

@@ -17,7 +17,7 @@ import pytest
 from multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.slow, pytest.mark.fleet]
 
 
 def test_the_tool_agent_example_trains_on_the_vllm_fleet(tmp_path):

@@ -82,6 +82,7 @@ def test_a_broken_class_stops_before_any_process_group(model, monkeypatch, capsy
 
 
 @pytest.mark.engine
+@pytest.mark.fleet
 def test_the_digit_game_class_trains_on_the_vllm_fleet(model, tmp_path):
     from engine_env import engine_python
 
