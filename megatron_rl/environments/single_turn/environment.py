@@ -137,10 +137,10 @@ class SingleTurnEnvironment:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.order.consumed}
+        return self.order.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.order.consumed = int(state.get("consumed", 0))
+        self.order.load_state_dict(state)
 
 
 @dataclass

@@ -175,10 +175,10 @@ class StepApiEnvironment:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.order.consumed}
+        return self.order.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.order.consumed = int(state.get("consumed", 0))
+        self.order.load_state_dict(state)
 
 
 def placeholder_row(ep: Episode, pad_token_id: int, eos_token_id: int, routing: tuple[int, ...] | None) -> dict:
