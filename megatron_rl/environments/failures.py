@@ -7,7 +7,7 @@ Place in the data flow: inside an environment's ``rollout``, between scoring and
       ->  Rollouts(output, metrics | failure metrics, failures)  ->  job/main.py prints the first failure once
                                                                     ->  Trainer.train_step
 
-Interface for an environment (``single_turn`` uses it; a step-API environment or agent does the same):
+Interface for an environment (``single_turn`` and ``step_api`` use it; an agent environment does the same):
 
 1. build the step's ``GeneratorOutput`` as usual, giving a failed sample any finite reward (0.0) and at least
    one row (the turns it played before failing): a group whose samples all failed stays in the batch as one
@@ -59,11 +59,14 @@ class SampleFailure:
         return f"{what} failed on {where}: {self.error}"
 
 
-def failure(index: int, row: int | None, err: BaseException) -> SampleFailure:
-    """A ``SampleFailure`` from a caught exception (message on one line, at most 300 characters)."""
+def failure(index: int, row: int | None, err: BaseException | str) -> SampleFailure:
+    """A ``SampleFailure`` from a caught exception, or a message that already says what raised (on one line, at
+    most 300 characters)."""
     message = " ".join(str(err).split())
     message = message if len(message) <= 300 else message[:297] + "..."
-    return SampleFailure(index, row, f"{type(err).__name__}: {message}" if message else type(err).__name__)
+    if isinstance(err, BaseException):
+        message = f"{type(err).__name__}: {message}" if message else type(err).__name__
+    return SampleFailure(index, row, message)
 
 
 class AllSamplesFailed(Exception):

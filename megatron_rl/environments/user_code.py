@@ -1,9 +1,9 @@
 """Find a user's object from ``path/to/file.py:name`` or ``package.module:name`` (a config value).
 
-Place in the data flow: set-up, before any process group: ``job.environment=<file.py>:<Class>`` (``step_api/``).
-Every failure is a ``ConfigError`` naming the config key and the spec: a malformed spec, a missing file, an
-import that raises, a missing name. (``single_turn/reward.py`` has its own loader for ``reward.function``, with
-the same rules; it can move here.)
+Place in the data flow: set-up, before any process group: ``job.environment=<file.py>:<Class>`` (``step_api/``)
+and ``reward.function`` (``single_turn/reward.py``). Every failure is a ``ConfigError`` naming the config key and
+the spec: a malformed spec, a missing file, an import that raises, a missing name. A file is imported once per
+process (every environment of one process shares the module).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 from megatron_rl.config import ConfigError
 
 
-def load_object(spec: str, key: str, what: str = "object") -> Any:
+def load_object(spec: str | None, key: str, what: str = "object") -> Any:
     """The object ``spec`` names; ``key`` (e.g. ``job.environment``) and ``what`` (e.g. "class") word the errors."""
-    if ":" not in spec:
+    if not spec or ":" not in spec:
         raise ConfigError(f"{key}={spec!r} must look like path/to/file.py:Name or package.module:Name")
     where, name = spec.rsplit(":", 1)
     module = _load_file(where, spec, key) if where.endswith(".py") else _import_module(where, spec, key)
@@ -34,7 +34,7 @@ def _load_file(path: str, spec: str, key: str) -> Any:
         raise ConfigError(f"{key}={spec!r}: {path!r} is not a file (paths are relative to the directory the job "
                           "starts in)")
     name = f"megatron_rl_user_{abs(hash(str(file.resolve())))}"
-    if name in sys.modules:  # loaded before (every environment of one process shares the module)
+    if name in sys.modules:  # loaded before
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, file)
     assert module_spec is not None and module_spec.loader is not None

@@ -110,13 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         return run(job)
     except CheckpointProblem as err:
         return report_error(str(err), kind="checkpoint error", code=err.code)
-    except ConfigError as err:  # found while running, the same on every rank (e.g. every episode of a step failed)
+    except ConfigError as err:  # found while running, the same on every rank
         return report_config_error(err)
     except (EngineProblem, EngineError, EngineStartError) as err:  # the same message on every rank
         return report_error(str(err), kind="engine error", code=1)
     except AllSamplesFailed as err:
         return report_error(f"{err}. Nothing to train on: stopped, the last complete checkpoint in {config.save_dir} "
-                            "is kept; fix the function and run the same command again to resume", kind="rollout error",
+                            "is kept; fix it and run the same command again to resume", kind="rollout error",
                             code=2)
     finally:
         if job is not None and job.engine is not None:

@@ -34,12 +34,11 @@ from pathlib import Path
 
 from megatron_rl.atomic import atomic_replace, atomic_write_text
 from megatron_rl.environments.base import Sample
-from megatron_rl.environments.failures import SampleFailure
+from megatron_rl.environments.failures import FAILED_SAMPLES as FAILED_KEY, SampleFailure
 
 REWARD_KEY = "reward/mean"
 ZERO_ADVANTAGE_KEY = "rollout/zero_advantage_groups"
 """Share of the step's groups whose rewards are all equal (``trainer.py: zero_advantage_metrics``)."""
-FAILED_KEY = "rollout/failed_samples"
 SUMMARY_SAMPLES = 3
 """Samples quoted at the end of ``summary.txt`` (the last ones logged)."""
 LOSS_KEY = "policy/loss"
@@ -168,7 +167,7 @@ def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, w
                  f"{first.get(EVAL_KEYS[1], float('nan')):.3f} -> {last.get(EVAL_KEYS[1], float('nan')):.3f}")
     failed = sum(r.get(FAILED_KEY, 0.0) for r in rows)
     if failed:
-        text += f"; {failed:.0f} samples failed (the reward function raised; left out of training: {FAILED_KEY})"
+        text += f"; {failed:.0f} samples failed (left out of training: {FAILED_KEY})"
     return text + "." + (f" {no_signal[0].upper()}{no_signal[1:]}." if no_signal else "")
 
 

@@ -15,19 +15,21 @@ from chat_helpers import KEEP_HISTORY, STRIP_REASONING, ScriptedEngine, chat_tok
 from megatron_rl.config import ConfigError
 from megatron_rl.data.generator_output import validate_generator_output
 from megatron_rl.data.merge import merge_stepwise_output
+from megatron_rl.environments.failures import AllSamplesFailed
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.step_api.environment import StepApiEnvironment
-from megatron_rl.environments.step_api.failures import EveryEpisodeFailed
 from megatron_rl.inference.engine import SamplingSpec
 
 GAME = '''
 class Game:
     """Answer each digit d with d + 1; 1/len(digits) per right answer."""
 
-    def __init__(self, digits, fail_at=-1):
-        self.digits, self.turn, self.fail_at = digits, 0, fail_at
+    def __init__(self, digits, fail_at=-1, fail_reset=False):
+        self.digits, self.turn, self.fail_at, self.fail_reset = digits, 0, fail_at, fail_reset
 
     def reset(self):
+        if self.fail_reset:
+            raise RuntimeError("this row cannot start")
         return f"{self.digits[0]} ?"
 
     def step(self, response):
@@ -112,16 +114,30 @@ def test_turn_cap_and_context_limit_end_episodes_with_a_counted_reason(tmp_path)
     assert all(len(p) <= 14 for p in out.output["prompt_token_ids"])
 
 
-def test_failed_episodes_are_left_out_and_counted(tmp_path, capsys):
-    rows = [{"digits": [1, 2], "fail_at": 1}, {"digits": [3, 4]}]
+def test_failed_episodes_leave_their_group_and_a_lonely_group_stays_masked(tmp_path):
+    """The helper every environment uses (environments/failures.py, tested there on hand-made rows): a failed
+    episode leaves its group; a group left with fewer than two stays as one masked placeholder, so the step
+    keeps its prompts. An episode that failed in reset() has a placeholder row of its own."""
+    rows = [{"digits": [1, 2]}, {"digits": [1, 2], "fail_at": 1}, {"digits": [3, 4], "fail_reset": True}]
     env, tok = make(tmp_path, rows=rows)
-    out = rollout(env, ScriptedEngine(tok, answer))
-    assert out.metrics["rollout/failed_samples"] == 2 and set(out.output["uids"]) == {1}
-    assert capsys.readouterr().err.count("Game.step(response) raised RuntimeError: this row breaks") == 1
-    rollout(env, ScriptedEngine(tok, answer))  # logged once per run
-    assert "RuntimeError" not in capsys.readouterr().err
-    env, tok = make(tmp_path / "all", rows=[{"digits": [1, 2], "fail_at": 1}, {"digits": [1, 2], "fail_at": 0}])
-    with pytest.raises(EveryEpisodeFailed, match="every episode of the step's rollouts failed"):
+    out = rollout(env, ScriptedEngine(tok, answer), num_prompts=3)
+    validate_generator_output(out.output, step_wise=True)
+    assert out.metrics["rollout/failed_samples"] == 4 and out.metrics["rollout/dropped_groups"] == 2
+    assert out.metrics["episode/ended_done"] == 2 and out.metrics["episode/turns_mean"] == 2
+    uids, masks = out.output["uids"], out.output["loss_masks"]
+    assert uids == [0] * 4 + [1] * 2 + [2]  # two episodes of 2 turns; a 2-turn placeholder; a reset placeholder
+    assert all(any(m) for m in masks[:4]) and not any(any(m) for m in masks[4:])
+    assert out.output["rewards"][4:] == [0.0] * 3 and out.output["prompt_token_ids"][6] == [env.pad_token_id]
+    first = out.failures[0]
+    assert (first.row, first.error) == (1, "Game.step(response) raised RuntimeError: this row breaks")
+    assert out.failures[2].line("the environment") == ("the environment failed on row 2: Game.reset() raised "
+                                                       "RuntimeError: this row cannot start")
+
+
+def test_a_step_where_every_episode_failed_raises_all_samples_failed(tmp_path):
+    env, tok = make(tmp_path, rows=[{"digits": [1, 2], "fail_at": 1}, {"digits": [1, 2], "fail_at": 0}])
+    with pytest.raises(AllSamplesFailed, match=r"all 4 samples of the step failed: every episode of "
+                       r"job.environment=.*:Game' failed; first: the environment failed on row 0: Game.step"):
         rollout(env, ScriptedEngine(tok, answer))
 
 
@@ -204,3 +220,15 @@ def test_a_module_on_the_path_names_the_class_too(tmp_path, monkeypatch):
     assert UserClass("my_step_env_module:Game").name == "Game"
     with pytest.raises(ConfigError, match="cannot import 'no_such_step_module'"):
         UserClass("no_such_step_module:Game")
+
+
+def test_a_placeholder_row_carries_zero_routing_when_the_played_rows_do():
+    """MoE routing replay R3 needs ``routed_experts`` on every row; a placeholder's are zeros of the same (L, k)."""
+    import numpy as np
+
+    from megatron_rl.environments.step_api.environment import Episode, placeholder_row, routing_shape
+
+    played = [[], [{"routed_experts": np.ones((5, 3, 2), dtype=np.int64)}]]
+    row = placeholder_row(Episode({}, 0, 0, 0), 7, 2, routing_shape(played))
+    assert row["routed_experts"].shape == (2, 3, 2) and not row["routed_experts"].any()
+    assert "routed_experts" not in placeholder_row(Episode({}, 0, 0, 0), 7, 2, routing_shape([[], [{}]]))

@@ -7,27 +7,17 @@ export loads with transformers; a broken reward function stops every rank with o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from job_run import ROOT, example_module, metric_rows, run_megatron
 
-from multirank import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.multirank
 
 
 def make_task(path: Path) -> dict[str, Path]:
     """A fresh tiny model, a JSONL of prompts with a `target` column, and a reward function file in ``path``."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make_model", ROOT / "examples" / "arithmetic" / "make_model.py")
-    make_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_model)
-    make_model.make_model(path / "model", seed=5)
+    example_module("examples/arithmetic/make_model.py").make_model(path / "model", seed=5)
     rows = [{"prompt": f"{a} plus one equals", "target": str((a + 1) % 10)} for a in range(10)]
     (path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (path / "my_reward.py").write_text(
@@ -42,27 +32,20 @@ def task(tmp_path_factory) -> dict[str, Path]:
 
 
 def run(task: dict[str, Path], out_dir: Path, *extra: str) -> str:
-    overrides = [f"model.hf_path={task['model']}", f"data.train_files={task['data']}",
-                 f"reward.function={task['reward']}:match", f"logging.output_dir={out_dir}",
-                 "logging.progress_bar=false", "checkpoint.save_interval=2", "batch.train_batch_size=4",
-                 *extra]
-    env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port())}
-    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return run_megatron(*overrides(task, out_dir, task["reward"]), *extra).stdout
 
 
-def rows(out_dir: Path) -> list[dict]:
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("timing/") and k != "time_s"}  # noqa: E731
-    return [drop(json.loads(line)) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+def overrides(task: dict[str, Path], out_dir: Path, reward: Path) -> list[str]:
+    return [f"model.hf_path={task['model']}", f"data.train_files={task['data']}", f"reward.function={reward}:match",
+            f"logging.output_dir={out_dir}", "logging.progress_bar=false", "checkpoint.save_interval=2",
+            "batch.train_batch_size=4"]
 
 
 def test_generic_job_runs_logs_exports_and_resumes_exactly(task, tmp_path):
     straight = tmp_path / "straight"
     out = run(task, straight, "job.num_steps=4")
     assert "single_turn: train: 10 prompts" in out
-    full = rows(straight)
+    full = metric_rows(straight)
     assert [r["step"] for r in full] == [1, 2, 3, 4]
     assert all("reward_fn/length" in r and r["data/epoch"] >= 0 for r in full)
     assert (straight / "reward_loss.png").is_file() and (straight / "summary.txt").is_file()
@@ -79,7 +62,7 @@ def test_generic_job_runs_logs_exports_and_resumes_exactly(task, tmp_path):
     run(task, resumed, "job.num_steps=2")
     out = run(task, resumed, "job.num_steps=4")
     assert "resuming after step 2" in out
-    assert rows(resumed) == full  # same prompts (data position restored), same samples, same updates
+    assert metric_rows(resumed) == full  # same prompts (data position restored), same samples, same updates
 
 
 def test_broken_reward_stops_before_any_process_group(task, monkeypatch, capsys, tmp_path):
@@ -108,19 +91,15 @@ def test_readme_command_from_another_directory_with_relative_paths_and_a_failing
         "    if prompt.startswith('3 '):\n"
         "        raise KeyError('no rule for 3')\n"
         "    return float(response.split()[:1] == [target])\n")
-    env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "CONFIG": ""}
-    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), "model.hf_path=model",
-                           "data.train_files=prompts.jsonl", "reward.function=my_reward.py:match", "job.num_steps=2",
-                           "batch.train_batch_size=10", "batch.policy_mini_batch_size=5", "job.n_samples_per_prompt=2",
-                           "job.max_new_tokens=4", "logging.progress_bar=false", "logging.sample_interval=1",
-                           "data.shuffle=false"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_megatron("model.hf_path=model", "data.train_files=prompts.jsonl", "reward.function=my_reward.py:match",
+                        "job.num_steps=2", "batch.train_batch_size=10", "batch.policy_mini_batch_size=5",
+                        "job.n_samples_per_prompt=2", "job.max_new_tokens=4", "logging.progress_bar=false",
+                        "logging.sample_interval=1", "data.shuffle=false", config="", cwd=tmp_path)
     assert proc.stderr.startswith(f"base config: {ROOT / 'configs' / 'user_job.yaml'}")
     out_dir = tmp_path / "outputs" / "user_job"  # logging.output_dir of the base, from the user's directory
     assert "reward.function failed on row 3: KeyError: 'no rule for 3'" in proc.stdout + proc.stderr
     assert (proc.stdout + proc.stderr).count("failed on row") == 1
-    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = metric_rows(out_dir)
     assert [m["rollout/failed_samples"] for m in metrics] == [2.0, 2.0]  # row 3's two samples, every step
     assert all(m["rollout/dropped_groups"] == 1.0 and "rollout/zero_advantage_groups" in m for m in metrics)
     samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
@@ -142,13 +121,7 @@ def test_a_step_where_every_sample_fails_stops_with_one_line_and_keeps_the_check
                       "    if response:\n"
                       "        raise RuntimeError('scorer offline')\n"
                       "    return 0.0\n")
-    env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port())}
-    overrides = [f"model.hf_path={task['model']}", f"data.train_files={task['data']}",
-                 f"reward.function={broken}:match", f"logging.output_dir={out_dir}", "logging.progress_bar=false",
-                 "checkpoint.save_interval=2", "batch.train_batch_size=4", "job.num_steps=4"]
-    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_megatron(*overrides(task, out_dir, broken), "job.num_steps=4", code=2)
     lines = [line for line in proc.stderr.splitlines() if "rollout error" in line]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "samples of the step failed" in lines[0] and "RuntimeError: scorer offline" in lines[0]

@@ -5,28 +5,18 @@ rank with one line before any process group."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from job_run import ROOT, example_module, metric_rows, run_megatron
 
-from multirank import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "digit_game_cpu.yaml"
 pytestmark = pytest.mark.multirank
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    spec = importlib.util.spec_from_file_location("digit_make_model", ROOT / "examples" / "digit_game" / "make_model.py")
-    make_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_model)
-    return make_model.make_model(tmp_path_factory.mktemp("digit") / "model", seed=3)
+    return example_module("examples/digit_game/make_model.py").make_model(tmp_path_factory.mktemp("digit") / "model", seed=3)
 
 
 def run(model: Path, out_dir: Path, *extra: str) -> str:
@@ -34,23 +24,14 @@ def run(model: Path, out_dir: Path, *extra: str) -> str:
                  "checkpoint.save_interval=1", "batch.train_batch_size=4", "eval.interval=2", "eval.num_prompts=4",
                  "optimizer.lr_warmup_steps=0",  # the 1-step run below has 4 optimizer steps in all
                  *extra]
-    env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "CONFIG": str(CONFIG)}
-    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def rows(out_dir: Path) -> list[dict]:
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("timing/") and k != "time_s"}  # noqa: E731
-    return [drop(json.loads(line)) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_megatron(*overrides, config=CONFIG).stdout
 
 
 def test_the_digit_game_class_trains_through_the_main_job_and_resumes_exactly(model, tmp_path):
     straight = tmp_path / "straight"
     out = run(model, straight, "job.num_steps=2")
     assert f"step-API environment DigitGame ({ROOT / 'examples/digit_game/env.py'}:DigitGame)" in out
-    full = rows(straight)
+    full = metric_rows(straight)
     assert [r["step"] for r in full] == [1, 2]
     for r in full:
         assert r["episode/turns_mean"] == 3 and r["episode/ended_done"] == 4 * 8 and r["rollout/failed_samples"] == 0
@@ -64,7 +45,7 @@ def test_the_digit_game_class_trains_through_the_main_job_and_resumes_exactly(mo
     # same rows of games.jsonl (data position restored), same samples, same updates (the 1-step run evaluated
     # at its last step, the straight one did not)
     no_eval = lambda table: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in table]  # noqa: E731
-    assert no_eval(rows(resumed)) == no_eval(full)
+    assert no_eval(metric_rows(resumed)) == no_eval(full)
 
 
 def test_a_broken_class_stops_before_any_process_group(model, monkeypatch, capsys, tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,3 +149,11 @@ class PromptOrder:
     @property
     def epoch(self) -> int:
         return self.consumed // self.size
+
+    def state_dict(self) -> dict[str, int]:
+        """The position a checkpoint saves (an environment's ``state_dict``)."""
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``; ``{}`` (a checkpoint without it) leaves the start position."""
+        self.consumed = int(state.get("consumed", 0))

@@ -34,15 +34,11 @@ class SingleTurnEnvironment:
     def __init__(self, data: DataConfig, reward: RewardConfig, tokenizer: Any, *, seed: int,
                  max_prompt_tokens: int, context: int | None = None, max_rows: int | None = None) -> None:
         """``max_rows``: read only the first rows of each file (the pre-flight's quick check)."""
-        from megatron_rl.hf.tokenizer import pad_token_id
+        from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id(tokenizer)
-        eos = tokenizer.eos_token_id
-        if eos is None:
-            raise ValueError("model.hf_path: the tokenizer has no eos token, so responses could not stop; set "
-                             "eos_token in its tokenizer_config.json")
-        self.stop_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+        self.stop_token_ids = stop_token_ids(tokenizer)
         self.train = self._prompts(data, "train_files", max_prompt_tokens, max_rows)
         self.val = self._prompts(data, "val_files", max_prompt_tokens, max_rows) if data.paths("val_files") else None
         self.reward_spec = reward.function or ""
@@ -141,10 +137,10 @@ class SingleTurnEnvironment:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.order.consumed}
+        return self.order.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.order.consumed = int(state.get("consumed", 0))
+        self.order.load_state_dict(state)
 
 
 @dataclass

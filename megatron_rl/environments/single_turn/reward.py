@@ -10,55 +10,24 @@ mistake: a ``ConfigError`` naming ``reward.function`` and what it returned.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import ConfigError
+from megatron_rl.environments.user_code import load_object
 
 RewardFn = Callable[..., Any]
+KEY = "reward.function"
 
 
 def load_reward_function(spec: str | None) -> RewardFn:
-    """``path/file.py:name`` or ``package.module:name`` -> the callable; ConfigError naming what is missing."""
-    if not spec or ":" not in spec:
-        raise ConfigError(f"reward.function={spec!r} must look like path/to/file.py:name or package.module:name")
-    where, name = spec.rsplit(":", 1)
-    module = _load_file(where, spec) if where.endswith(".py") else _import_module(where, spec)
-    fn = getattr(module, name, None)
+    """``path/file.py:name`` or ``package.module:name`` -> the callable; ConfigError naming what is missing
+    (``user_code.load_object``)."""
+    fn = load_object(spec, KEY, "function")
     if not callable(fn):
-        raise ConfigError(f"reward.function={spec!r}: {where} has no function {name!r}"
-                          f"{' (it has ' + repr(fn) + ')' if fn is not None else ''}")
+        raise ConfigError(f"{KEY}={spec!r} names {fn!r} ({type(fn).__name__}), not a function")
     return fn
-
-
-def _load_file(path: str, spec: str) -> Any:
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"reward.function={spec!r}: {path!r} is not a file (paths are relative to the directory "
-                          "the job starts in)")
-    name = f"megatron_rl_reward_{abs(hash(str(file.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(name, file)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as err:
-        raise ConfigError(f"reward.function={spec!r}: importing {path} raised {type(err).__name__}: {err}") from err
-    return module
-
-
-def _import_module(module: str, spec: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise ConfigError(f"reward.function={spec!r}: cannot import {module!r} ({err}); give a file path "
-                          "(path/to/file.py:name) or a module on PYTHONPATH") from err
 
 
 def _number(value: Any) -> float | None:

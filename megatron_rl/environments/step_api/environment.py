@@ -11,7 +11,12 @@ The ``n`` episodes of a row are one GRPO group (uid = the row's index in the ste
 ``step`` says done, after ``job.max_turns`` turns, or when the next prompt would leave no room for a reply
 (longer than ``max_prompt_tokens``: ``data.max_prompt_tokens``, else the model's context minus
 ``job.max_new_tokens``); each reason is counted (``episode/ended_<reason>``). An episode whose class raised or
-returned the wrong shape is left out (``failures.py``); a batch where every episode failed stops the run.
+returned the wrong shape fails that episode only: it is left out of training by the helper every environment
+uses (``environments/failures.py``: its group keeps the episodes that finished, or stays as one masked
+placeholder), counted in ``rollout/failed_samples``, and the job prints the run's first failure once; a step
+where every episode failed stops the run (``AllSamplesFailed``). An episode that failed before its first turn
+(``reset`` raised, or its first prompt is too long) has no turn to stand for it: it gets one placeholder row
+(``placeholder_row``), which that helper drops or masks like any failed episode's rows.
 
 Determinism (the contract of ``base.py``): rows come from ``PromptOrder`` (its ``consumed`` is the checkpointed
 state), replies from the engine with the step's seed, so episodes are a function of (seed, step) as long as the
@@ -25,12 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from megatron_rl.environments.base import Evaluation, Rollouts, pass_metrics
 from megatron_rl.environments.conversation import Conversation, has_chat_template, trajectory_rows
+from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
-from megatron_rl.environments.step_api.failures import METRIC as FAILED, FailedEpisodes
-from megatron_rl.environments.step_api.user_class import EpisodeError, UserClass
+from megatron_rl.environments.step_api.user_class import KEY, EpisodeError, UserClass
 from megatron_rl.inference.engine import Completion, RolloutEngine, SamplingSpec
 
 END_REASONS = ("done", "max_turns", "context")
@@ -39,6 +46,8 @@ END_REASONS = ("done", "max_turns", "context")
 @dataclass
 class Episode:
     row: Mapping[str, Any]
+    index: int
+    """The row's position in its data file (named in a failure's line)."""
     uid: int
     sample: int
     env: Any = None
@@ -47,6 +56,8 @@ class Episode:
     """The reward of each turn (``step``'s); the episode's reward is their sum."""
     end: str | None = None
     """Why it ended: one of ``END_REASONS``, or 'failed'; None while it runs."""
+    error: str | None = None
+    """Why it failed (one line naming the class and the call)."""
 
 
 class StepApiEnvironment:
@@ -63,7 +74,6 @@ class StepApiEnvironment:
         self.user.check_on_row(self.train[0], tokenizer, "row 0 of data.train_files")
         self.order = PromptOrder(len(self.train), seed=seed, shuffle=data.shuffle)
         self.max_turns, self.max_prompt_tokens = max_turns, max_prompt_tokens
-        self.failures = FailedEpisodes()
 
     def describe(self) -> str:
         """One line for the log: the class, the rows, how text is rendered, the limits."""
@@ -76,33 +86,38 @@ class StepApiEnvironment:
     def rollout(self, engine: RolloutEngine, spec: SamplingSpec, *, num_prompts: int, n_samples_per_prompt: int,
                 seed: int, step_wise: bool) -> Rollouts:
         assert step_wise, "JobConfig checks that a step-API environment trains step-wise"
-        rows = [self.train[i] for i in self.order.next(num_prompts)]
-        episodes = [Episode(row, uid, k) for uid, row in enumerate(rows) for k in range(n_samples_per_prompt)]
-        finished = self.play(episodes, engine, spec, seed, "the step's rollouts")
-        out_rows = [row for ep in finished for row in trajectory_rows(
-            ep.conversation.turns, reward=sum(ep.rewards), uid=ep.uid, trajectory_id=(ep.uid, ep.sample))]
-        output = {name: [row[name] for row in out_rows] for name in out_rows[0]}
-        metrics = episode_metrics(finished)
-        metrics[FAILED] = float(self.failures.count)
+        episodes = [Episode(self.train[i], i, uid, k) for uid, i in enumerate(self.order.next(num_prompts))
+                    for k in range(n_samples_per_prompt)]
+        self.play(episodes, engine, spec, seed)
+        played = [self._rows(ep) for ep in episodes]
+        routing = routing_shape(played)
+        rows = [ep_rows or [placeholder_row(ep, self.pad_token_id, self.stop_token_ids[0], routing)]
+                for ep, ep_rows in zip(episodes, played)]
+        output = {name: [row[name] for ep_rows in rows for row in ep_rows] for name in rows[0][0]}
+        failed = [ep.end == "failed" for ep, ep_rows in zip(episodes, rows) for _ in ep_rows]
+        failures = episode_failures(episodes)
+        try:
+            output, failure_metrics = drop_failed_samples(output, failed)
+        except AllSamplesFailed as err:
+            raise AllSamplesFailed(f"{err}: every episode of {KEY}={self.user.spec!r} failed; first: "
+                                   f"{failures[0].line('the environment')}") from None
+        metrics = episode_metrics([ep for ep in episodes if ep.end != "failed"]) | failure_metrics
         metrics["data/epoch"] = float(self.order.epoch)
-        return Rollouts(output, metrics)  # type: ignore[arg-type]
+        return Rollouts(output, metrics, failures=failures)  # type: ignore[arg-type]
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
                  pass_threshold: float) -> Evaluation:
         if self.val is None:
             return Evaluation({})
         rows = self.val[:num_prompts] if num_prompts else self.val
-        finished = self.play([Episode(row, uid, 0) for uid, row in enumerate(rows)], engine, spec, seed,
-                             "an evaluation")
-        metrics = pass_metrics([sum(ep.rewards) for ep in finished], pass_threshold)
-        metrics["eval/failed_samples"] = float(self.failures.count)
-        return Evaluation(metrics)
+        episodes = [Episode(row, i, i, 0) for i, row in enumerate(rows)]
+        self.play(episodes, engine, spec, seed)
+        rewards = [None if ep.end == "failed" else sum(ep.rewards) for ep in episodes]
+        return Evaluation(pass_metrics(rewards, pass_threshold), failures=episode_failures(episodes))
 
-    def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int,
-             what: str) -> list[Episode]:
-        """Run ``episodes`` turn by turn, one ``engine.generate`` call per turn over the running ones (every
-        call with ``seed``: the built-in engine continues one stream); returns those that did not fail."""
-        self.failures.start_batch()
+    def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
+        """Run ``episodes`` to their end, turn by turn, one ``engine.generate`` call per turn over the running ones
+        (every call with ``seed``: the built-in engine continues one stream)."""
         for ep in episodes:
             self._start(ep)
         for turn in range(self.max_turns):
@@ -112,9 +127,15 @@ class StepApiEnvironment:
             completions = engine.generate([ep.conversation.prompt_ids for ep in running], spec, seed=seed)
             for ep, completion in zip(running, completions):
                 self._advance(ep, completion, last_turn=turn == self.max_turns - 1)
-        finished = [ep for ep in episodes if ep.end != "failed"]
-        self.failures.check_some_finished(len(finished), what)
-        return finished
+
+    def _rows(self, ep: Episode) -> list[dict]:
+        """The episode's step-wise rows, one per turn (a failed one's reward: 0; they are dropped or masked);
+        none for a failed episode that played no turn."""
+        if ep.conversation is None or not ep.conversation.turns:
+            assert ep.end == "failed", "every episode that did not fail played a turn"
+            return []
+        reward = 0.0 if ep.end == "failed" else sum(ep.rewards)
+        return trajectory_rows(ep.conversation.turns, reward=reward, uid=ep.uid, trajectory_id=(ep.uid, ep.sample))
 
     def _start(self, ep: Episode) -> None:
         try:
@@ -148,17 +169,40 @@ class StepApiEnvironment:
             ep.end = "context"
 
     def _fail(self, ep: Episode, message: str) -> None:
-        ep.end = "failed"
-        self.failures.record(message)
+        ep.end, ep.error = "failed", message
 
     def random_baseline(self, seed: int) -> float | None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed": self.order.consumed}
+        return self.order.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.order.consumed = int(state.get("consumed", 0))
+        self.order.load_state_dict(state)
+
+
+def placeholder_row(ep: Episode, pad_token_id: int, eos_token_id: int, routing: tuple[int, ...] | None) -> dict:
+    """The one row of a failed episode that played no turn: ``drop_failed_samples`` needs a row per sample (it
+    keeps one, masked, of a group whose samples all failed). A pad token as prompt, the eos as response, reward
+    0, loss mask 0: never trained on. ``routing``: ``(L, k)`` when the played rows carry ``routed_experts`` (MoE
+    routing replay R3 needs them on every row): the placeholder's are all zeros."""
+    row = {"prompt_token_ids": [pad_token_id], "response_ids": [eos_token_id], "rewards": 0.0, "loss_masks": [0],
+           "uids": ep.uid, "rollout_logprobs": [0.0], "trajectory_ids": (ep.uid, ep.sample), "is_last_step": True,
+           "stop_reasons": "stop"}
+    if routing is not None:
+        row["routed_experts"] = np.zeros((2, *routing), dtype=np.int64)
+    return row
+
+
+def routing_shape(played: list[list[dict]]) -> tuple[int, ...] | None:
+    """``(L, k)`` of the played rows' ``routed_experts`` ``[p + r, L, k]``, None when they have none."""
+    first = next((row["routed_experts"] for rows in played for row in rows if "routed_experts" in row), None)
+    return None if first is None else tuple(np.shape(first)[1:])
+
+
+def episode_failures(episodes: list[Episode]) -> list[SampleFailure]:
+    """The failed episodes, for the job's one line (``environments/failures.py``)."""
+    return [failure(i, ep.index, ep.error) for i, ep in enumerate(episodes) if ep.end == "failed"]
 
 
 def episode_metrics(finished: list[Episode]) -> dict[str, float]:
