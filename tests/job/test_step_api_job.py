@@ -70,7 +70,7 @@ def test_the_digit_game_class_trains_on_the_vllm_fleet(model, tmp_path):
     os.environ.setdefault("MEGATRON_RL_ENGINE_PYTHON", engine_python())
     out_dir = tmp_path / "vllm"
     run(model, out_dir, "job.num_steps=2", "rollout.engine=vllm", "eval.interval=0")
-    table = rows(out_dir)
+    table = metric_rows(out_dir)
     assert [r["step"] for r in table] == [1, 2]
     for r in table:  # the engine's samples of every turn, scored by the trainer with the same weights
         assert r["episode/turns_mean"] == 3 and r["rollout/failed_samples"] == 0 and r["rollout/engines_alive"] == 1
