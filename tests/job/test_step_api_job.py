@@ -5,6 +5,7 @@ rank with one line before any process group."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
