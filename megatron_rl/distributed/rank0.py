@@ -4,17 +4,50 @@ Place in the data flow: work that exists once per job, on the rank that owns the
 every rank makes collectively (e.g. ``environments/agent``: the agent threads and their HTTP endpoint run on
 rank 0, every rank trains on the same rollouts). Without an initialized process group (one process) the function
 simply runs.
+
+Collectives issued from a rollout thread (the main job's rollouts generated ahead of training,
+``job/pipeline.py``) must not share a process group with the training running on the main thread at the same
+time: ``collectives_on(group)`` makes this thread's ``on_rank0`` and ``broadcast_from_rank0`` use ``group``
+(a dedicated gloo group over every rank) instead of the default one.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
-from typing import TypeVar
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+_local = threading.local()
+
+
+@contextmanager
+def collectives_on(group: Any) -> Iterator[None]:
+    """This thread's rank-0 broadcasts (``on_rank0``, ``broadcast_from_rank0``) go over ``group`` while inside."""
+    previous = getattr(_local, "group", None)
+    _local.group = group
+    try:
+        yield
+    finally:
+        _local.group = previous
+
+
+def current_group() -> Any:
+    """The process group this thread's rank-0 broadcasts use (None = the default group)."""
+    return getattr(_local, "group", None)
+
+
+def broadcast_from_rank0(payload: list) -> list:
+    """``dist.broadcast_object_list(payload, src=0)`` over this thread's group (a no-op in one process); returns
+    ``payload`` (filled in place on the other ranks)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0, group=current_group())
+    return payload
 
 
 def on_rank0(fn: Callable[[], T]) -> T:
@@ -31,7 +64,7 @@ def on_rank0(fn: Callable[[], T]) -> T:
         except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
             error = err
             payload = [("error", _portable(err))]
-    dist.broadcast_object_list(payload, src=0)
+    broadcast_from_rank0(payload)
     status, value = payload[0]
     if error is not None:
         raise error

@@ -56,6 +56,12 @@ class RolloutConfig(ConfigSection):
     sync_interval: int = field(default=1, metadata=AT_LEAST_1)
     """RL steps between weight syncs (1 = the engine always samples from the newest policy; K > 1 = rollouts
     up to K-1 steps off-policy, which the rollout/old log-prob mismatch metrics show)."""
+    max_staleness: int = field(default=0, metadata=valid(0))
+    """Asynchronous RL: the rollouts of the next ``max_staleness`` steps are generated while the trainer trains
+    (docs/INFERENCE.md section 5). The rollouts trained at step ``t`` were sampled from the weights of step
+    ``t - 1 - max_staleness`` or newer (``rollout/staleness_max`` says how many versions older than the weights
+    they train); 0 = generate, train, sync in turn (no overlap). With the vLLM fleet, generation runs on the
+    engines during training; with the built-in engine (which is the policy itself) only the schedule changes."""
     bucket_mb: float = field(default=64.0, metadata=POSITIVE)
     """Size of one weight-sync message (MiB): the sender's extra memory is about one bucket plus the largest
     tensor."""
@@ -86,6 +92,9 @@ class RolloutConfig(ConfigSection):
         if self.engine == "vllm" and self.num_engines + len(self.engine_urls) < 1:
             raise ConfigError("rollout.num_engines=0 and no rollout.engine_urls: the vLLM fleet has no engine; set "
                               "rollout.num_engines >= 1 or list servers in rollout.engine_urls")
+        if self.max_staleness and self.sleep_while_training:
+            raise ConfigError(f"rollout.max_staleness={self.max_staleness} generates while the trainer trains, but "
+                              "rollout.sleep_while_training=true puts the engines to sleep then; unset one of them")
         if self.engine == "builtin" and self.weight_transport == "disk" and self.sync_dir is not None:
             raise ConfigError("rollout.sync_dir is set but rollout.engine=builtin syncs no weights; "
                               "set rollout.engine=vllm or unset rollout.sync_dir")

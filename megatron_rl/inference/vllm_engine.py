@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_rl.distributed.rank0 import broadcast_from_rank0
 from megatron_rl.inference.config import RolloutConfig
 from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.router import route
@@ -368,6 +369,9 @@ class VLLMEngine:
         """Tensors this rank sent in the last sync (0 on a rank that sends nothing)."""
         self._last_seed: int | None = None
         self._seed_calls = 0
+        self.run_on_main_thread: Any = None
+        """Set by a caller that generates in a thread while the main thread trains (``job/pipeline.py``): runs a
+        collective weight sync (the all-engines-down admission) on the main thread, between training steps."""
 
     # ---------------------------------------------------------------------------------------------- start
     @classmethod
@@ -495,8 +499,7 @@ class VLLMEngine:
                     payload = [("ok", value) if value is not None else ("admit", None)]
                 except EngineError as err:
                     payload = [("error", str(err))]
-            if self.groups.world_size > 1:
-                dist.broadcast_object_list(payload, src=0)
+            broadcast_from_rank0(payload)  # this thread's group: job/pipeline.py generates in a thread
             status, value = payload[0]
             if status == "admit":  # no engine serves: bring the replacements in with the current weights
                 if self.fleet is not None:
@@ -508,7 +511,10 @@ class VLLMEngine:
                 else:
                     error = None
                 _raise_everywhere(error, EngineError)
-                self._admit(send=True)
+                if self.run_on_main_thread is not None and threading.current_thread() is not threading.main_thread():
+                    self.run_on_main_thread(lambda: self._admit(send=True))  # the sync reads the policy's weights
+                else:
+                    self._admit(send=True)
                 continue
             if status != "ok":
                 raise EngineError(value)
@@ -635,8 +641,6 @@ class VLLMEngine:
 
 def _raise_everywhere(error: str | None, kind: type[Exception]) -> None:
     """Rank 0's error (or None) on every rank, so every rank raises the same exception instead of hanging."""
-    payload = [error]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(payload, src=0)
+    payload = broadcast_from_rank0([error])  # over this thread's group (distributed/rank0.py)
     if payload[0] is not None:
         raise kind(payload[0])

@@ -6,6 +6,7 @@ reward function, checked before any process group exists), the policy (random, o
 rollout engine (``rollout.engine``: builtin or vllm). Each RL step, on every rank with the same seeds::
 
     environment.rollout(engine, sampling spec, rollout seed of (seed, step))               -> GeneratorOutput
+        (or taken from the batches generated ahead, rollout.max_staleness: job/pipeline.py)
     Trainer.train_step (megatron_rl/trainer.py)                                           -> metrics
     engine.update_weights(policy) every rollout.sync_interval steps
     every eval.interval steps: environment.evaluate (greedy by default)                  -> eval/* metrics
@@ -16,8 +17,9 @@ At the end (rank 0): ``reward_loss.png`` and ``summary.txt`` in ``logging.output
 raised is left out of training by the environment (``environments/failures.py``); rank 0 prints the run's first
 one, once; a step where every sample failed stops the run (``AllSamplesFailed``: one line, exit code 2, the last
 checkpoint kept). Rollouts of step ``k``
-depend only on ``(seed, k)``, the weights and the environment's data position (saved in every checkpoint), so a
-run resumed from the checkpoint of step ``k`` continues exactly as the uninterrupted run would have. Ctrl-C keeps
+depend only on ``(seed, k)``, the weights and the environment's data position (saved in every checkpoint, with
+the batches already generated for the steps after it), so a run resumed from the checkpoint of step ``k``
+continues exactly as the uninterrupted run would have. Ctrl-C keeps
 the last complete checkpoint (saves are atomic); running the same command again resumes from it.
 
     python -m megatron_rl.job.main [--config X.yaml] [section.key=value ...]   (no --config: job/paths.py picks)
@@ -52,6 +54,7 @@ from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
 from megatron_rl.inference.server import EngineError, EngineStartError
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
 from megatron_rl.job.paths import base_config
+from megatron_rl.job.pipeline import RolloutPipeline
 from megatron_rl.job.reporting import RunReporter
 from megatron_rl.metrics import Metric
 
@@ -89,6 +92,10 @@ class Job:
     trainer: Trainer
     save_dir: Path
     is_rank0: bool
+    pipeline: RolloutPipeline | None = None
+    """The batches of the coming steps (``job/pipeline.py``: ``rollout.max_staleness``); built by ``run``."""
+    resumed_pipeline: dict | None = None
+    """The checkpoint's generated batches of the steps after it (``RolloutPipeline.state_dict``)."""
 
 
 # megatron-core announces at import, once per module and rank, that it falls back from TransformerEngine/Apex
@@ -237,6 +244,7 @@ def run(job: Job) -> int:
     if start_step >= config.job.num_steps:
         return report_finished(job, start_step)
     job.engine = start_engine(config, job.policy, job.environment.pad_token_id)  # on the resumed weights
+    job.pipeline = build_pipeline(job, start_step)
     reporter = open_reporter(job, start_step)
     baseline = job.environment.random_baseline(config.rl.seed) if job.is_rank0 else None
     started, step = time.time(), start_step
@@ -291,21 +299,36 @@ def report_finished(job: Job, step: int) -> int:
     return 0
 
 
-def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
-    """Rollouts with the current policy, then one train step, then the engine's weight sync when due. Same on
-    every rank (seeded by (seed, step)). Returns the metrics and the rollouts (their samples and failures are
-    logged by rank 0)."""
+def build_pipeline(job: Job, start_step: int) -> RolloutPipeline:
+    """The rollouts of the coming steps (``rollout.max_staleness``; collective). The engine starts on the weights
+    of ``start_step`` (the resumed ones)."""
     config, rl = job.config, job.config.rl
+
+    def generate(step: int) -> Rollouts:  # the same on every rank, seeded by (seed, step)
+        return job.environment.rollout(
+            job.engine, job.sampling,
+            num_prompts=rl.batch.train_batch_size,
+            n_samples_per_prompt=config.job.n_samples_per_prompt,
+            seed=rollout_seed(rl.seed, step),
+            step_wise=rl.stepwise.step_wise_trajectories,
+        )
+
+    return RolloutPipeline(generate, max_staleness=config.rollout.max_staleness, weights_step=start_step,
+                           threaded=config.rollout.engine == "vllm", engine=job.engine, state=job.resumed_pipeline)
+
+
+def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
+    """The rollouts of ``step`` (generated now, or ahead: ``job/pipeline.py``), one train step, then the engine's
+    weight sync when due. Same on every rank (seeded by (seed, step)). Returns the metrics and the rollouts
+    (their samples and failures are logged by rank 0)."""
+    config = job.config
     started = time.perf_counter()
-    rollouts = job.environment.rollout(
-        job.engine, job.sampling,
-        num_prompts=rl.batch.train_batch_size,
-        n_samples_per_prompt=config.job.n_samples_per_prompt,
-        seed=rollout_seed(rl.seed, step),
-        step_wise=rl.stepwise.step_wise_trajectories,
-    )
+    ahead = config.rollout.max_staleness
+    job.pipeline.launch_through(step + ahead, first_step=step)
+    batch = job.pipeline.take(step)
+    rollouts = batch.rollouts
     check_ranks_agree(job.groups, [rollouts.output["response_ids"], rollouts.output["rewards"]])
-    rollout_s = time.perf_counter() - started
+    waited_s = time.perf_counter() - started
     sleeping = config.rollout.engine == "vllm" and config.rollout.sleep_while_training
     if sleeping:  # colocated engines give the trainer their device memory (rank 0 asks them; docs/INFERENCE.md)
         job.engine.sleep()
@@ -313,11 +336,17 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
     if sleeping:
         job.engine.wake()
     metrics.update(rollouts.metrics)
-    metrics["timing/rollout_s"] = rollout_s
-    if step % config.rollout.sync_interval == 0:
-        sync_s = job.engine.update_weights(job.policy)
-        if config.rollout.engine != "builtin":  # the built-in engine shares the policy: always 0
-            metrics["timing/weight_sync_s"] = sync_s
+    metrics["timing/rollout_s"] = batch.rollout_s
+    metrics["rollout/staleness_mean"] = metrics["rollout/staleness_max"] = float(step - 1 - batch.weights_step)
+    if ahead:
+        drain_started = time.perf_counter()
+        job.pipeline.drain()  # no partial rollouts: a generation in flight ends on the weights it started with
+        metrics["timing/rollout_wait_s"] = waited_s + time.perf_counter() - drain_started
+    if config.rollout.engine == "builtin":  # the engine is the policy: it samples from the newest weights
+        job.pipeline.synced(step)
+    elif step % config.rollout.sync_interval == 0:
+        metrics["timing/weight_sync_s"] = job.engine.update_weights(job.policy)
+        job.pipeline.synced(step)
     metrics.update(job.engine.step_metrics())  # the vLLM fleet's restarts and live engines (rank 0)
     metrics["timing/step_s"] = time.perf_counter() - started
     return metrics, rollouts
@@ -409,9 +438,12 @@ def save(job: Job, step: int) -> None:
     from megatron_rl.checkpoint.dist import STORAGE_ERRNOS
 
     try:
-        save_with_critic(job.policy, job.critic, job.save_dir,
-                         {"step": step, "optimizer_steps": job.trainer.optimizer_steps,
-                          "environment": job.environment.state_dict()})
+        state = {"step": step, "optimizer_steps": job.trainer.optimizer_steps,
+                 "environment": job.environment.state_dict()}  # counts the prompts of the batches ahead too
+        ahead = job.pipeline.state_dict() if job.pipeline is not None else {}
+        if ahead:  # generated for the coming steps (rollout.max_staleness): trained first by a resumed run
+            state["rollouts_ahead"] = ahead
+        save_with_critic(job.policy, job.critic, job.save_dir, state)
     except RuntimeError as err:
         if isinstance(err.__cause__, OSError) and err.__cause__.errno in STORAGE_ERRNOS:
             raise CheckpointProblem(str(err), code=1) from err
@@ -435,6 +467,7 @@ def resume(job: Job) -> int:
         raise CheckpointProblem(str(err), code=2) from err
     job.trainer.optimizer_steps = int(state.get("optimizer_steps", 0))
     job.environment.load_state_dict(state.get("environment", {}))
+    job.resumed_pipeline = state.get("rollouts_ahead")
     return int(state["step"])
 
 

@@ -1,0 +1,137 @@
+"""Asynchronous RL through the main job (``rollout.max_staleness``, ``job/pipeline.py``): the schedule (staleness
+0 at step 1, then K), the batches generated ahead kept in the checkpoint so that a resumed run (after a clean
+stop or a SIGKILL at any instant) continues bitwise as the uninterrupted one, and on the vLLM fleet with two
+ranks (the rollout thread's own process group) the same, the engines generating while the trainer trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from job_run import ROOT, metric_rows, run_megatron
+from multirank import free_port
+
+CONFIG = ROOT / "configs" / "demo_cpu.yaml"
+pytestmark = pytest.mark.multirank
+
+
+def overrides(out_dir: Path, *extra: str) -> list[str]:
+    return [f"logging.output_dir={out_dir}", "logging.progress_bar=false", "demo.baseline_episodes=50",
+            "batch.train_batch_size=8", "checkpoint.save_interval=2", *extra]
+
+
+def run(out_dir: Path, *extra: str) -> str:
+    return run_megatron(*overrides(out_dir, *extra), config=CONFIG).stdout
+
+
+def staleness(rows: list[dict]) -> list[float]:
+    return [r["rollout/staleness_max"] for r in rows]
+
+
+def test_one_step_off_schedule_checkpoint_and_exact_resume(tmp_path):
+    straight = tmp_path / "straight"
+    run(straight, "job.num_steps=4", "rollout.max_staleness=1")
+    full = metric_rows(straight)
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    assert staleness(full) == [0, 1, 1, 1] and [r["rollout/staleness_mean"] for r in full] == [0, 1, 1, 1]
+    state = json.loads((straight / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert state["rollouts_ahead"]["steps"] == [3]  # generated during step 2 on the weights of step 1
+
+    resumed = tmp_path / "resumed"
+    run(resumed, "job.num_steps=2", "rollout.max_staleness=1")
+    assert "resuming after step 2" in run(resumed, "job.num_steps=4", "rollout.max_staleness=1")
+    assert metric_rows(resumed) == full  # the batch of step 3 came from the checkpoint, not from new weights
+
+    # without it, step 3 would be sampled again (on newer weights, from later prompts): a different run
+    dropped = tmp_path / "dropped"
+    run(dropped, "job.num_steps=2", "rollout.max_staleness=1")
+    path = dropped / "checkpoints" / "step_00000002" / "trainer_state.json"
+    state = json.loads(path.read_text())
+    del state["rollouts_ahead"]
+    _rewrite_verified(path, state)
+    run(dropped, "job.num_steps=4", "rollout.max_staleness=1")
+    assert metric_rows(dropped)[2] != full[2]
+
+
+def _rewrite_verified(path: Path, state: dict) -> None:
+    """Edit a checkpoint's trainer state and its digest in the manifest (a planted bug, not a damaged file)."""
+    from megatron_rl.checkpoint import layout
+
+    path.write_text(json.dumps(state, indent=1, sort_keys=True))
+    manifest_path = path.parent / layout.MANIFEST_FILE
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][path.name] = layout.file_record(path)
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def test_two_steps_ahead_and_a_resume_with_another_bound_loses_no_batch(tmp_path):
+    out = tmp_path / "k2"
+    run(out, "job.num_steps=4", "rollout.max_staleness=2")
+    rows = metric_rows(out)
+    assert staleness(rows) == [0, 1, 2, 2]
+    # resumed with K=0 from the checkpoint of step 2 (which holds the batches of steps 3 and 4): both are trained
+    # first, as generated, then the loop generates on the newest weights again
+    changed = tmp_path / "changed"
+    shutil.copytree(out, changed)
+    shutil.rmtree(changed / "checkpoints" / "step_00000004")
+    (changed / "checkpoints" / "latest").write_text("step_00000002")
+    run(changed, "job.num_steps=5", "rollout.max_staleness=0")
+    again = metric_rows(changed)
+    assert again[:4] == rows and staleness(again) == [0, 1, 2, 2, 0]
+
+
+def test_sigkill_at_any_instant_then_the_same_command_resumes_bitwise(tmp_path):
+    straight = tmp_path / "straight"
+    run(straight, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
+    full = metric_rows(straight)
+    for delay in (0.0, 0.35, 0.7):  # after the first checkpoint: in generation, training, saving (timing-dependent)
+        out = tmp_path / f"killed_{delay}"
+        args = overrides(out, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
+        env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "CONFIG": str(CONFIG)}
+        proc = subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 200
+        while not (out / "checkpoints" / "step_00000002").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its 2nd checkpoint"
+            time.sleep(0.05)
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        run(out, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
+        assert metric_rows(out) == full, f"kill after {delay} s"
+
+
+@pytest.mark.engine
+@pytest.mark.fleet
+def test_one_step_off_on_the_vllm_fleet_with_two_ranks_resumes_bitwise(tmp_path):
+    """The engines generate the next batch while both ranks train (the rollout thread broadcasts over its own
+    group); a stop after the checkpoint of step 2 and a resume give the rows of the uninterrupted run."""
+    from engine_env import engine_python
+
+    os.environ.setdefault("MEGATRON_RL_ENGINE_PYTHON", engine_python())
+    vllm = ROOT / "configs" / "demo_vllm.yaml"
+    common = ("rollout.max_staleness=1", "logging.progress_bar=false",
+              "checkpoint.save_interval=2", "demo.baseline_episodes=50")
+
+    def go(out: Path, steps: int) -> None:
+        env = {**os.environ, "NPROC": "2"}
+        proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), f"logging.output_dir={out}",
+                               f"job.num_steps={steps}", *common],
+                              cwd=ROOT, env={**env, "PY": sys.executable, "MASTER_PORT": str(free_port()),
+                                             "CONFIG": str(vllm)}, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    go(tmp_path / "straight", 4)
+    full = metric_rows(tmp_path / "straight")
+    assert staleness(full) == [0, 1, 1, 1]
+    assert all(r["rollout/logprob_abs_diff_max"] <= 1e-4 for r in full[:1])  # step 1: on-policy, same weights
+    go(tmp_path / "resumed", 2)
+    go(tmp_path / "resumed", 4)
+    assert metric_rows(tmp_path / "resumed") == full
