@@ -58,7 +58,7 @@ class RolloutConfig(ConfigSection):
     up to K-1 steps off-policy, which the rollout/old log-prob mismatch metrics show)."""
     max_staleness: int = field(default=0, metadata=valid(0))
     """Asynchronous RL: the rollouts of the next ``max_staleness`` steps are generated while the trainer trains
-    (docs/INFERENCE.md section 5). The rollouts trained at step ``t`` were sampled from the weights of step
+    (docs/INFERENCE.md section 6). The rollouts trained at step ``t`` were sampled from the weights of step
     ``t - 1 - max_staleness`` or newer (``rollout/staleness_max`` says how many versions older than the weights
     they train); 0 = generate, train, sync in turn (no overlap). With the vLLM fleet, generation runs on the
     engines during training; with the built-in engine (which is the policy itself) only the schedule changes."""
