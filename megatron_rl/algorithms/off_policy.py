@@ -27,8 +27,8 @@ inside):
 so the policy-gradient estimate becomes ``E_rollout[w * A * grad log pi]``. The masking modes drop the units
 whose ratio is outside the band instead of shrinking them (truncation keeps a capped weight, so a token the
 sampler and the trainer disagree on still pushes the update; masking removes it), and keep the plain IS weight
-inside: ``E_rollout[rho * f] = E_old[f]``, so the estimate is unbiased for the kept units and the bias is only
-what the mask drops.
+inside: ``E_rollout[rho * f] = E_old[f]``, so ``sequence_mis`` is unbiased for the kept sequences and its bias
+is only what the mask drops (per token, ``r_t`` makes the same first-order approximation as PPO's token ratio).
 
 ``sequence_mis`` uses the SUM of the token log-ratios: ``rho_i`` is the likelihood ratio of the whole sampled
 sequence, the only sequence weight that is an importance weight. Its spread grows with the length (a per-token
