@@ -376,10 +376,19 @@ class AlgorithmConfig(ConfigSection):
     advantage_whitening: bool = False
     """Whiten advantages over the whole batch (masked mean/var) before per-mini-batch normalization."""
     off_policy_correction: str = "none"
-    """Truncated importance sampling with rollout logprobs (needs rollout_logprobs): none, token_tis,
-    sequence_tis (``algorithms.OFF_POLICY_CORRECTIONS``)."""
+    """Importance weight ``pi_old / pi_rollout`` of the sampled tokens in the loss (needs rollout_logprobs):
+    none, token_tis, sequence_tis (truncated at tis_cap), token_mask, sequence_mis, sequence_mis_geo (0 outside
+    [is_ratio_low, is_ratio_high]); formulas and when to use which: ``algorithms/off_policy.py``, docs/DESIGN.md
+    section 16."""
     tis_cap: float = field(default=2.0, metadata=POSITIVE)
-    """Cap of the truncated importance ratio (>= 1 when off_policy_correction is on)."""
+    """Cap of the truncated importance ratio (>= 1 with token_tis / sequence_tis)."""
+    is_ratio_low: float = field(default=0.5, metadata=valid(0, 1, low_open=True, high_open=True))
+    """Lower end of the band of the masking corrections: a token (token_mask) or sequence (sequence_mis,
+    sequence_mis_geo) whose ratio is below it gets weight 0. In (0, 1); 0.5 with is_ratio_high 2.0 is a band
+    symmetric in log space (kept while the trainer and the sampler agree within a factor 2)."""
+    is_ratio_high: float = field(default=2.0, metadata=valid(1, low_open=True))
+    """Upper end of that band (ratios above it get weight 0); > 1, finite. The default equals tis_cap's, so
+    token_tis and token_mask agree on which tokens are too far off."""
     value_clip: float = field(default=0.2, metadata=NON_NEGATIVE)
     """Critic value clip range."""
 

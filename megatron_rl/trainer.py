@@ -52,6 +52,7 @@ from megatron_rl.algorithms.advantages import compute_advantages_and_returns
 from megatron_rl.algorithms.kl import apply_kl_to_rewards
 from megatron_rl.algorithms.losses import LossContext, policy_loss_fn, value_loss_fn
 from megatron_rl.algorithms.normalization import normalize_minibatch_advantages, whiten_advantages
+from megatron_rl.algorithms.off_policy import importance_ratio_metrics
 from megatron_rl.config import MegatronRLConfig
 from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.data.generator_output import GeneratorOutput, validate_generator_output
@@ -275,7 +276,8 @@ class Trainer:
 # --------------------------------------------------------------------------------------------------------------
 
 def rollout_metrics(batch: TrainingBatch) -> Metrics:
-    """Reward, lengths and (when rollout log-probs are given) the rollout/old log-prob mismatch of a batch.
+    """Reward, lengths and (when rollout log-probs are given) the rollout/old log-prob mismatch of a batch and
+    its importance ratios ``off_policy/ratio_{mean,min,max}`` (``algorithms/off_policy.py``).
 
     ``reward/mean`` is the mean over trajectories of the last step's summed token rewards (where step-wise
     rewards sit; a non-step-wise row is its own last step), over the trajectories that are trained: a last step
@@ -300,6 +302,8 @@ def rollout_metrics(batch: TrainingBatch) -> Metrics:
     metrics.update(zero_advantage_metrics(trajectory_rewards, uids))
     if "rollout_logprobs" in batch and "old_logprobs" in batch:
         metrics.update(logprob_mismatch_metrics(batch["rollout_logprobs"], batch["old_logprobs"], batch["loss_mask"]))
+        # whole batch, once per step: old and rollout are fixed before any update, whatever the correction mode
+        metrics.update(importance_ratio_metrics(batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"]))
     return metrics
 
 

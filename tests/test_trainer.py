@@ -10,6 +10,7 @@ exercised too.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from dataclasses import dataclass
 
@@ -199,10 +200,23 @@ def test_rollout_logprob_mismatch_metrics() -> None:
     metrics = trainer.train_step(out)
     assert metrics["rollout/logprob_abs_diff_max"] < 1e-5  # sampler and trainer agree on the same weights
 
+    for name in ("ratio_mean", "ratio_min", "ratio_max"):  # with off_policy_correction 'none' too
+        assert metrics[f"off_policy/{name}"] == pytest.approx(1.0, abs=1e-5)
+
     shifted = dict(out, rollout_logprobs=[[lp - 0.25 for lp in row] for row in out["rollout_logprobs"]])
     metrics = trainer.train_step(shifted)
     assert metrics["rollout/logprob_abs_diff_mean"] == pytest.approx(0.25, abs=1e-5)
     assert metrics["rollout/logprob_abs_diff_max"] == pytest.approx(0.25, abs=1e-5)
+
+    # token j of each row sampled with log-prob old - 0.2 j: ratios exp(0.2 j), statistics over all tokens
+    shifts = [[0.2 * j for j in range(len(row))] for row in out["rollout_logprobs"]]
+    staggered = dict(out, rollout_logprobs=[[lp - d for lp, d in zip(row, ds)]
+                                            for row, ds in zip(out["rollout_logprobs"], shifts)])
+    metrics = trainer.train_step(staggered)
+    ratios = [math.exp(d) for ds in shifts for d in ds]
+    assert metrics["off_policy/ratio_mean"] == pytest.approx(sum(ratios) / len(ratios), rel=1e-4)
+    assert metrics["off_policy/ratio_min"] == pytest.approx(min(ratios), rel=1e-4)
+    assert metrics["off_policy/ratio_max"] == pytest.approx(max(ratios), rel=1e-4)
 
 
 def test_optimizer_steps_independent_of_turns_and_merging() -> None:
@@ -293,6 +307,10 @@ def _megatron_config(device: str) -> MegatronRLConfig:
     cfg.model = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                             num_query_groups=2, vocab_size=V, max_position_embeddings=64, attention_backend="local")
     cfg.optimizer = OptimizerConfig(optimizer="sgd", lr=0.1, clip_grad=0.0)  # linear in the gradient (see test)
+    # the bigram sampled the rollouts, so old and rollout log-probs differ: the masked weights run on the device
+    # (on CPU: half the 65 loss tokens masked; the nearest log-ratio is 0.005 nats from a band end, thousands of
+    # times the CPU/GPU difference, so no token flips sides between the two runs)
+    cfg.algorithm.off_policy_correction = "token_mask"
     return cfg
 
 

@@ -18,11 +18,9 @@ from megatron_rl.algorithms.advantages import (
 )
 from megatron_rl.algorithms.kl import KL_ESTIMATORS, apply_kl_to_rewards, kl_penalty
 from megatron_rl.algorithms.losses import (
-    OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
     LossContext,
     get_policy_loss,
-    off_policy_weights,
     policy_loss_fn,
     ppo_policy_loss,
     register_policy_loss,
@@ -38,6 +36,7 @@ from megatron_rl.algorithms.normalization import (
     reduction_weights,
     whiten_advantages,
 )
+from megatron_rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, importance_ratio_metrics, off_policy_weights
 from megatron_rl.algorithms.settings import AlgorithmSettings
 from megatron_rl.algorithms.validation import (
     validate_algorithm_config,
@@ -48,8 +47,9 @@ from megatron_rl.algorithms.validation import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_REDUCTIONS", "LOSS_REDUCTION_WEIGHTS", "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES", "TEMPORAL_ESTIMATORS", "AlgorithmSettings", "LossContext", "apply_kl_to_rewards",
-    "compute_advantages_and_returns", "get_advantage_estimator", "get_policy_loss", "kl_penalty", "masked_mean",
-    "normalize_advantages_per_minibatch", "normalize_minibatch_advantages", "off_policy_weights", "policy_loss_fn",
+    "compute_advantages_and_returns", "get_advantage_estimator", "get_policy_loss", "importance_ratio_metrics",
+    "kl_penalty", "masked_mean", "normalize_advantages_per_minibatch", "normalize_minibatch_advantages",
+    "off_policy_weights", "policy_loss_fn",
     "ppo_policy_loss", "reduction_weights", "register_advantage_estimator", "register_policy_loss",
     "validate_algorithm_config", "validate_algorithm_settings", "validate_step_wise_algorithm", "value_loss",
     "value_loss_fn", "whiten_advantages",

@@ -26,9 +26,9 @@ rollout_logprobs=None) -> (summed_loss, dict[str, Metric])`` on ``[b, R]`` tenso
                          under loss_reduction; other advantages give weighted SFT)
     importance_sampling  -A r
 
-Off-policy correction (``config.off_policy_correction``) multiplies the per-token loss by a truncated
-importance weight ``min(exp(old - rollout), tis_cap)``, per token (``token_tis``) or with the sequence's summed
-log-ratio (``sequence_tis``), computed without gradient.
+Off-policy correction (``config.off_policy_correction``) multiplies the per-token loss by an importance weight
+of ``pi_old / pi_rollout`` computed without gradient: truncated (``token_tis``, ``sequence_tis``) or masked
+outside a ratio band (``token_mask``, ``sequence_mis``, ``sequence_mis_geo``); formulas in ``off_policy.py``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ from typing import Callable, Mapping
 
 import torch
 
-from megatron_rl.algorithms.kl import KL_LOG_RATIO_CLAMP, apply_kl_to_rewards, kl_penalty, masked_log_ratio
+from megatron_rl.algorithms.kl import apply_kl_to_rewards, kl_penalty, masked_log_ratio
 from megatron_rl.algorithms.normalization import reduction_weights
+from megatron_rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, off_policy_weights
 from megatron_rl.algorithms.settings import AlgorithmSettings
 from megatron_rl.metrics import Metric, mean_metric
 
@@ -53,9 +54,6 @@ PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, Metric]]"]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 """Registry name -> policy loss (``algorithm.policy_loss_type``); extend with ``register_policy_loss``."""
-
-OFF_POLICY_CORRECTIONS = ("none", "token_tis", "sequence_tis")
-"""The valid ``algorithm.off_policy_correction`` modes (``off_policy_weights``)."""
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -100,51 +98,15 @@ def _ppo_clip(ratio: torch.Tensor, advantages: torch.Tensor, config: AlgorithmSe
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
-def off_policy_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor | None, loss_mask: torch.Tensor,
-                       config: AlgorithmSettings) -> tuple[torch.Tensor | None, dict[str, Metric]]:
-    """Truncated importance weights (no gradient) for ``config.off_policy_correction``.
-
-    Returns ``(weights [b, R] or [b, 1], metrics)``, or ``(None, {})`` when the correction is off. The ratio is
-    ``pi_old / pi_rollout`` (training engine vs inference engine); metrics are over tokens (``token_tis``) or
-    sequences with at least one loss token (``sequence_tis``).
-    """
-    mode = config.off_policy_correction
-    if mode == "none":
-        return None, {}
-    if mode not in OFF_POLICY_CORRECTIONS:
-        raise ValueError(
-            f"algorithm.off_policy_correction={mode!r} is unknown; valid: {sorted(OFF_POLICY_CORRECTIONS)}"
-        )
-    if rollout_logprobs is None:
-        raise ValueError(
-            f"algorithm.off_policy_correction={mode!r} needs rollout_logprobs in the batch; have the generator "
-            "return logprobs or set off_policy_correction='none'"
-        )
-    valid = loss_mask > 0
-    log_w = masked_log_ratio(old_logprobs.detach(), rollout_logprobs.detach(), loss_mask)  # [b, R]
-    units = valid
-    if mode == "sequence_tis":
-        log_w = log_w.sum(dim=-1, keepdim=True).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)  # [b, 1]
-        units = valid.any(dim=-1, keepdim=True)
-    raw = torch.exp(log_w)
-    weights = raw.clamp(max=config.tis_cap)
-    return weights, {
-        "off_policy/tis_ratio_mean": mean_metric(raw, units),
-        # raw > 0, so the masked max is 0 when no unit is valid; kept on the device (no host sync per micro-batch)
-        "off_policy/tis_ratio_max": Metric(_masked(raw, units).max().detach() if raw.numel() else 0.0, 1.0, "max"),
-        "off_policy/tis_clipfrac": mean_metric((raw > config.tis_cap).float(), units),
-    }
-
-
 def _finish(loss_tok: torch.Tensor, loss_mask: torch.Tensor, config: AlgorithmSettings, old_logprobs: torch.Tensor,
             rollout_logprobs: torch.Tensor | None, metrics: dict[str, Metric]
             ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Apply the off-policy weights, take the masked SUM, add ``policy/pg_loss`` (reduce="sum")."""
-    weights, tis_metrics = off_policy_weights(old_logprobs, rollout_logprobs, loss_mask, config)
+    weights, off_policy_metrics = off_policy_weights(old_logprobs, rollout_logprobs, loss_mask, config)
     if weights is not None:
         loss_tok = loss_tok * weights
     summed = _masked(loss_tok, loss_mask > 0).sum()
-    metrics.update(tis_metrics)
+    metrics.update(off_policy_metrics)
     metrics["policy/pg_loss"] = Metric(summed, 1.0, "sum")
     return summed, metrics
 

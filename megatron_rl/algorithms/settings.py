@@ -32,4 +32,6 @@ class AlgorithmSettings(Protocol):
     advantage_whitening: bool
     off_policy_correction: str
     tis_cap: float
+    is_ratio_low: float
+    is_ratio_high: float
     value_clip: float

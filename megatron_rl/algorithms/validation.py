@@ -14,8 +14,9 @@ from typing import Iterable
 
 from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, TEMPORAL_ESTIMATORS
 from megatron_rl.algorithms.kl import KL_ESTIMATORS
-from megatron_rl.algorithms.losses import OFF_POLICY_CORRECTIONS, POLICY_LOSSES
+from megatron_rl.algorithms.losses import POLICY_LOSSES
 from megatron_rl.algorithms.normalization import LOSS_REDUCTION_WEIGHTS
+from megatron_rl.algorithms.off_policy import OFF_POLICY_CORRECTIONS, TIS_CORRECTIONS
 from megatron_rl.algorithms.settings import AlgorithmSettings
 
 
@@ -36,7 +37,7 @@ def _check_name_dependent_values(cfg: AlgorithmSettings) -> None:
     if cfg.policy_loss_type == "dual_clip" and cfg.clip_ratio_c <= 1.0:
         raise ValueError(f"algorithm.clip_ratio_c={cfg.clip_ratio_c!r} must be > 1 with policy_loss_type="
                          "'dual_clip' (the dual clip caps ratios above 1); set e.g. clip_ratio_c=3.0")
-    if cfg.off_policy_correction != "none" and cfg.tis_cap < 1.0:
+    if cfg.off_policy_correction in TIS_CORRECTIONS and cfg.tis_cap < 1.0:
         raise ValueError(f"algorithm.tis_cap={cfg.tis_cap!r} must be >= 1 with off_policy_correction="
                          f"{cfg.off_policy_correction!r} (a cap below 1 down-weights every token); set e.g. 2.0")
     if cfg.loss_reduction == "seq_mean_token_sum_norm" and (cfg.max_seq_len is None or cfg.max_seq_len <= 0):

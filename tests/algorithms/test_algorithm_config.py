@@ -30,6 +30,7 @@ BAD = [
     (dict(use_kl_in_reward=True, use_kl_loss=True), False, "use_kl_loss"),
     (dict(policy_loss_type="dual_clip", clip_ratio_c=1.0), False, "clip_ratio_c"),
     (dict(off_policy_correction="token_tis", tis_cap=0.5), False, "tis_cap"),
+    (dict(off_policy_correction="sequence_tis", tis_cap=0.5), False, "tis_cap"),
     (dict(eps_clip_low=1.5), False, "eps_clip_low"),
     (dict(eps_clip_high=-0.1), False, "eps_clip_high"),
     (dict(gamma=1.1), False, "gamma"),
@@ -49,7 +50,11 @@ def test_bad_combinations_name_the_field(fields, step_wise, name):
 def test_good_combinations_pass(step_wise):
     for fields in (dict(), dict(advantage_estimator="rloo", policy_loss_type="gspo", loss_reduction="sequence_mean"),
                    dict(loss_reduction="seq_mean_token_sum_norm", max_seq_len=64, grpo_norm_by_std=False),
-                   dict(policy_loss_type="dual_clip", use_kl_loss=True, off_policy_correction="sequence_tis")):
+                   dict(policy_loss_type="dual_clip", use_kl_loss=True, off_policy_correction="sequence_tis"),
+                   # tis_cap has no effect with a masking mode, so it is not checked against 1 there
+                   dict(off_policy_correction="token_mask", tis_cap=0.5, is_ratio_low=0.9, is_ratio_high=1.1),
+                   dict(policy_loss_type="gspo", off_policy_correction="sequence_mis"),
+                   dict(off_policy_correction="sequence_mis_geo")):
         validate_algorithm_config(AlgorithmConfig(**fields), step_wise=step_wise)
     if not step_wise:
         validate_algorithm_config(AlgorithmConfig(advantage_estimator="gae", use_kl_in_reward=True), False)

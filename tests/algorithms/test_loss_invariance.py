@@ -3,8 +3,9 @@
 For one mini-batch and each ``loss_reduction``: (a) the gradient of the summed loss on the whole mini-batch,
 (b) the summed gradients over random splits into simulated DP shards (with dummy padding rows) and uneven
 micro-batches, and (c) a direct loop formula of the reduction (e.g. token_mean = mean over all valid tokens)
-agree to fp32 tolerance, KL and entropy mean terms included. The old "mean of micro-batch means" is shown to
-differ on an uneven split, so the comparison can fail.
+agree to fp32 tolerance, KL and entropy mean terms included, and with every off-policy correction (token and
+sequence importance weights against the rollout log-probs, truncated or masked: ``algorithms/off_policy.py``).
+The old "mean of micro-batch means" is shown to differ on an uneven split, so the comparison can fail.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from alg_helpers import right_aligned_mask
 
 from megatron_rl.algorithms import (
+    OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
     LossContext,
     kl_penalty,
@@ -43,6 +45,8 @@ def _minibatch():
         "old_logprobs": lp + 0.3 * torch.randn(ROWS, WIDTH, generator=g),
         "ref_logprobs": lp + 0.3 * torch.randn(ROWS, WIDTH, generator=g),
         "raw_advantages": torch.randn(ROWS, WIDTH, generator=g),
+        # the sampler's log-probs: spread so that every off-policy mode clips or masks some units, not all
+        "rollout_logprobs": lp + 0.5 * torch.randn(ROWS, WIDTH, generator=g),
     }
 
 
@@ -52,14 +56,16 @@ def _logprobs_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     return logp_all.gather(-1, labels[..., None])[..., 0], entropy
 
 
-def _config(loss_type: str) -> AlgorithmConfig:
+def _config(loss_type: str, off_policy_correction: str = "none") -> AlgorithmConfig:
     return AlgorithmConfig(policy_loss_type=loss_type, use_kl_loss=True, kl_loss_coef=KL_COEF,
-                           entropy_loss_coef=ENT_COEF, eps_clip_low=0.2, eps_clip_high=0.3, max_seq_len=MAX_SEQ_LEN)
+                           entropy_loss_coef=ENT_COEF, eps_clip_low=0.2, eps_clip_high=0.3, max_seq_len=MAX_SEQ_LEN,
+                           off_policy_correction=off_policy_correction, tis_cap=1.5,
+                           is_ratio_low=0.8, is_ratio_high=1.25)  # every masking mode masks some units, not all
 
 
 def _microbatch_loss(theta, rows: slice, mb_all: dict, ctx: LossContext):
     lp, ent = _logprobs_entropy(theta[rows], mb_all["labels"][rows])
-    mb = {k: mb_all[k][rows] for k in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs")}
+    mb = {k: mb_all[k][rows] for k in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")}
     return policy_loss_fn(lp, ent, mb, ctx)
 
 
@@ -131,14 +137,24 @@ def _reference(b: dict, reduction: str):
     return loss.detach(), theta.grad
 
 
-@pytest.mark.parametrize("reduction", LOSS_REDUCTIONS)
-@pytest.mark.parametrize("loss_type", sorted(POLICY_LOSSES))
-def test_whole_equals_any_split(reduction, loss_type):
+CORRECTIONS = [m for m in OFF_POLICY_CORRECTIONS if m != "none"]
+WHOLE_SPLIT_CASES = (
+    [(reduction, loss_type, "none") for reduction in LOSS_REDUCTIONS for loss_type in sorted(POLICY_LOSSES)]
+    # every correction with every loss (token_mean), and with every reduction (PPO): the weights are per token or
+    # per whole row, so no split can change them
+    + [("token_mean", loss_type, mode) for loss_type in sorted(POLICY_LOSSES) for mode in CORRECTIONS]
+    + [(reduction, "regular", mode) for reduction in LOSS_REDUCTIONS if reduction != "token_mean"
+       for mode in CORRECTIONS]
+)
+
+
+@pytest.mark.parametrize("reduction, loss_type, correction", WHOLE_SPLIT_CASES)
+def test_whole_equals_any_split(reduction, loss_type, correction):
     b = _minibatch()
-    cfg = _config(loss_type)
+    cfg = _config(loss_type, correction)
     adv = normalize_minibatch_advantages(b["raw_advantages"], b["loss_mask"], reduction, MAX_SEQ_LEN)
     loss_a, grad_a, metrics_a = _whole(b, adv, cfg)
-    rng = random.Random(f"{reduction}-{loss_type}")  # deterministic (str seeds are not hashed)
+    rng = random.Random(f"{reduction}-{loss_type}-{correction}")  # deterministic (str seeds are not hashed)
     for _ in range(4):
         slices, num_pad = _random_split(rng, ROWS)
         loss_b, grad_b, metrics_b = _split(b, adv, cfg, slices, num_pad)

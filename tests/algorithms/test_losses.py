@@ -10,6 +10,7 @@ from alg_helpers import random_batch
 
 from megatron_rl.algorithms import (
     KL_ESTIMATORS,
+    OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
     LossContext,
     apply_kl_to_rewards,
@@ -200,11 +201,12 @@ def test_value_loss_matches_loop():
     assert abs(float(loss) - ref) < 1e-5
 
 
+@pytest.mark.parametrize("mode", [m for m in OFF_POLICY_CORRECTIONS if m != "none"])
 @pytest.mark.parametrize("kind", sorted(POLICY_LOSSES))
-def test_all_masked_rows_and_minibatch_are_nan_free(kind):
+def test_all_masked_rows_and_minibatch_are_nan_free(kind, mode):
     b = random_batch(7)
     cfg = AlgorithmConfig(policy_loss_type=kind, use_kl_loss=True, entropy_loss_coef=0.01,
-                          off_policy_correction="sequence_tis", **CFG)
+                          off_policy_correction=mode, **CFG)
     for mask in (b["loss_mask"], torch.zeros_like(b["loss_mask"])):  # one empty row; then everything masked
         mb = {**b, "loss_mask": mask}
         lp = b["logprobs"].clone().requires_grad_(True)
