@@ -62,6 +62,12 @@ class RolloutConfig(ConfigSection):
     ``t - 1 - max_staleness`` or newer (``rollout/staleness_max`` says how many versions older than the weights
     they train); 0 = generate, train, sync in turn (no overlap). With the vLLM fleet, generation runs on the
     engines during training; with the built-in engine (which is the policy itself) only the schedule changes."""
+    partial_rollouts: bool = False
+    """With ``max_staleness`` >= 1 on the vLLM fleet: a weight sync no longer waits for the generation in flight;
+    its requests are paused (``/pause?mode=keep``), the weights swapped in place, and they finish on the new
+    weights. Each token's weight version is recorded (the engines run with ``--enable-scale-out`` and answer on
+    ``/inference/v1/generate``) and ``rollout/staleness_*`` count per token. Timing decides where a response
+    switches weights, so a run is no longer reproducible (checkpoints still lose no prompt)."""
     bucket_mb: float = field(default=64.0, metadata=POSITIVE)
     """Size of one weight-sync message (MiB): the sender's extra memory is about one bucket plus the largest
     tensor."""
@@ -92,6 +98,10 @@ class RolloutConfig(ConfigSection):
         if self.engine == "vllm" and self.num_engines + len(self.engine_urls) < 1:
             raise ConfigError("rollout.num_engines=0 and no rollout.engine_urls: the vLLM fleet has no engine; set "
                               "rollout.num_engines >= 1 or list servers in rollout.engine_urls")
+        if self.partial_rollouts and (self.engine != "vllm" or self.max_staleness < 1):
+            raise ConfigError(f"rollout.partial_rollouts=true pauses the vLLM fleet's generation ahead at a weight sync, "
+                              f"but rollout.engine={self.engine} and rollout.max_staleness={self.max_staleness}; set "
+                              "rollout.engine=vllm and rollout.max_staleness >= 1, or unset rollout.partial_rollouts")
         if self.max_staleness and self.sleep_while_training:
             raise ConfigError(f"rollout.max_staleness={self.max_staleness} generates while the trainer trains, but "
                               "rollout.sleep_while_training=true puts the engines to sleep then; unset one of them")

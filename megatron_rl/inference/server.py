@@ -83,6 +83,9 @@ class ServeOptions:
     max_num_seqs: int = 256
     sleep_mode: bool = False
     """``--enable-sleep-mode`` (``rollout.sleep_while_training``)."""
+    scale_out: bool = False
+    """``--enable-scale-out``: ``/inference/v1/generate``, whose answers say which weight version made each token
+    (``rollout.partial_rollouts``)."""
 
 
 class EngineServer:
@@ -128,6 +131,7 @@ class EngineServer:
             "--gpu-memory-utilization", str(options.gpu_memory_utilization),
             "--tensor-parallel-size", str(options.tensor_parallel_size),
             "--disable-uvicorn-access-log", *(["--enable-sleep-mode"] if options.sleep_mode else []),
+            *(["--enable-scale-out"] if options.scale_out else []),
         ]  # fmt: skip
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
@@ -202,19 +206,32 @@ class EngineServer:
         return json.loads(payload) if payload else None
 
     def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, timeout_s: float,
-                 model: str = MODEL_NAME) -> Completion:
-        """One sampled response to ``prompt`` (token ids), reproducible from ``seed``."""
-        body = {
-            "model": model, "prompt": prompt, "max_tokens": spec.max_tokens, "temperature": spec.temperature,
-            "top_p": spec.top_p, "seed": seed, "stop_token_ids": list(spec.stop_token_ids), "ignore_eos": True,
-            "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                 model: str = MODEL_NAME, versioned: bool = False) -> Completion:
+        """One sampled response to ``prompt`` (token ids), reproducible from ``seed``. ``versioned``: through
+        ``/inference/v1/generate`` (``--enable-scale-out``; the same sample), with the weight version of each
+        token in ``extra["weight_versions"]`` (the names given by ``/update_weight_version``; 'default' before
+        the first)."""
+        sampling = {
+            "max_tokens": spec.max_tokens, "temperature": spec.temperature, "top_p": spec.top_p, "seed": seed,
+            "stop_token_ids": list(spec.stop_token_ids), "ignore_eos": True, "logprobs": 0,
             "skip_special_tokens": False,
         }  # fmt: skip
-        choice = self.call("POST", "/v1/completions", body, timeout_s=timeout_s)["choices"][0]
+        if versioned:
+            choice = self.call("POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": sampling},
+                               timeout_s=timeout_s)["choices"][0]
+            logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+            versions = [stretch["version"] for stretch in choice.get("weight_versions") or []
+                        for _ in range(stretch["start"], stretch["end"])]
+        else:
+            body = {"model": model, "prompt": prompt, **sampling, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True}
+            choice = self.call("POST", "/v1/completions", body, timeout_s=timeout_s)["choices"][0]
+            logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+            versions = None
         ids = [int(t) for t in choice["token_ids"]]
-        logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
         reason = "stop" if ids and ids[-1] in spec.stop_token_ids else "length"
-        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason)
+        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason,
+                          extra={} if versions is None else {"weight_versions": versions})
 
     def collective_rpc(self, method: str, *args: Any, timeout_s: float) -> list:
         """Call ``WorkerExtension.<method>(*args)`` on every worker of the engine; one result per worker."""

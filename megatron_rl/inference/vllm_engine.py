@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -272,8 +273,8 @@ class Fleet:
             pending = {}
             for i, engine in zip(todo, engines):
                 server = slots[engine].server
-                pending[pool.submit(server.complete, prompts[i], spec, seed=seeds[i], timeout_s=timeout + 60)] = (
-                    i, engine)
+                pending[pool.submit(server.complete, prompts[i], spec, seed=seeds[i], timeout_s=timeout + 60,
+                                    versioned=self.config.partial_rollouts)] = (i, engine)
                 outstanding[engine] = outstanding.get(engine, 0) + 1
                 last_progress[engine] = time.monotonic()
             while pending:
@@ -369,6 +370,9 @@ class VLLMEngine:
         """Tensors this rank sent in the last sync (0 on a rank that sends nothing)."""
         self._last_seed: int | None = None
         self._seed_calls = 0
+        self.token_versions: Counter = Counter()
+        """Every rank: generated tokens per weight version (``rollout.partial_rollouts``: the version is the
+        number of syncs before the token; ``take_token_versions``)."""
         self.run_on_main_thread: Any = None
         """Set by a caller that generates in a thread while the main thread trains (``job/pipeline.py``): runs a
         collective weight sync (the all-engines-down admission) on the main thread, between training steps."""
@@ -404,6 +408,7 @@ class VLLMEngine:
                 max_model_len=config.max_model_len or model_cfg.max_position_embeddings, seed=seed,
                 kv_cache_gib=config.kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
                 tensor_parallel_size=config.engine_tensor_parallel_size, sleep_mode=config.sleep_while_training,
+                scale_out=config.partial_rollouts,
             )  # fmt: skip
             fleet = Fleet(config, options, model_dir, work_dir)
             try:
@@ -453,6 +458,9 @@ class VLLMEngine:
         if self.fleet is not None:
             for index, _ in joining:
                 self.fleet.slots[index].state = "serving"
+            if send and self.config.partial_rollouts:  # label their tokens with the version they were given
+                self.fleet.each([self.fleet.slots[i] for i, _ in joining], lambda s: s.server.call(
+                    "POST", "/update_weight_version", {"new_version": str(self.version)}, timeout_s=60))
 
     def _join(self, joining: list) -> None:
         """Collective: the senders and the workers of each engine in ``joining`` form that engine's groups."""
@@ -518,17 +526,37 @@ class VLLMEngine:
                 continue
             if status != "ok":
                 raise EngineError(value)
+            for completion in value:
+                self.token_versions.update(0 if name == "default" else int(name)
+                                           for name in completion.extra.get("weight_versions", ()))
             return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason)
                     for c in value]
 
     def update_weights(self, policy: Any = None) -> float:
-        """Put the policy's current weights into every engine (collective); returns the seconds it took."""
+        """Put the policy's current weights into every engine (collective); returns the seconds it took. With
+        ``rollout.partial_rollouts`` the requests in flight are paused meanwhile and finish on the new weights,
+        whose tokens the engines label with the new version."""
         policy = policy or self.policy
         started = time.perf_counter()
         self.version += 1
-        self._admit()  # replacements that came up since the last sync get this version with the others
-        self._sync(None, policy)
+        paused = self.config.partial_rollouts and self.fleet is not None
+        if paused:  # keep: the requests stay, no token is generated until /resume
+            self._each_serving("/pause?mode=keep")
+        try:
+            self._admit()  # replacements that came up since the last sync get this version with the others
+            self._sync(None, policy)
+            if paused:
+                self.fleet.each(self.fleet.serving(), lambda s: s.server.call(
+                    "POST", "/update_weight_version", {"new_version": str(self.version)}, timeout_s=60))
+        finally:
+            if paused:
+                self._each_serving("/resume")
         return time.perf_counter() - started
+
+    def take_token_versions(self) -> Counter:
+        """Generated tokens per weight version (syncs before them) since the last call (every rank)."""
+        counts, self.token_versions = self.token_versions, Counter()
+        return counts
 
     def _sync(self, only: list[int] | None, policy: Any = None) -> None:
         """Collective: version ``self.version`` into the serving engines (or the engines ``only``)."""

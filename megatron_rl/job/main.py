@@ -337,10 +337,11 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
         job.engine.wake()
     metrics.update(rollouts.metrics)
     metrics["timing/rollout_s"] = batch.rollout_s
-    metrics["rollout/staleness_mean"] = metrics["rollout/staleness_max"] = float(step - 1 - batch.weights_step)
+    metrics["rollout/staleness_mean"], metrics["rollout/staleness_max"] = job.pipeline.staleness(batch, step)
     if ahead:
         drain_started = time.perf_counter()
-        job.pipeline.drain()  # no partial rollouts: a generation in flight ends on the weights it started with
+        if not job.pipeline.partial or settles(config, step):
+            job.pipeline.drain()  # a generation in flight ends on the weights it started with
         metrics["timing/rollout_wait_s"] = waited_s + time.perf_counter() - drain_started
     if config.rollout.engine == "builtin":  # the engine is the policy: it samples from the newest weights
         job.pipeline.synced(step)
@@ -350,6 +351,13 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
     metrics.update(job.engine.step_metrics())  # the vLLM fleet's restarts and live engines (rank 0)
     metrics["timing/step_s"] = time.perf_counter() - started
     return metrics, rollouts
+
+
+def settles(config: JobConfig, step: int) -> bool:
+    """Partial rollouts: the generation ahead is waited for at the end of ``step`` anyway (a checkpoint holds
+    whole batches; an evaluation uses the engines alone; the last step)."""
+    return (checkpoint_due(config, step) or due(config.eval.interval, step, config.job.num_steps)
+            or step == config.job.num_steps)
 
 
 def due(interval: int, step: int, last_step: int, *, always_last: bool = False) -> bool:

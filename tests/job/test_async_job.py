@@ -135,3 +135,45 @@ def test_one_step_off_on_the_vllm_fleet_with_two_ranks_resumes_bitwise(tmp_path)
     go(tmp_path / "resumed", 2)
     go(tmp_path / "resumed", 4)
     assert metric_rows(tmp_path / "resumed") == full
+
+
+@pytest.mark.engine
+@pytest.mark.fleet
+def test_partial_rollouts_count_staleness_per_token_and_a_kill_loses_no_batch(tmp_path):
+    """Partial rollouts (timing-dependent): staleness per token within [0, K]; the SIGKILLed run's checkpoint
+    holds the batch generated ahead, and the resumed run trains exactly that batch next (its rewards), then goes
+    on to the last step: no step's batch lost or generated twice."""
+    import base64
+    import pickle
+    import statistics
+
+    from engine_env import engine_python
+
+    out = tmp_path / "partial"
+    args = [f"logging.output_dir={out}", "logging.progress_bar=false", "demo.baseline_episodes=50", "job.num_steps=6",
+            "checkpoint.save_interval=3", "rollout.max_staleness=1", "rollout.partial_rollouts=true"]
+    env = {**os.environ, "PY": sys.executable, "MEGATRON_RL_ENGINE_PYTHON": engine_python(), "NPROC": "1",
+           "CONFIG": str(ROOT / "configs" / "demo_vllm.yaml")}
+    proc = subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT,
+                            env={**env, "MASTER_PORT": str(free_port())}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 400
+    while not (out / "checkpoints" / "step_00000003").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    state = json.loads((out / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
+    ((step, _, ahead, _, token_steps),) = pickle.loads(base64.b64decode(state["rollouts_ahead"]["batches"]))
+    assert step == 4 and sum(token_steps.values()) > 0 and set(token_steps) <= {2, 3}
+    done = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT,
+                          env={**env, "MASTER_PORT": str(free_port())}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    out_ = ahead.output  # the trainer's reward/mean: the summed rewards of each trajectory's last step
+    rewards = [sum(r) if isinstance(r, list) else r for r, last in zip(out_["rewards"], out_["is_last_step"]) if last]
+    assert rows[3]["reward/mean"] == pytest.approx(statistics.fmean(rewards), rel=1e-5)
+    for r in rows:
+        assert 0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"] <= 1
+    assert rows[0]["rollout/staleness_max"] == 0 and rows[3]["rollout/staleness_max"] == 1

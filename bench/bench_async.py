@@ -1,0 +1,110 @@
+"""Asynchronous RL on this machine: seconds per RL step with ``rollout.max_staleness`` K = 0, 1, 2, side by side in
+one run, on the main job as a user runs it (``run_megatron.sh``, ``configs/demo_vllm.yaml``: one vLLM engine, the
+trainer's ranks beside it on the same cores).
+
+    MEGATRON_RL_ENGINE_PYTHON=.venv-engine/bin/python .venv/bin/python bench/bench_async.py \\
+        [--staleness 0 1 2] [--steps 16] [--shapes demo balanced] [--nproc 2] [--small]
+
+Place in the data flow: ``job/main.py: rl_step`` with ``job/pipeline.py``: at K > 0 the fleet generates the batch
+of step t+K while the trainer trains step t; the drain before the weight sync waits for it. Per (shape, K) one run
+of ``--steps`` steps (a fresh engine each); the first ``WARMUP`` steps (start-up, the first batch that nothing
+overlaps) are left out. Reported medians over the remaining steps, from ``metrics.jsonl``:
+
+- ``step s``: ``timing/step_s`` (rollout wait + training + sync);
+- ``generate s``: ``timing/rollout_s``, the generation of one batch (concurrent with training at K > 0);
+- ``wait s``: ``timing/rollout_wait_s``, the part of it the trainer waited for (K = 0: all of it);
+- ``train s``: step - wait - sync;
+- ``staleness``: ``rollout/staleness_max`` of the measured steps.
+
+Shapes: ``demo`` is ``configs/demo_vllm.yaml`` as shipped (generation costs more than training on 2 cores);
+``balanced`` raises the training work (``batch.update_epochs_per_batch=3``) so that training and generation take about the
+same time, where overlapping them gains the most (at most 2x).
+
+Sanity checks (non-zero exit): every run finishes; the staleness of the measured steps is exactly K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_weight_sync import SanityCheckFailed, _git_commit, check, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP = 3
+SHAPES = {"demo": [], "balanced": ["batch.update_epochs_per_batch=3"]}
+
+
+def run_job(out: Path, staleness: int, steps: int, nproc: int, extra: list[str]) -> list[dict]:
+    """One run of the main job; its metrics rows."""
+    env = {**os.environ, "PY": sys.executable, "NPROC": str(nproc), "CONFIG": str(ROOT / "configs" / "demo_vllm.yaml")}
+    env.pop("MASTER_PORT", None)  # run_megatron.sh picks a free one
+    args = [f"logging.output_dir={out}", "logging.progress_bar=false", f"job.num_steps={steps}",
+            f"rollout.max_staleness={staleness}", "checkpoint.save_interval=0", "eval.interval=0",
+            "demo.baseline_episodes=50", *extra]
+    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    check(proc.returncode == 0, f"the run K={staleness} {extra} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def summarize(rows: list[dict], staleness: int) -> dict:
+    """Medians over the rows after the warm-up (see the module docstring)."""
+    measured = rows[WARMUP:]
+    check(bool(measured), f"no step after the {WARMUP} warm-up steps")
+
+    def median(key: str, default: float = 0.0) -> float:
+        return statistics.median(r.get(key, default) for r in measured)
+
+    step, sync = median("timing/step_s"), median("timing/weight_sync_s")
+    wait = median("timing/rollout_wait_s") if staleness else median("timing/rollout_s")
+    stale = sorted({r["rollout/staleness_max"] for r in measured})
+    check(stale == [staleness], f"K={staleness}: measured staleness {stale}")
+    return {"step_s": step, "generate_s": median("timing/rollout_s"), "wait_s": wait, "sync_s": sync,
+            "train_s": step - wait - sync, "staleness": stale[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--nproc", type=int, default=2, help="trainer ranks (DP)")
+    parser.add_argument("--small", action="store_true", help="K 0 and 1, 5 steps, the demo shape")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "async.json")
+    args = parser.parse_args(argv)
+    if args.small:
+        args.staleness, args.steps, args.shapes = [0, 1], WARMUP + 2, ["demo"]
+    results = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+            for shape in args.shapes:
+                for k in args.staleness:
+                    started = time.time()
+                    rows = run_job(Path(tmp) / f"{shape}_k{k}", k, args.steps, args.nproc, SHAPES[shape])
+                    result = {"shape": shape, "max_staleness": k, **summarize(rows, k),
+                              "wall_s": time.time() - started}
+                    results.append(result)
+                    print(json.dumps(result), flush=True)
+    except SanityCheckFailed as err:
+        print(f"bench_async: sanity check failed: {err}", file=sys.stderr)
+        return 1
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    write_json(args.out, {"commit": _git_commit(), "steps": args.steps, "warmup": WARMUP, "nproc": args.nproc,
+                          "cores": os.cpu_count(), "load_after": load, "results": results})
+    print("\n| shape | K | step s | generate s | wait s | train s | sync s | staleness |\n|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['shape']} | {r['max_staleness']} | {r['step_s']:.2f} | {r['generate_s']:.2f} | {r['wait_s']:.2f} "
+              f"| {r['train_s']:.2f} | {r['sync_s']:.2f} | {r['staleness']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
