@@ -110,31 +110,43 @@ def test_sigkill_at_any_instant_then_the_same_command_resumes_bitwise(tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.fleet
-def test_one_step_off_on_the_vllm_fleet_with_two_ranks_resumes_bitwise(tmp_path):
-    """The engines generate the next batch while both ranks train (the rollout thread broadcasts over its own
-    group); a stop after the checkpoint of step 2 and a resume give the rows of the uninterrupted run."""
+def test_one_step_off_on_a_fleet_of_two_with_two_ranks_resumes_bitwise_after_a_sigkill(tmp_path):
+    """Two engines generate the next batch while both ranks train (the rollout thread broadcasts over its own
+    group); a SIGKILL of the whole job after the checkpoint of step 2, then the same command: the rows of the
+    uninterrupted run."""
     from engine_env import engine_python
 
-    os.environ.setdefault("MEGATRON_RL_ENGINE_PYTHON", engine_python())
     vllm = ROOT / "configs" / "demo_vllm.yaml"
-    common = ("rollout.max_staleness=1", "logging.progress_bar=false",
-              "checkpoint.save_interval=2", "demo.baseline_episodes=50")
+    env = {**os.environ, "PY": sys.executable, "NPROC": "2", "CONFIG": str(vllm),
+           "MEGATRON_RL_ENGINE_PYTHON": engine_python()}
 
-    def go(out: Path, steps: int) -> None:
-        env = {**os.environ, "NPROC": "2"}
-        proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), f"logging.output_dir={out}",
-                               f"job.num_steps={steps}", *common],
-                              cwd=ROOT, env={**env, "PY": sys.executable, "MASTER_PORT": str(free_port()),
-                                             "CONFIG": str(vllm)}, capture_output=True, text=True, timeout=600)
+    def command(out: Path) -> tuple[list[str], dict]:
+        args = [f"logging.output_dir={out}", "job.num_steps=4", "rollout.max_staleness=1", "rollout.num_engines=2",
+                "logging.progress_bar=false", "checkpoint.save_interval=2", "demo.baseline_episodes=50"]
+        return ["bash", str(ROOT / "run_megatron.sh"), *args], {**env, "MASTER_PORT": str(free_port())}
+
+    def finish(out: Path) -> None:
+        args, env_ = command(out)
+        proc = subprocess.run(args, cwd=ROOT, env=env_, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    go(tmp_path / "straight", 4)
+    finish(tmp_path / "straight")
     full = metric_rows(tmp_path / "straight")
-    assert staleness(full) == [0, 1, 1, 1]
-    assert all(r["rollout/logprob_abs_diff_max"] <= 1e-4 for r in full[:1])  # step 1: on-policy, same weights
-    go(tmp_path / "resumed", 2)
-    go(tmp_path / "resumed", 4)
-    assert metric_rows(tmp_path / "resumed") == full
+    assert staleness(full) == [0, 1, 1, 1] and all(r["rollout/engines_alive"] == 2 for r in full)
+    assert full[0]["rollout/logprob_abs_diff_max"] <= 1e-4  # step 1: on-policy, the engines have the weights
+
+    killed = tmp_path / "killed"
+    args, env_ = command(killed)
+    proc = subprocess.Popen(args, cwd=ROOT, env=env_, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 400
+    while not (killed / "checkpoints" / "step_00000002").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # engines die with their watchdog on rank 0
+    proc.wait()
+    finish(killed)
+    assert metric_rows(killed) == full
 
 
 @pytest.mark.engine
