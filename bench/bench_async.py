@@ -3,7 +3,8 @@ one run, on the main job as a user runs it (``run_megatron.sh``, ``configs/demo_
 trainer's ranks beside it on the same cores).
 
     MEGATRON_RL_ENGINE_PYTHON=.venv-engine/bin/python .venv/bin/python bench/bench_async.py \\
-        [--staleness 0 1 2] [--partial 1] [--steps 16] [--shapes demo balanced] [--nproc 2] [--small]
+        [--staleness 0 1 2] [--partial 1] [--steps 16] [--shapes demo gen-heavy] [--nproc 2] [--small] \
+        [--config configs/demo_vllm.yaml] [job overrides ...]
 
 Place in the data flow: ``job/main.py: rl_step`` with ``job/pipeline.py``: at K > 0 the fleet generates the batch
 of step t+K while the trainer trains step t; the drain before the weight sync waits for it. Per (shape, K) one run
@@ -17,9 +18,10 @@ overlaps) are left out. Reported medians over the remaining steps, from ``metric
 - ``staleness``: the mean of ``rollout/staleness_mean`` over the measured steps (per token with partial rollouts:
   ``--partial K`` runs K with ``rollout.partial_rollouts=true`` as well).
 
-Shapes: ``demo`` is ``configs/demo_vllm.yaml`` as shipped (generation costs more than training on 2 cores);
-``balanced`` raises the training work (``batch.update_epochs_per_batch=3``) so that training and generation take about the
-same time, where overlapping them gains the most (at most 2x).
+Shapes: ``demo`` is ``configs/demo_vllm.yaml`` as shipped, where on 2 cores generating a batch and training on it
+take about the same time (where overlapping them can gain the most: at most 2x); ``gen-heavy`` doubles the turns
+of each game (``next_digit.num_turns=6``: twice the generation calls) and halves the training passes
+(``batch.update_epochs_per_batch=1``).
 
 Sanity checks (non-zero exit): every run finishes; the staleness of the measured steps is exactly K (partial
 rollouts: within [0, K]).
@@ -41,12 +43,12 @@ from bench_weight_sync import SanityCheckFailed, _git_commit, check, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 3
-SHAPES = {"demo": [], "balanced": ["batch.update_epochs_per_batch=3"]}
+SHAPES = {"demo": [], "gen-heavy": ["next_digit.num_turns=6", "batch.update_epochs_per_batch=1"]}
 
 
-def run_job(out: Path, staleness: int, steps: int, nproc: int, extra: list[str]) -> list[dict]:
+def run_job(out: Path, staleness: int, steps: int, nproc: int, extra: list[str], config: Path) -> list[dict]:
     """One run of the main job; its metrics rows."""
-    env = {**os.environ, "PY": sys.executable, "NPROC": str(nproc), "CONFIG": str(ROOT / "configs" / "demo_vllm.yaml")}
+    env = {**os.environ, "PY": sys.executable, "NPROC": str(nproc), "CONFIG": str(config)}
     env.pop("MASTER_PORT", None)  # run_megatron.sh picks a free one
     args = [f"logging.output_dir={out}", "logging.progress_bar=false", f"job.num_steps={steps}",
             f"rollout.max_staleness={staleness}", "checkpoint.save_interval=0", "eval.interval=0",
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--nproc", type=int, default=2, help="trainer ranks (DP)")
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo_vllm.yaml",
+                        help="the job's config (GPU: a GPU config with rollout.engine=vllm)")
+    parser.add_argument("overrides", nargs="*", help="more job overrides for every run")
     parser.add_argument("--small", action="store_true", help="K 0 and 1, 5 steps, the demo shape")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "async.json")
     args = parser.parse_args(argv)
@@ -95,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             for shape in args.shapes:
                 for k, partial in variants:
                     started = time.time()
-                    extra = SHAPES[shape] + (["rollout.partial_rollouts=true"] if partial else [])
+                    extra = SHAPES[shape] + (["rollout.partial_rollouts=true"] if partial else []) + args.overrides
                     rows = run_job(Path(tmp) / f"{shape}_k{k}{'p' if partial else ''}", k, args.steps, args.nproc,
-                                   extra)
+                                   extra, args.config)
                     result = {"shape": shape, "max_staleness": k, "partial": partial,
                               **summarize(rows, k, partial), "wall_s": time.time() - started}
                     results.append(result)

@@ -178,3 +178,22 @@ def test_bench_fleet_small(tmp_path):
     assert all(v["median_ms"] > 0 for v in res["latency"].values())
     assert all(f >= 0.9 for f in res["same_samples_fraction"].values())
     assert "| tiny | 2 | 1 | 8 x 8 |" in proc.stdout
+
+
+def test_bench_async_summary_and_its_staleness_check():
+    """``bench_async.summarize``: medians after the warm-up; the staleness check fires when the schedule is off."""
+    import bench_async
+
+    def row(step_s: float, stale: float) -> dict:
+        return {"timing/step_s": step_s, "timing/rollout_s": 0.5, "timing/rollout_wait_s": 0.1,
+                "timing/weight_sync_s": 0.05, "rollout/staleness_mean": stale}
+
+    rows = [row(9.0, 0)] * bench_async.WARMUP + [row(1.0, 1), row(2.0, 1), row(3.0, 1)]
+    result = bench_async.summarize(rows, 1)
+    assert result["step_s"] == 2.0 and result["wait_s"] == 0.1 and result["train_s"] == pytest.approx(1.85)
+    with pytest.raises(bench_async.SanityCheckFailed):
+        bench_async.summarize(rows, 2)
+    partial = rows[:-1] + [row(3.0, 0.4)]
+    assert bench_async.summarize(partial, 1, partial=True)["staleness"] == pytest.approx(0.8)
+    with pytest.raises(bench_async.SanityCheckFailed):
+        bench_async.summarize(partial, 1)
