@@ -37,6 +37,14 @@ def collectives_on(group: Any) -> Iterator[None]:
         _local.group = previous
 
 
+def new_thread_group() -> Any:
+    """A gloo group over every rank for one thread's ``collectives_on`` (collective: every rank calls it in the
+    same order); None in one process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.new_group(backend="gloo")
+    return None
+
+
 def current_group() -> Any:
     """The process group this thread's rank-0 broadcasts use (None = the default group)."""
     return getattr(_local, "group", None)

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.distributed.rank0 import collectives_on
+from megatron_rl.distributed.rank0 import collectives_on, new_thread_group
 from megatron_rl.environments.base import Rollouts
 
 
@@ -85,10 +85,7 @@ class RolloutPipeline:
         self._thread: threading.Thread | None = None
         self._group: Any = None
         if self.threaded:
-            import torch.distributed as dist
-
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                self._group = dist.new_group(backend="gloo")
+            self._group = new_thread_group()
             self._thread = threading.Thread(target=self._work, name="megatron_rl-rollouts", daemon=True)
             self._thread.start()  # daemon: a Ctrl-C or an error never waits for an engine's answer
             if engine is not None and hasattr(engine, "run_on_main_thread"):
