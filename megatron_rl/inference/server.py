@@ -4,7 +4,8 @@ Place in the data flow: ``fleet.py`` (trainer rank 0 only, never inside a collec
 generation request, weight-sync call and health check of the job goes through ``EngineServer.call``.
 
 - ``EngineServer.start``: ``<engine python> -m megatron_rl.inference.vllm_serve`` (``vllm serve`` + the job's
-  token + a watchdog that kills the server with the trainer) in a new session, on loopback, a free port, its
+  token + a watchdog that kills the server with the trainer) in a new session, on loopback (a multi-node job:
+  ``rollout.engine_host``), a free port, its
   log in ``<work_dir>/engine<i>.log``; ``kill`` removes its whole process group.
 - ``EngineServer.attach``: a server the user started (``rollout.engine_urls``); it is never killed or restarted
   by the job, and must run the same command (worker extension, token) to accept weights.

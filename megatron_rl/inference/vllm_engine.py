@@ -14,7 +14,10 @@ Start-up: the policy's current weights are exported as an HF folder (``<work_dir
 ``hf_dir``, or is written from ``model.*`` for a model trained from scratch, ``hf/config.py``); the job starts
 ``rollout.num_engines`` servers on it (``server.EngineServer.start``: loopback, a free port, a fresh random token
 per job that every route requires, ``<work_dir>/engine<i>.log``) and attaches ``rollout.engine_urls``; each
-engine joins the weight sync.
+engine joins the weight sync. On a multi-node job each node's local rank 0 starts its share (``nodes.py``: engine
+i on node i % nnodes, bound to ``rollout.engine_host``; the token is broadcast) and rank 0 routes over all; another
+node's engine that rank 0 marks down is killed and restarted by its node at the next collective point
+(``_restart_remote``).
 
 Self-healing (rank 0, inside ``generate``): an engine that refuses connections, answers 5xx, or makes no progress
 (no finished request and no new generated token, ``/metrics``) for ``rollout.request_timeout_s`` is killed; its
