@@ -27,11 +27,16 @@ class RolloutConfig(ConfigSection):
     engine in its own process and environment (``bash scripts/setup_engine.sh``), fed the policy's weights in
     place after every ``sync_interval`` RL steps."""
     num_engines: int = field(default=1, metadata=valid(0))
-    """``vllm serve`` servers the job starts (on global rank 0's node), each with
-    ``engine_tensor_parallel_size`` devices; a GRPO group goes to one of them, groups are balanced by work.
-    On CPU the cores are split between them; on GPUs engine ``i`` gets devices ``i*tp ...`` (modulo the visible
-    ones: with fewer GPUs than that it shares the trainer's, ``gpu_memory_utilization``). 0 = only
-    ``engine_urls``."""
+    """``vllm serve`` servers the job starts, each with ``engine_tensor_parallel_size`` devices; a GRPO group goes
+    to one of them, groups are balanced by work. On a multi-node job engine ``i`` runs on node ``i % nnodes``,
+    started by that node's local rank 0 (``inference/nodes.py``). On CPU a node's cores are split between its
+    engines; on GPUs the node's ``k``-th engine gets its devices ``k*tp ...`` (modulo the visible ones: with fewer
+    GPUs than that it shares the trainer's, ``gpu_memory_utilization``). 0 = only ``engine_urls``."""
+    engine_host: str = "auto"
+    """Multi-node jobs: the address each node's engines bind to, which global rank 0 must reach: 'auto' = the
+    local address of the interface that routes to ``$MASTER_ADDR``, or this node's IP / host name (given in
+    that node's own launch command; use 'auto' unless it picks the wrong interface). Single-node jobs always bind
+    loopback. The job's engine token travels to the other nodes over the process group, never on a command line."""
     engine_urls: list[str] = field(default_factory=list)
     """Servers started elsewhere to use as well (``http://host:port``), each running ``python -m
     megatron_rl.inference.vllm_serve`` with ``$MEGATRON_RL_ENGINE_TOKEN`` set (the job reads the same variable;

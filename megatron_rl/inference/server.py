@@ -4,7 +4,8 @@ Place in the data flow: ``fleet.py`` (trainer rank 0 only, never inside a collec
 generation request, weight-sync call and health check of the job goes through ``EngineServer.call``.
 
 - ``EngineServer.start``: ``<engine python> -m megatron_rl.inference.vllm_serve`` (``vllm serve`` + the job's
-  token + a watchdog that kills the server with the trainer) in a new session, on loopback, a free port, its
+  token + a watchdog that kills the server with the trainer) in a new session, on loopback (a multi-node job:
+  ``rollout.engine_host``), a free port, its
   log in ``<work_dir>/engine<i>.log``; ``kill`` removes its whole process group.
 - ``EngineServer.attach``: a server the user started (``rollout.engine_urls``); it is never killed or restarted
   by the job, and must run the same command (worker extension, token) to accept weights.
@@ -108,9 +109,9 @@ class EngineServer:
     # ------------------------------------------------------------------------------------------- lifecycle
     @classmethod
     def start(cls, model_dir: Path, options: ServeOptions, *, token: str, log_path: Path,
-              cpu_cores: str | None = None, devices: str | None = None) -> "EngineServer":
-        """Start ``vllm serve`` on ``model_dir`` (returns at once; ``wait_ready`` waits for it)."""
-        port = free_port()
+              cpu_cores: str | None = None, devices: str | None = None, host: str = "127.0.0.1") -> "EngineServer":
+        """Start ``vllm serve`` on ``model_dir``, bound to ``host`` (returns at once; ``wait_ready`` waits)."""
+        port = free_port(host)
         env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
         env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", MEGATRON_RL_ENGINE_TOKEN=token,
                    VLLM_CPU_KVCACHE_SPACE=str(max(1, round(options.kv_cache_gib))))
@@ -120,7 +121,7 @@ class EngineServer:
             env["CUDA_VISIBLE_DEVICES"] = devices
         command = [
             options.python, "-m", "megatron_rl.inference.vllm_serve", "--parent-pid", str(os.getpid()),
-            str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", MODEL_NAME,
+            str(model_dir), "--host", host, "--port", str(port), "--served-model-name", MODEL_NAME,
             "--dtype", options.dtype, "--max-model-len", str(options.max_model_len), "--seed", str(options.seed),
             "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
             "--enable-prefix-caching", "--max-num-seqs", str(options.max_num_seqs),
@@ -137,7 +138,7 @@ class EngineServer:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, cwd=str(REPO_ROOT))
-        return cls(f"http://127.0.0.1:{port}", token, proc=proc, log_path=log_path)
+        return cls(f"http://{host}:{port}", token, proc=proc, log_path=log_path)
 
     @classmethod
     def attach(cls, url: str, token: str) -> "EngineServer":

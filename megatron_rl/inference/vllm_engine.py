@@ -14,7 +14,10 @@ Start-up: the policy's current weights are exported as an HF folder (``<work_dir
 ``hf_dir``, or is written from ``model.*`` for a model trained from scratch, ``hf/config.py``); the job starts
 ``rollout.num_engines`` servers on it (``server.EngineServer.start``: loopback, a free port, a fresh random token
 per job that every route requires, ``<work_dir>/engine<i>.log``) and attaches ``rollout.engine_urls``; each
-engine joins the weight sync.
+engine joins the weight sync. On a multi-node job each node's local rank 0 starts its share (``nodes.py``: engine
+i on node i % nnodes, bound to ``rollout.engine_host``; the token is broadcast) and rank 0 routes over all; another
+node's engine that rank 0 marks down is killed and restarted by its node at the next collective point
+(``_restart_remote``).
 
 Self-healing (rank 0, inside ``generate``): an engine that refuses connections, answers 5xx, or makes no progress
 (no finished request and no new generated token, ``/metrics``) for ``rollout.request_timeout_s`` is killed; its
@@ -51,6 +54,7 @@ import torch.distributed as dist
 from megatron_rl.distributed.rank0 import broadcast_from_rank0
 from megatron_rl.inference.config import RolloutConfig
 from megatron_rl.inference.engine import Completion, SamplingSpec
+from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
 from megatron_rl.inference.router import route
 from megatron_rl.inference.server import (REPO_ROOT, EngineDown, EngineError, EngineServer, EngineStartError,
                                           ServeOptions, log_tail)
@@ -74,6 +78,37 @@ def engine_python(config: RolloutConfig) -> str:
     return path
 
 
+def job_token(config: RolloutConfig) -> str:
+    """The job's engine token: ``$MEGATRON_RL_ENGINE_TOKEN`` when servers are attached, else fresh (never logged)."""
+    return (os.environ.get(TOKEN_ENV) if config.engine_urls else None) or secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What a node's local rank 0 needs to start one of its engines (``launch``)."""
+
+    options: ServeOptions
+    model_dir: Path
+    work_dir: Path
+    token: str
+    num_engines: int
+    layout: NodeLayout
+    host: str = LOOPBACK
+
+    def launch(self, index: int) -> EngineServer:
+        """Start engine ``index`` on this node (nodes.py: its share of the cores, or its local devices)."""
+        mine = engines_on_node(self.num_engines, self.layout.node, self.layout.nnodes)
+        position = mine.index(index)
+        devices = None
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count:  # each engine on its own device(s) where there are enough, else sharing (colocated)
+            tp = self.options.tensor_parallel_size
+            devices = ",".join(str((position * tp + d) % count) for d in range(tp))
+        return EngineServer.start(self.model_dir, self.options, token=self.token, host=self.host,
+                                  log_path=self.work_dir / f"engine{index}.log", cpu_cores=cpu_shares(len(mine))[position],
+                                  devices=devices)
+
+
 def cpu_shares(num_engines: int) -> list[str | None]:
     """``VLLM_CPU_OMP_THREADS_BIND`` per engine: the cores this process may use, split into ``num_engines``
     contiguous shares (None = vLLM's own default, for a single engine or more engines than cores)."""
@@ -93,6 +128,10 @@ class Slot:
     server: EngineServer | None = None
     state: str = "starting"
     """'starting' (process launched), 'joining' (up, waiting for the current weights), 'serving', 'dead'."""
+    node: int = 0
+    """The node that runs it (nodes.py); another node's engine is restarted by that node (``remote_restart``)."""
+    remote_restart: bool = False
+    """Down, on another node: its owner restarts it at the next collective point (``VLLMEngine._restart_remote``)."""
     generation: int = 0
     """How many engines this slot has had (its group prefix in the weight sync changes with each)."""
     restarts: int = 0
@@ -107,21 +146,18 @@ class Slot:
     def name(self) -> str:
         where = self.server.log_path if self.server is not None and self.server.log_path else (
             self.server.url if self.server is not None else "-")
-        return f"engine {self.index} ({where})"
+        return f"engine {self.index} ({where}{f' on node {self.node}' if self.node else ''})"
 
 
 class Fleet:
     """Rank 0's engines (not collective): start, route, retry, restart. ``VLLMEngine`` drives it."""
 
-    def __init__(self, config: RolloutConfig, options: ServeOptions | None, model_dir: Path, work_dir: Path) -> None:
+    def __init__(self, config: RolloutConfig, launcher: Launcher) -> None:
         self.config = config
-        self.options = options
-        self.model_dir = model_dir
-        self.work_dir = work_dir
-        self.token = os.environ.get(TOKEN_ENV) if config.engine_urls else None
-        self.token = self.token or secrets.token_urlsafe(32)  # fresh per job, never logged
+        self.launcher = launcher
+        self.work_dir = launcher.work_dir
+        self.token = launcher.token
         self.slots: list[Slot] = []
-        self.cpu = cpu_shares(config.num_engines)
         self.restarts_in_step = 0
         self.closed = False
         """Set by ``kill_all``: no more restarts."""
@@ -131,11 +167,13 @@ class Fleet:
         atexit.register(self.kill_all)
 
     # ------------------------------------------------------------------------------------------- start
-    def start(self) -> None:
-        """Launch the job's servers, attach the user's, wait until all answer (EngineStartError otherwise)."""
+    def start(self, remote: dict[int, str] | None = None) -> None:
+        """Launch this node's servers, take the other nodes' (``remote``: index -> URL) and the user's, wait until
+        all answer (EngineStartError otherwise)."""
+        nnodes = self.launcher.layout.nnodes
         for i in range(self.config.num_engines):
-            slot = Slot(index=i)
-            slot.server = self._launch(slot)
+            slot = Slot(index=i, node=engine_node(i, nnodes))
+            slot.server = self.launcher.launch(i) if slot.node == self.launcher.layout.node else self._remote(i, remote[i])
             self.slots.append(slot)
         for url in self.config.engine_urls:
             self.slots.append(Slot(index=len(self.slots), server=EngineServer.attach(url, self.token)))
@@ -147,16 +185,9 @@ class Fleet:
                 raise
             slot.state = "joining"
 
-    def _launch(self, slot: Slot) -> EngineServer:
-        assert self.options is not None
-        cores = self.cpu[slot.index] if slot.index < len(self.cpu) else None
-        devices = None
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count:  # each engine on its own device(s) where there are enough, else sharing (colocated)
-            tp = self.options.tensor_parallel_size
-            devices = ",".join(str((slot.index * tp + d) % count) for d in range(tp))
-        return EngineServer.start(self.model_dir, self.options, token=self.token,
-                                  log_path=self.work_dir / f"engine{slot.index}.log", cpu_cores=cores, devices=devices)
+    def _remote(self, index: int, url: str) -> EngineServer:
+        """Another node's engine: a URL here (its log is ``<work_dir>/engine<i>.log`` on that node)."""
+        return EngineServer(url, self.token, log_path=self.work_dir / f"engine{index}.log")
 
     # ------------------------------------------------------------------------------------------- health
     def serving(self) -> list[Slot]:
@@ -173,9 +204,14 @@ class Fleet:
             if slot.state in ("dead", "starting"):
                 return
             slot.state = "dead"
+        remote = slot.node != self.launcher.layout.node and slot.index < self.config.num_engines
         print(f"megatron_rl: vLLM {slot.name} is down ({reason.splitlines()[0][:300]}); "
-              + ("restarting it" if slot.server is not None and slot.server.owned else "it was attached: not restarted"),
-              flush=True)
+              + ("its node restarts it at the next weight sync" if remote else "restarting it"
+                 if slot.server is not None and slot.server.owned else "it was attached: not restarted"), flush=True)
+        if remote:
+            slot.error = reason
+            slot.remote_restart = slot.restarts < MAX_RESTARTS
+            return
         if slot.server is None or not slot.server.owned:
             slot.error = reason
             return
@@ -191,11 +227,18 @@ class Fleet:
             slot.error = f"{reason}; restarted {slot.restarts} times already"
             slot.state = "dead"
             return
+        self._count_restart(slot)
+        slot.server = self.launcher.launch(slot.index)
+        self._wait_in_background(slot, lambda err: self._restart(slot, err))
+
+    def _count_restart(self, slot: Slot) -> None:
         slot.restarts += 1
         self.restarts_in_step += 1
         slot.generation += 1
         slot.state = "starting"
-        slot.server = self._launch(slot)
+
+    def _wait_in_background(self, slot: Slot, failed: Any) -> None:
+        """Wait for ``slot``'s new server in a thread: 'joining' when it answers, else ``failed(reason)``."""
         server = slot.server
 
         def wait() -> None:
@@ -205,10 +248,29 @@ class Fleet:
             except EngineStartError as err:
                 server.kill()
                 if not self.closed:  # (killed by ``kill_all``: the job is ending)
-                    self._restart(slot, str(err))
+                    failed(str(err))
 
         slot.restarter = threading.Thread(target=wait, name=f"megatron_rl-restart-{slot.index}", daemon=True)
         slot.restarter.start()
+
+    def remote_restarts(self) -> list[int]:
+        """The other nodes' engines to restart now (counted as restarts; their owners start the replacements)."""
+        wanted = [s for s in self.slots if s.remote_restart and not self.closed]
+        for slot in wanted:
+            slot.remote_restart = False
+            self._count_restart(slot)
+        return [s.index for s in wanted]
+
+    def adopt(self, index: int, url: str) -> None:
+        """Another node restarted engine ``index`` at ``url``: wait for it in the background, then it joins."""
+        slot = self.slots[index]
+        slot.server = self._remote(index, url)
+
+        def failed(reason: str) -> None:
+            slot.state, slot.error = "dead", reason
+            slot.remote_restart = slot.restarts < MAX_RESTARTS
+
+        self._wait_in_background(slot, failed)
 
     def _collect_restarts(self) -> None:
         for slot in self.slots:
@@ -376,6 +438,11 @@ class VLLMEngine:
         self.run_on_main_thread: Any = None
         """Set by a caller that generates in a thread while the main thread trains (``job/pipeline.py``): runs a
         collective weight sync (the all-engines-down admission) on the main thread, between training steps."""
+        self.layout = NodeLayout()
+        self.launcher: Launcher | None = None
+        """A node's local rank 0 on a multi-node job (not global rank 0: its ``Fleet`` has one): starts this node's
+        engines (``own``)."""
+        self.own: dict[int, EngineServer] = {}
 
     # ---------------------------------------------------------------------------------------------- start
     @classmethod
@@ -389,6 +456,8 @@ class VLLMEngine:
         work_dir = Path(work_dir)
         model_cfg = policy.config.model
         python = engine_python(config) if config.num_engines else None  # same check everywhere: before collectives
+        layout = NodeLayout.from_env()
+        host = engine_host(config.engine_host, layout.nnodes)
         transport = config.weight_transport
         if transport == "auto":
             transport = "nccl" if groups.device.type == "cuda" else "gloo"
@@ -401,8 +470,11 @@ class VLLMEngine:
             hf_source = str(hf_dir)
         model_dir = work_dir / "model"
         export_hf([policy.module], model_dir, hf_source, groups)
-        fleet, error = None, None
-        if groups.rank == 0:
+        token = [job_token(config) if groups.rank == 0 else None]
+        if layout.nnodes > 1:  # every node's local rank 0 starts engines with it (never logged)
+            dist.broadcast_object_list(token, src=0)
+        launcher = None
+        if layout.owner:
             options = ServeOptions(
                 python=python or "", dtype=model_cfg.params_dtype if config.dtype == "auto" else config.dtype,
                 max_model_len=config.max_model_len or model_cfg.max_position_embeddings, seed=seed,
@@ -410,14 +482,24 @@ class VLLMEngine:
                 tensor_parallel_size=config.engine_tensor_parallel_size, sleep_mode=config.sleep_while_training,
                 scale_out=config.partial_rollouts,
             )  # fmt: skip
-            fleet = Fleet(config, options, model_dir, work_dir)
+            launcher = Launcher(options, model_dir, work_dir, token[0], config.num_engines, layout,
+                                host)
+        own = {}
+        if launcher is not None and groups.rank != 0 and layout.nnodes > 1:  # another node: its share, gathered to rank 0 by URL
+            own = {i: launcher.launch(i) for i in engines_on_node(config.num_engines, layout.node, layout.nnodes)}
+        remote = _gather_urls(own) if layout.nnodes > 1 else {}
+        fleet, error = None, None
+        if groups.rank == 0:
+            fleet = Fleet(config, launcher)
             try:
-                fleet.start()
+                fleet.start(remote)
             except EngineStartError as err:
                 error = str(err)
-        _raise_everywhere(error, EngineStartError)
         engine = cls(policy, config, fleet=fleet, hf_source=hf_source, work_dir=work_dir, transport=transport)
+        engine.layout, engine.own = layout, own
+        engine.launcher = launcher if groups.rank != 0 else None
         try:
+            _raise_everywhere(error, EngineStartError)
             engine._connect_store()
             engine._admit()  # every engine joins the sync; they start on the exported weights (version 0)
         except BaseException:
@@ -441,9 +523,29 @@ class VLLMEngine:
         self.sender.connect(host, port[0], timeout_s=self.config.start_timeout_s)
 
     # ---------------------------------------------------------------------------------------------- membership
+    def _restart_remote(self) -> None:
+        """Collective (multi-node jobs): the owners of the other nodes' engines that rank 0 saw go down kill them
+        and start replacements; rank 0 waits for those in the background (they join at a later ``_admit``)."""
+        if self.layout.nnodes == 1:
+            return
+        payload = [self.fleet.remote_restarts() if self.fleet is not None else []]
+        dist.broadcast_object_list(payload, src=0)
+        if not payload[0]:
+            return
+        mine = [i for i in payload[0] if engine_node(i, self.layout.nnodes) == self.layout.node]
+        if self.launcher is not None:
+            for index in mine:
+                self.own.pop(index).kill()
+                self.own[index] = self.launcher.launch(index)
+        urls = _gather_urls({i: self.own[i] for i in mine} if self.launcher is not None else {})
+        if self.fleet is not None:
+            for index, url in urls.items():
+                self.fleet.adopt(index, url)
+
     def _admit(self, *, send: bool = False) -> None:
         """Collective: the engines that are up but not serving join the weight sync (and, with ``send``, get the
         current weights); then they serve."""
+        self._restart_remote()
         joining = [[s.index, s.prefix] for s in self.fleet.ready_to_join()] if self.fleet is not None else []
         payload = [joining]
         if self.groups.world_size > 1:
@@ -469,7 +571,7 @@ class VLLMEngine:
         worker = None
         if self.fleet is not None:
             slots = [self.fleet.slots[index] for index, _ in joining]
-            host = "127.0.0.1"
+            host = LOOPBACK if self.layout.nnodes == 1 else os.environ.get("MASTER_ADDR", LOOPBACK)  # rank 0's store
             workers = self.config.engine_tensor_parallel_size
             call = lambda slot: slot.server.collective_rpc(  # noqa: E731
                 "megatron_rl_join", host, self.store.port, slot.prefix, self.groups.pp_size, workers, self.transport,
@@ -510,19 +612,10 @@ class VLLMEngine:
             broadcast_from_rank0(payload)  # this thread's group: job/pipeline.py generates in a thread
             status, value = payload[0]
             if status == "admit":  # no engine serves: bring the replacements in with the current weights
-                if self.fleet is not None:
-                    try:
-                        self.fleet.wait_for_replacement()
-                        error = None
-                    except EngineError as err:
-                        error = str(err)
-                else:
-                    error = None
-                _raise_everywhere(error, EngineError)
                 if self.run_on_main_thread is not None and threading.current_thread() is not threading.main_thread():
-                    self.run_on_main_thread(lambda: self._admit(send=True))  # the sync reads the policy's weights
+                    self.run_on_main_thread(self._admit_replacements)  # its collectives: the main thread's groups
                 else:
-                    self._admit(send=True)
+                    self._admit_replacements()
                 continue
             if status != "ok":
                 raise EngineError(value)
@@ -531,6 +624,19 @@ class VLLMEngine:
                                            for name in completion.extra.get("weight_versions", ()))
             return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason)
                     for c in value]
+
+    def _admit_replacements(self) -> None:
+        """Collective, when no engine serves: the other nodes restart theirs, rank 0 waits for a replacement,
+        and the replacements join with the current weights (EngineError on every rank if none comes back)."""
+        self._restart_remote()
+        error = None
+        if self.fleet is not None:
+            try:
+                self.fleet.wait_for_replacement()
+            except EngineError as err:
+                error = str(err)
+        _raise_everywhere(error, EngineError)
+        self._admit(send=True)
 
     def update_weights(self, policy: Any = None) -> float:
         """Put the policy's current weights into every engine (collective); returns the seconds it took. With
@@ -659,12 +765,22 @@ class VLLMEngine:
         if self.fleet is not None:
             self.fleet.kill_all()
             self.fleet = None
+        for server in self.own.values():
+            server.kill()
+        self.own = {}
         if self.sender is not None:
             self.sender.close()
             self.sender = None
         self.store = None
         if self.transport == "disk" and not self.config.sync_dir and self.groups.rank == 0:
             shutil.rmtree(self._sync_dir(), ignore_errors=True)  # the default one under /dev/shm: ours alone
+
+
+def _gather_urls(own: dict[int, EngineServer]) -> dict[int, str]:
+    """Collective: every node's engines (index -> URL), merged (for rank 0's ``Fleet``)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {i: server.url for i, server in own.items()})
+    return {i: url for part in gathered for i, url in part.items()}
 
 
 def _raise_everywhere(error: str | None, kind: type[Exception]) -> None:

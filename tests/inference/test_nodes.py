@@ -1,0 +1,56 @@
+"""Which node starts which engine, and the address a node's engines bind to (``megatron_rl/inference/nodes.py``)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
+
+
+@pytest.mark.parametrize("num_engines,nnodes", [(1, 1), (2, 1), (2, 2), (5, 2), (3, 4), (8, 3)])
+def test_every_engine_runs_on_exactly_one_node_round_robin(num_engines, nnodes):
+    shares = [engines_on_node(num_engines, node, nnodes) for node in range(nnodes)]
+    assert sorted(i for share in shares for i in share) == list(range(num_engines))
+    for node, share in enumerate(shares):
+        assert all(engine_node(i, nnodes) == node for i in share)
+        assert share == sorted(share)
+    sizes = [len(share) for share in shares]
+    assert max(sizes) - min(sizes) <= 1  # balanced
+    assert engines_on_node(num_engines, 0, 1) == list(range(num_engines))  # one node: all, as before
+
+
+def test_layout_from_torchrun_environment(monkeypatch):
+    for key, value in {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5", "LOCAL_RANK": "1",
+                       "GROUP_RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    assert NodeLayout.from_env() == NodeLayout(node=1, nnodes=2, local_rank=1)
+    monkeypatch.setenv("RANK", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert NodeLayout.from_env().owner
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK"):  # not torchrun: one node
+        monkeypatch.delenv(key)
+    assert NodeLayout.from_env() == NodeLayout(node=0, nnodes=1, local_rank=4)
+
+
+def test_single_node_binds_loopback_whatever_the_setting():
+    assert engine_host("auto", 1) == LOOPBACK
+    assert engine_host("10.1.2.3", 1) == LOOPBACK
+
+
+def test_multi_node_binds_the_interface_that_routes_to_the_master():
+    assert engine_host("10.1.2.3", 2) == "10.1.2.3"
+    assert engine_host("auto", 2, master_addr="127.0.0.1") == "127.0.0.1"  # loopback routes via loopback
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:  # the reference: the kernel's own route choice
+        try:
+            sock.connect(("192.0.2.1", 9))  # TEST-NET-1: routed (by the default route) but never reached
+        except OSError:
+            pytest.skip("no default route on this machine")
+        expected = sock.getsockname()[0]
+    assert engine_host("auto", 2, master_addr="192.0.2.1") == expected
+
+
+def test_an_unroutable_master_names_the_key():
+    with pytest.raises(ValueError, match="rollout.engine_host"):
+        engine_host("auto", 2, master_addr="no-such-host.invalid")
