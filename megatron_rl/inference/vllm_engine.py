@@ -62,6 +62,10 @@ from megatron_rl.inference.vllm_serve import TOKEN_ENV
 
 __all__ = ["VLLMEngine", "EngineError", "EngineStartError", "engine_python"]
 
+STALL_ENV = "MEGATRON_RL_SYNC_STALL"
+"""Test hook (like ``checkpoint/layout.py: fault_point``): ``<n>:<path>`` makes rank 0 write ``path`` and wait an
+hour inside the ``n``-th weight sync of the process (after the pause of partial rollouts), for a kill during a sync."""
+
 MAX_RESTARTS = 3
 """Restarts of one engine slot within one ``generate`` call before the job gives up on it."""
 
@@ -650,6 +654,7 @@ class VLLMEngine:
             self._each_serving("/pause?mode=keep")
         try:
             self._admit()  # replacements that came up since the last sync get this version with the others
+            self._stall_for_tests()
             self._sync(None, policy)
             if paused:
                 self.fleet.each(self.fleet.serving(), lambda s: s.server.call(
@@ -658,6 +663,12 @@ class VLLMEngine:
             if paused:
                 self._each_serving("/resume")
         return time.perf_counter() - started
+
+    def _stall_for_tests(self) -> None:
+        spec = os.environ.get(STALL_ENV, "")
+        if self.groups.rank == 0 and spec and int(spec.split(":", 1)[0]) == self.version:
+            Path(spec.split(":", 1)[1]).write_text(str(self.version))
+            time.sleep(3600)
 
     def take_token_versions(self) -> Counter:
         """Generated tokens per weight version (syncs before them) since the last call (every rank)."""

@@ -152,9 +152,10 @@ def test_one_step_off_on_a_fleet_of_two_with_two_ranks_resumes_bitwise_after_a_s
 @pytest.mark.engine
 @pytest.mark.fleet
 def test_partial_rollouts_count_staleness_per_token_and_a_kill_loses_no_batch(tmp_path):
-    """Partial rollouts (timing-dependent): staleness per token within [0, K]; the SIGKILLed run's checkpoint
-    holds the batch generated ahead, and the resumed run trains exactly that batch next (its rewards), then goes
-    on to the last step: no step's batch lost or generated twice."""
+    """Partial rollouts (timing-dependent): staleness per token within [0, K]; a SIGKILL during the weight sync
+    after step 4 (the engines paused, requests in flight: ``vllm_engine.STALL_ENV``): the checkpoint of step 3
+    holds the batch generated ahead, and the resumed run trains exactly that batch next (its rewards), then goes on
+    to the last step: no step's batch lost or generated twice."""
     import base64
     import pickle
     import statistics
@@ -166,15 +167,21 @@ def test_partial_rollouts_count_staleness_per_token_and_a_kill_loses_no_batch(tm
             "checkpoint.save_interval=3", "rollout.max_staleness=1", "rollout.partial_rollouts=true"]
     env = {**os.environ, "PY": sys.executable, "MEGATRON_RL_ENGINE_PYTHON": engine_python(), "NPROC": "1",
            "CONFIG": str(ROOT / "configs" / "demo_vllm.yaml")}
+    from megatron_rl.inference.vllm_engine import STALL_ENV
+
+    stalled = tmp_path / "stalled"
     proc = subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT,
-                            env={**env, "MASTER_PORT": str(free_port())}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            env={**env, "MASTER_PORT": str(free_port()), STALL_ENV: f"4:{stalled}"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 400
-    while not (out / "checkpoints" / "step_00000003").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its checkpoint"
+    while not stalled.exists():  # rank 0 inside the 4th sync, the engines paused
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its 4th sync"
         time.sleep(0.05)
+    # every rank (torchrun gives each its own process group) and the launcher; the engines die with their watchdog
+    subprocess.run(["pkill", "-9", "-f", f"logging.output_dir={out}"], check=False)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert not (out / "checkpoints" / "step_00000004").exists()
     state = json.loads((out / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
     ((step, _, ahead, _, token_steps),) = pickle.loads(base64.b64decode(state["rollouts_ahead"]["batches"]))
     assert step == 4 and sum(token_steps.values()) > 0 and set(token_steps) <= {2, 3}
