@@ -67,7 +67,8 @@ def start_fleet(num_engines: int, model_dir: Path, work_dir: Path, max_model_len
                 engine_tp: int = 1, gpu_memory_utilization: float = 0.4):
     from megatron_rl.inference.config import RolloutConfig
     from megatron_rl.inference.server import ServeOptions
-    from megatron_rl.inference.vllm_engine import Fleet, engine_python
+    from megatron_rl.inference.nodes import NodeLayout
+    from megatron_rl.inference.vllm_engine import Fleet, Launcher, engine_python, job_token
 
     config = RolloutConfig(engine="vllm", num_engines=num_engines, max_model_len=max_model_len, kv_cache_gib=1.0,
                            start_timeout_s=1200, request_timeout_s=600, engine_tensor_parallel_size=engine_tp,
@@ -75,7 +76,8 @@ def start_fleet(num_engines: int, model_dir: Path, work_dir: Path, max_model_len
     options = ServeOptions(python=engine_python(config), dtype=dtype, max_model_len=max_model_len, seed=0,
                            kv_cache_gib=1.0, gpu_memory_utilization=gpu_memory_utilization,
                            tensor_parallel_size=engine_tp)  # fmt: skip
-    fleet = Fleet(config, options, model_dir, work_dir)
+    launcher = Launcher(options, model_dir, work_dir, job_token(config), num_engines, NodeLayout())
+    fleet = Fleet(config, launcher)
     started = time.perf_counter()
     fleet.start()
     for slot in fleet.slots:  # no weight sync here: the engines serve the folder they started on
