@@ -562,10 +562,11 @@ class VLLMEngine:
         if send and self.version > 0:
             self._sync([index for index, _ in joining])
         if self.fleet is not None:
-            for index, _ in joining:
-                self.fleet.slots[index].state = "serving"
+            joined = [self.fleet.slots[i] for i, _ in joining if self.fleet.slots[i].state == "joining"]
+            for slot in joined:  # (one that died during its sync was marked down: it is replaced again)
+                slot.state = "serving"
             if send and self.config.partial_rollouts:  # label their tokens with the version they were given
-                self.fleet.each([self.fleet.slots[i] for i, _ in joining], lambda s: s.server.call(
+                self.fleet.each(joined, lambda s: s.server.call(
                     "POST", "/update_weight_version", {"new_version": str(self.version)}, timeout_s=60))
 
     def _join(self, joining: list) -> None:
@@ -716,12 +717,18 @@ class VLLMEngine:
         _raise_everywhere(error, EngineError)
 
     def _failures(self, results: dict[int, Any]) -> str | None:
-        """Rank 0: the first engine error of a sync as one message (None if every engine took the weights)."""
+        """Rank 0: an engine that died during the sync (its RPC got no answer and neither does ``/health``) is
+        marked down and replaced, the others' sync stands; the first error of an engine that still answers, as one
+        message (None if none)."""
         for index, result in results.items():
-            if isinstance(result, Exception):
-                slot = self.fleet.slots[index]
-                return (f"{slot.name} failed during a weight sync: {result}; last lines of its log:\n"
-                        f"{log_tail(slot.server.log_path if slot.server else None)}")
+            if not isinstance(result, Exception):
+                continue
+            slot = self.fleet.slots[index]
+            if isinstance(result, EngineDown) and not _answers(slot.server):
+                self.fleet.mark_down(slot, f"it died during the weight sync to version {self.version}: {result}")
+                continue
+            return (f"{slot.name} failed during a weight sync: {result}; last lines of its log:\n"
+                    f"{log_tail(slot.server.log_path if slot.server else None)}")
         return None
 
     def sleep(self) -> None:
@@ -792,6 +799,17 @@ def _gather_urls(own: dict[int, EngineServer]) -> dict[int, str]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {i: server.url for i, server in own.items()})
     return {i: url for part in gathered for i, url in part.items()}
+
+
+def _answers(server: EngineServer | None) -> bool:
+    """Whether the engine answers ``/health`` now (it is alive)."""
+    if server is None or not server.alive():
+        return False
+    try:
+        server.call("GET", "/health", timeout_s=10)
+        return True
+    except (EngineDown, EngineError):
+        return False
 
 
 def _raise_everywhere(error: str | None, kind: type[Exception]) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +44,8 @@ class SyncStats:
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    """Engines (group prefixes) whose group broke during the sync: a dead engine; it got nothing more."""
 
 
 def is_sender(groups: ParallelGroups) -> bool:
@@ -101,8 +103,8 @@ class WeightSender:
         from megatron_rl.hf.weights import bridge_for, iter_stage_hf_weights
 
         started = time.perf_counter()
-        self.targets = [self.engine_groups[p] for p in (engines if engines is not None else self.engine_groups)] \
-            if self.sender else []
+        self.targets = {p: self.engine_groups[p] for p in (engines if engines is not None else self.engine_groups)} \
+            if self.sender else {}
         if self.bridge is None:  # the model's layout and HF config do not change between syncs
             self.bridge = bridge_for(model_chunks, hf_dir, self.groups)
         stats = SyncStats()
@@ -136,8 +138,13 @@ class WeightSender:
             entries = []  # the bytes travel, the engine loads none of them
         manifest = {"nbytes": int(payload.numel()), "last": last, "tensors": entries}
         self.store.set(bucket_key(version, self.groups.pp_rank, index), json.dumps(manifest))
-        for group in self.targets:
-            broadcast(group, payload)
+        for prefix, group in list(self.targets.items()):
+            try:
+                broadcast(group, payload)
+            except RuntimeError as err:  # the engine died (its peer closed): the others still get this version
+                stats.failed[prefix] = str(err).splitlines()[0][:300]  # (rank 0 marks it down from its RPC)
+                del self.targets[prefix]
+                _shutdown(self.engine_groups.pop(prefix))
         stats.bytes += int(payload.numel())
         stats.tensors += len(entries)
         stats.buckets += 1

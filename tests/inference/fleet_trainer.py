@@ -11,6 +11,7 @@ them) and prints one JSON object on its last line; the test asserts on it:
 - ``quiet_logs``: the healthy engines' logs have no traceback, error or "Failed" line;
 - ``after_kill``: engine 1 SIGKILLed between two calls: the samples equal the healthy fleet's (same seeds on
   another engine), ``rollout/engine_restarts`` = 1, then after a sync both engines serve with the trainer's weights;
+- ``killed_before_sync``: engine 0 SIGKILLed, unnoticed, just before a sync: the sync completes, engine 0 restarts;
 - ``after_hang``: engine 0 SIGSTOPped: detected within ``rollout.request_timeout_s``, same samples;
 - ``after_all_down``: both killed: the call waits for the replacements and gives them the current weights (the
   trainer recomputes the replacement's log-probs of its own samples: ``logprob_abs_diff_max``).
@@ -112,6 +113,17 @@ def main(hf_dir: str, work_dir: str) -> int:
         deadline = time.monotonic() + 300
         while not engine.fleet.ready_to_join():
             assert time.monotonic() < deadline and slots[1].state == "starting", (slots[1].state, slots[1].error)
+            time.sleep(0.5)
+        # engine 0 dies unnoticed (no call reached it yet) just before a sync: the sync stands for the others, engine
+        # 0 is marked down there and replaced (a SIGKILL just before ``update_weights`` once failed the whole job)
+        os.killpg(slots[0].server.proc.pid, signal.SIGKILL)
+        slots[0].server.proc.wait()
+        train_and_sync(after_kill)
+        result["killed_before_sync"] = {"metrics": engine.step_metrics(), "state": slots[0].state,
+                                        "tokens": [len(c.token_ids) for c in engine.generate(prompts, spec, seed=4)]}
+        deadline = time.monotonic() + 300
+        while not engine.fleet.ready_to_join():
+            assert time.monotonic() < deadline and slots[0].state == "starting", (slots[0].state, slots[0].error)
             time.sleep(0.5)
         engine.record_digests = True
         train_and_sync(after_kill)

@@ -58,6 +58,13 @@ def test_a_killed_engine_costs_a_restart_not_the_call(fleet_result):
     assert kill["synced"]["digests_equal"] and kill["synced"]["tensors"] == 25
 
 
+def test_an_engine_killed_just_before_a_sync_costs_a_restart_not_the_sync(fleet_result):
+    killed = fleet_result["killed_before_sync"]
+    assert killed["metrics"] == {"rollout/engine_restarts": 1.0, "rollout/engines_alive": 1.0}
+    assert killed["state"] == "starting"
+    assert len(killed["tokens"]) == 16  # the survivor serves the next call alone
+
+
 def test_a_hung_engine_is_replaced(fleet_result):
     hang = fleet_result["after_hang"]
     assert hang["same"] and hang["metrics"]["rollout/engine_restarts"] == 1.0
