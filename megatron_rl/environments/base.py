@@ -53,6 +53,9 @@ class Rollouts:
     ``logging.sample_interval`` steps); may be empty."""
     failures: list[SampleFailure] = field(default_factory=list)
     """The samples whose scoring raised this step (the job prints the run's first one)."""
+    token_versions: dict[int, int] | None = None
+    """Trained tokens per weight version (syncs before them) that the engine's ``generate`` did not count: an
+    agent's calls with ``rollout.partial_rollouts`` (``conversation.weight_versions``); None otherwise."""
 
 
 @dataclass

@@ -55,6 +55,24 @@ class Turn:
     """The engine's extras for this call (``Completion.extra``, e.g. ``routed_experts``)."""
 
 
+def weight_versions(episodes: Sequence[Sequence[Turn]]) -> tuple[dict[str, float], dict[int, int]]:
+    """With partial rollouts the engine labels each sampled token with the weight version (syncs before it) that
+    generated it (``Completion.extra["weight_versions"]``), so an episode's turns, and even one reply, may span a
+    sync. Returns ``episode/mixed_versions`` (the fraction of ``episodes``, each its turns, whose tokens come from
+    more than one version) and the tokens per version; ({}, {}) when no turn is labelled."""
+    tokens: dict[int, int] = {}
+    mixed = labelled = 0
+    for turns in episodes:
+        versions = [v for t in turns for v in t.extra.get("weight_versions", ())]
+        if not versions:
+            continue
+        labelled += 1
+        mixed += len(set(versions)) > 1
+        for v in versions:
+            tokens[v] = tokens.get(v, 0) + 1
+    return ({"episode/mixed_versions": mixed / labelled} if labelled else {}), tokens
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 

@@ -210,8 +210,8 @@ class EngineServer:
                  model: str = MODEL_NAME, versioned: bool = False) -> Completion:
         """One sampled response to ``prompt`` (token ids), reproducible from ``seed``. ``versioned``: through
         ``/inference/v1/generate`` (``--enable-scale-out``; the same sample), with the weight version of each
-        token in ``extra["weight_versions"]`` (the names given by ``/update_weight_version``; 'default' before
-        the first)."""
+        token in ``extra["weight_versions"]``: the syncs before it (``/update_weight_version`` names them so; vLLM's
+        'default' before the first is 0)."""
         sampling = {
             "max_tokens": spec.max_tokens, "temperature": spec.temperature, "top_p": spec.top_p, "seed": seed,
             "stop_token_ids": list(spec.stop_token_ids), "ignore_eos": True, "logprobs": 0,
@@ -221,7 +221,8 @@ class EngineServer:
             choice = self.call("POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": sampling},
                                timeout_s=timeout_s)["choices"][0]
             logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
-            versions = [stretch["version"] for stretch in choice.get("weight_versions") or []
+            versions = [0 if stretch["version"] == "default" else int(stretch["version"])
+                        for stretch in choice.get("weight_versions") or []
                         for _ in range(stretch["start"], stretch["end"])]
         else:
             body = {"model": model, "prompt": prompt, **sampling, "return_token_ids": True,

@@ -381,7 +381,8 @@ class Fleet:
                     self.sessions[session] = engine
             slot = self.slots[engine]
             try:
-                return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s)
+                return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s,
+                                            versioned=self.config.partial_rollouts)
             except EngineDown as err:
                 self.mark_down(slot, str(err))
 
@@ -566,8 +567,7 @@ class VLLMEngine:
             for slot in joined:  # (one that died during its sync was marked down: it is replaced again)
                 slot.state = "serving"
             if send and self.config.partial_rollouts:  # label their tokens with the version they were given
-                self.fleet.each(joined, lambda s: s.server.call(
-                    "POST", "/update_weight_version", {"new_version": str(self.version)}, timeout_s=60))
+                self._label_version(joined)
 
     def _join(self, joining: list) -> None:
         """Collective: the senders and the workers of each engine in ``joining`` form that engine's groups."""
@@ -625,10 +625,9 @@ class VLLMEngine:
             if status != "ok":
                 raise EngineError(value)
             for completion in value:
-                self.token_versions.update(0 if name == "default" else int(name)
-                                           for name in completion.extra.get("weight_versions", ()))
-            return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason)
-                    for c in value]
+                self.token_versions.update(completion.extra.get("weight_versions", ()))
+            return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
+                               extra=c.extra) for c in value]  # (the versions go on into the turns: multi-turn)
 
     def _admit_replacements(self) -> None:
         """Collective, when no engine serves: the other nodes restart theirs, rank 0 waits for a replacement,
@@ -658,8 +657,7 @@ class VLLMEngine:
             self._stall_for_tests()
             self._sync(None, policy)
             if paused:
-                self.fleet.each(self.fleet.serving(), lambda s: s.server.call(
-                    "POST", "/update_weight_version", {"new_version": str(self.version)}, timeout_s=60))
+                self._label_version(self.fleet.serving())
         finally:
             if paused:
                 self._each_serving("/resume")
@@ -739,10 +737,17 @@ class VLLMEngine:
     def wake(self) -> None:
         self._each_serving("/wake_up")
 
+    def _label_version(self, slots: list[Slot]) -> None:
+        """Rank 0: the tokens that ``slots`` generate from now on carry ``self.version`` (partial rollouts)."""
+        self._post_each(slots, "/update_weight_version", {"new_version": str(self.version)})
+
     def _each_serving(self, path: str) -> None:
-        if self.fleet is None:
-            return
-        results = self.fleet.each(self.fleet.serving(), lambda s: s.server.call("POST", path, timeout_s=600))
+        if self.fleet is not None:
+            self._post_each(self.fleet.serving(), path)
+
+    def _post_each(self, slots: list[Slot], path: str, body: Any = None) -> None:
+        """Rank 0: POST ``path`` to each of ``slots`` concurrently; one that does not answer is marked down."""
+        results = self.fleet.each(slots, lambda s: s.server.call("POST", path, body, timeout_s=600))
         for index, result in results.items():
             if isinstance(result, EngineDown):
                 self.fleet.mark_down(self.fleet.slots[index], str(result))

@@ -153,6 +153,7 @@ class RolloutPipeline:
             batch.rollouts = self.generate(batch.step)
             if self.partial:  # the engine labelled each token with the syncs before it
                 counts = self.engine.take_token_versions()
+                counts.update(batch.rollouts.token_versions or {})  # an agent's calls (environments/base.py)
                 batch.token_steps = {}
                 for version, n in counts.items():
                     weights = self._version_steps.get(version, batch.weights_step)

@@ -52,9 +52,12 @@ class ScriptedEngine:
     """A ``RolloutEngine`` whose reply to a prompt is ``reply(prompt text)`` (words), with made-up log-probs;
     records every call."""
 
-    def __init__(self, tokenizer, reply: Callable[[str], str]) -> None:
+    def __init__(self, tokenizer, reply: Callable[[str], str], version_of_call: Callable[[int], int] | None = None
+                 ) -> None:
         self.tokenizer, self.reply = tokenizer, reply
         self.calls: list[list[list[int]]] = []
+        self.version_of_call = version_of_call
+        """Label each call's tokens with this weight version, as vLLM does with partial rollouts."""
 
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
         self.calls.append([list(p) for p in prompts])
@@ -63,7 +66,9 @@ class ScriptedEngine:
             ids = self.tokenizer(self.reply(self.tokenizer.decode(list(prompt))), add_special_tokens=False)["input_ids"]
             ids = ids[:spec.max_tokens]
             stopped = bool(ids) and ids[-1] in spec.stop_token_ids
-            completions.append(Completion(ids, [-0.5] * len(ids), "stop" if stopped else "length"))
+            extra = {} if self.version_of_call is None else {
+                "weight_versions": [self.version_of_call(len(self.calls) - 1)] * len(ids)}
+            completions.append(Completion(ids, [-0.5] * len(ids), "stop" if stopped else "length", extra))
         return completions
 
     def update_weights(self, policy) -> float:

@@ -96,6 +96,19 @@ def test_episodes_become_step_wise_rows_merged_per_episode(tmp_path):
     assert [len(call) for call in engine.calls] == [4, 4, 4]  # one engine call per turn, all episodes
 
 
+def test_episodes_whose_turns_span_a_weight_sync_are_counted(tmp_path):
+    """Partial rollouts: the engine labels each token with its weight version; an episode whose turns come from
+    more than one version counts in ``episode/mixed_versions`` (none without labels)."""
+    env, tok = make(tmp_path)
+    out = rollout(env, ScriptedEngine(tok, answer, version_of_call=lambda call: 3 + (call >= 2)))
+    assert out.metrics["episode/mixed_versions"] == 1.0  # turns 1-2 on version 3, turn 3 on version 4
+    env, tok = make(tmp_path / "same")
+    out = rollout(env, ScriptedEngine(tok, answer, version_of_call=lambda call: 3))
+    assert out.metrics["episode/mixed_versions"] == 0.0
+    env, tok = make(tmp_path / "unlabelled")
+    assert "episode/mixed_versions" not in rollout(env, ScriptedEngine(tok, answer)).metrics
+
+
 def test_reasoning_stripping_template_gives_separate_steps(tmp_path):
     env, tok = make(tmp_path, template=STRIP_REASONING)
     out = rollout(env, ScriptedEngine(tok, lambda p: answer(p, think=True)))

@@ -41,7 +41,7 @@ from megatron_rl.config import ConfigError
 from megatron_rl.environments.agent.endpoint import AgentEndpoint, Session
 from megatron_rl.environments.agent.tool_parsers import tool_call_parser
 from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
-from megatron_rl.environments.conversation import Turn, trajectory_rows
+from megatron_rl.environments.conversation import Turn, trajectory_rows, weight_versions
 from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
@@ -128,10 +128,14 @@ class AgentEnvironment:
             except AllSamplesFailed as err:
                 raise AllSamplesFailed(f"{err}: every episode of {KEY}={self.spec!r} failed; first: "
                                        f"{failures[0].line(self.name)}") from None
-            metrics.update(episode_metrics([ep for ep in episodes if ep.error is None]))
+            finished = [ep for ep in episodes if ep.error is None]
+            metrics.update(episode_metrics(finished))
+            versions, tokens = weight_versions([ep.session.turns for ep in finished])  # partial rollouts
+            metrics.update(versions)
             metrics["data/epoch"] = epoch
             samples = self._samples(episodes[::n_samples_per_prompt])
-            return Rollouts(output, metrics, samples=samples, failures=failures)  # type: ignore[arg-type]
+            return Rollouts(output, metrics, samples=samples, failures=failures,  # type: ignore[arg-type]
+                            token_versions=tokens or None)
 
         return on_rank0(play)
 

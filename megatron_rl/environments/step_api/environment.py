@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from megatron_rl.environments.base import Evaluation, Rollouts, pass_metrics
-from megatron_rl.environments.conversation import Conversation, has_chat_template, trajectory_rows
+from megatron_rl.environments.conversation import Conversation, has_chat_template, trajectory_rows, weight_versions
 from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
@@ -101,7 +101,9 @@ class StepApiEnvironment:
         except AllSamplesFailed as err:
             raise AllSamplesFailed(f"{err}: every episode of {KEY}={self.user.spec!r} failed; first: "
                                    f"{failures[0].line('the environment')}") from None
-        metrics = episode_metrics([ep for ep in episodes if ep.end != "failed"]) | failure_metrics
+        finished = [ep for ep in episodes if ep.end != "failed"]
+        metrics = episode_metrics(finished) | failure_metrics | weight_versions(  # partial rollouts; its tokens:
+            [ep.conversation.turns for ep in finished])[0]  # counted by the engine's generate
         metrics["data/epoch"] = float(self.order.epoch)
         return Rollouts(output, metrics, failures=failures)  # type: ignore[arg-type]
 
