@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -44,8 +44,6 @@ class SyncStats:
     bytes: int = 0
     tensors: int = 0
     buckets: int = 0
-    failed: dict[str, str] = field(default_factory=dict)
-    """Engines (group prefixes) whose group broke during the sync: a dead engine; it got nothing more."""
 
 
 def is_sender(groups: ParallelGroups) -> bool:
@@ -141,9 +139,8 @@ class WeightSender:
         for prefix, group in list(self.targets.items()):
             try:
                 broadcast(group, payload)
-            except RuntimeError as err:  # the engine died (its peer closed): the others still get this version
-                stats.failed[prefix] = str(err).splitlines()[0][:300]  # (rank 0 marks it down from its RPC)
-                del self.targets[prefix]
+            except RuntimeError:  # the engine died (its peer closed): the others still get this version; rank 0
+                del self.targets[prefix]  # marks it down from its RPC (vllm_engine.VLLMEngine._failures)
                 _shutdown(self.engine_groups.pop(prefix))
         stats.bytes += int(payload.numel())
         stats.tensors += len(entries)
