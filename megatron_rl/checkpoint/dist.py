@@ -184,7 +184,8 @@ def writer_queue_dies_with_rank() -> None:
     ``multiprocessing.Manager()`` server process (spawned, ~700 MB resident) and keeps it for the life of the
     process. The manager does not watch its parent: after a SIGKILL of the rank it ran forever, re-parented to
     init. Here the same queue comes from a manager whose process asks the kernel for SIGKILL when its parent
-    dies (``PR_SET_PDEATHSIG``, Linux); elsewhere megatron-core's own is left in place."""
+    dies (``PR_SET_PDEATHSIG``, Linux) and starts without importing the rank's main module (``lifetime.py``);
+    elsewhere megatron-core's own is left in place."""
     import sys
 
     if not sys.platform.startswith("linux"):
@@ -198,22 +199,17 @@ def writer_queue_dies_with_rank() -> None:
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
 
+    from megatron_rl.lifetime import bare_main, die_with_parent
+
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_die_with_parent)
+    with bare_main():  # the manager does not import the job's main module (megatron_rl/lifetime.py)
+        manager.start(initializer=die_with_parent)
     filesystem_async._results_queue = manager.Queue()
     _WRITER_MANAGERS.append(manager)
 
 
 _WRITER_MANAGERS: list = []
 """The managers made by ``writer_queue_dies_with_rank`` (kept alive with the process, as megatron-core's is)."""
-
-
-def _die_with_parent() -> None:
-    """In the manager process: SIGKILL when the rank that started it is gone (``prctl(PR_SET_PDEATHSIG)``)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def save_parts(

@@ -35,23 +35,29 @@ def staleness(rows: list[dict]) -> list[float]:
     return [r["rollout/staleness_max"] for r in rows]
 
 
-def test_one_step_off_schedule_checkpoint_and_exact_resume(tmp_path):
-    straight = tmp_path / "straight"
-    run(straight, "job.num_steps=4", "rollout.max_staleness=1")
-    full = metric_rows(straight)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[dict]:
+    """The uninterrupted one-step-off run both resume tests compare with: 6 steps, a checkpoint after each (all
+    kept). The LR schedule is constant after warm-up, so its first 4 rows are those of a 4-step run."""
+    out = tmp_path_factory.mktemp("async") / "straight"
+    run(out, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1", "checkpoint.keep_last=6")
+    state = json.loads((out / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    assert state["rollouts_ahead"]["steps"] == [3]  # generated during step 2 on the weights of step 1
+    return metric_rows(out)
+
+
+def test_one_step_off_schedule_checkpoint_and_exact_resume(straight, tmp_path):
+    full = straight[:4]
     assert [r["step"] for r in full] == [1, 2, 3, 4]
     assert staleness(full) == [0, 1, 1, 1] and [r["rollout/staleness_mean"] for r in full] == [0, 1, 1, 1]
-    state = json.loads((straight / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
-    assert state["rollouts_ahead"]["steps"] == [3]  # generated during step 2 on the weights of step 1
 
-    resumed = tmp_path / "resumed"
+    resumed, dropped = tmp_path / "resumed", tmp_path / "dropped"
     run(resumed, "job.num_steps=2", "rollout.max_staleness=1")
+    shutil.copytree(resumed, dropped)
     assert "resuming after step 2" in run(resumed, "job.num_steps=4", "rollout.max_staleness=1")
     assert metric_rows(resumed) == full  # the batch of step 3 came from the checkpoint, not from new weights
 
     # without it, step 3 would be sampled again (on newer weights, from later prompts): a different run
-    dropped = tmp_path / "dropped"
-    run(dropped, "job.num_steps=2", "rollout.max_staleness=1")
     path = dropped / "checkpoints" / "step_00000002" / "trainer_state.json"
     state = json.loads(path.read_text())
     del state["rollouts_ahead"]
@@ -87,10 +93,8 @@ def test_two_steps_ahead_and_a_resume_with_another_bound_loses_no_batch(tmp_path
     assert again[:4] == rows and staleness(again) == [0, 1, 2, 2, 0]
 
 
-def test_sigkill_at_any_instant_then_the_same_command_resumes_bitwise(tmp_path):
-    straight = tmp_path / "straight"
-    run(straight, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
-    full = metric_rows(straight)
+def test_sigkill_at_any_instant_then_the_same_command_resumes_bitwise(straight, tmp_path):
+    full = straight
     for delay in (0.0, 0.35, 0.7):  # after the first checkpoint: in generation, training, saving (timing-dependent)
         out = tmp_path / f"killed_{delay}"
         args = overrides(out, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
