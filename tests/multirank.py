@@ -17,8 +17,13 @@ is still alive, so ``fn`` need not (doing it twice is harmless).
 
 A child exception is re-raised in the parent as ``RuntimeError`` carrying the child's traceback; the other
 ranks are then killed (they would block in a collective). A run longer than ``timeout`` seconds kills every
-child and raises ``TimeoutError``. Cost: ~3 s of imports per rank, serialized on a 2-core machine, so group
-many checks into one spawn.
+child and raises ``TimeoutError``.
+
+Start-up cost: a rank that imports torch, megatron-core and mbridge pays ~8-14 s of CPU (docs/TESTING.md section
+1). CPU-only ranks (the default) are therefore forked from a ``forkserver`` that imported those once per pytest
+session (``PRELOAD``); each rank still gets this process's current environment, ``sys.path`` and working
+directory, as a spawned one would. GPU ranks (``cpu_only=False``) and ``MEGATRON_RL_TEST_SPAWN=1`` use plain
+``spawn`` (a process that has touched CUDA must not fork). Still, group many checks into one spawn.
 """
 
 from __future__ import annotations
@@ -69,8 +74,33 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+PRELOAD = ["torch", "megatron.core", "megatron_rl.model.policy", "megatron_rl.trainer", "megatron_rl.checkpoint.dist",
+           "megatron_rl.hf"]
+"""What the forkserver imports once, so that forked ranks do not (an import that fails there is skipped)."""
+
+SPAWN_ENV = "MEGATRON_RL_TEST_SPAWN"
+"""``=1``: every rank is a fresh ``spawn`` process (the forkserver's preloaded state ruled out when debugging)."""
+
+_forkserver_started = False
+
+
+def _context(cpu_only: bool):
+    """``forkserver`` with ``PRELOAD`` for CPU-only ranks, else ``spawn`` (module docstring)."""
+    global _forkserver_started
+    if not cpu_only or os.environ.get(SPAWN_ENV) == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    if not _forkserver_started:
+        ctx.set_forkserver_preload(PRELOAD)
+        _forkserver_started = True
+    return ctx
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any,
+           environ: dict[str, str]) -> None:
     """Body of one spawned rank: run fn, report ("ok", result) or ("error", traceback), clean up."""
+    os.environ.clear()  # a forked rank has the forkserver's environment: take the caller's, as spawn would
+    os.environ.update(environ)
     os.environ.update(_rank_env(rank, world_size, port))
     import multiprocessing
 
@@ -140,14 +170,15 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     pass ``cpu_only=False``.
     """
     assert world_size >= 1, world_size
-    ctx = mp.get_context("spawn")
+    ctx = _context(cpu_only)
     results = ctx.Queue()
     port = free_port()
     procs = []
     spawn_env = {"OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if cpu_only else {})}
     with _environ(spawn_env):
         for rank in range(world_size):
-            proc = ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results), daemon=True)
+            proc = ctx.Process(target=_child, args=(rank, world_size, port, fn, args, results, dict(os.environ)),
+                               daemon=True)
             proc.start()
             procs.append(proc)
     try:
