@@ -1,18 +1,18 @@
-"""The ``core`` list of tests/conftest.py (what the oldest end of the megatron-core range runs, docs/TESTING.md)
+"""The ``core`` list of tests/ends.py (what the oldest end of the megatron-core range runs, docs/TESTING.md)
 names only files, folders and tests that exist: a rename would otherwise drop a test from the oldest end silently."""
 
 from __future__ import annotations
 
 import re
 
-from conftest import CORE, TESTS
+from ends import CORE, TESTS
 
 
 def test_every_core_entry_exists():
     for entry in CORE:
         path, _, test = entry.partition("::")
         target = TESTS / path
-        assert target.exists(), f"tests/conftest.py CORE names {entry!r}: no such file or folder"
+        assert target.exists(), f"tests/ends.py CORE names {entry!r}: no such file or folder"
         if test:
             assert re.search(rf"^def {re.escape(test)}\(", target.read_text(), re.M), (
-                f"tests/conftest.py CORE names {entry!r}: no such test in {path}")
+                f"tests/ends.py CORE names {entry!r}: no such test in {path}")

@@ -31,6 +31,21 @@ def task(tmp_path_factory) -> dict[str, Path]:
     return make_task(tmp_path_factory.mktemp("task"))
 
 
+@pytest.fixture(scope="module")
+def after_two_steps(task, tmp_path_factory) -> Path:
+    """A run stopped after 2 steps (checkpoint at step 2): copied by the tests that go on from there."""
+    out = tmp_path_factory.mktemp("generic") / "two"
+    run(task, out, "job.num_steps=2")
+    return out
+
+
+def copy_of(run_dir: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run_dir, dest)
+    return dest
+
+
 def run(task: dict[str, Path], out_dir: Path, *extra: str) -> str:
     return run_megatron(*overrides(task, out_dir, task["reward"]), *extra).stdout
 
@@ -41,7 +56,7 @@ def overrides(task: dict[str, Path], out_dir: Path, reward: Path) -> list[str]:
             "batch.train_batch_size=4"]
 
 
-def test_generic_job_runs_logs_exports_and_resumes_exactly(task, tmp_path):
+def test_generic_job_runs_logs_exports_and_resumes_exactly(task, after_two_steps, tmp_path):
     straight = tmp_path / "straight"
     out = run(task, straight, "job.num_steps=4")
     assert "single_turn: train: 10 prompts" in out
@@ -58,8 +73,7 @@ def test_generic_job_runs_logs_exports_and_resumes_exactly(task, tmp_path):
     changed = [n for n, p in exported.named_parameters() if not torch.equal(p, original.get_parameter(n))]
     assert changed, "the export holds the trained weights, not the initial ones"
 
-    resumed = tmp_path / "resumed"
-    run(task, resumed, "job.num_steps=2")
+    resumed = copy_of(after_two_steps, tmp_path / "resumed")
     out = run(task, resumed, "job.num_steps=4")
     assert "resuming after step 2" in out
     assert metric_rows(resumed) == full  # same prompts (data position restored), same samples, same updates
@@ -111,11 +125,11 @@ def test_readme_command_from_another_directory_with_relative_paths_and_a_failing
     assert written["model"]["hf_path"] == str(tmp_path / "model")  # absolute in the written config
 
 
-def test_a_step_where_every_sample_fails_stops_with_one_line_and_keeps_the_checkpoint(task, tmp_path):
+def test_a_step_where_every_sample_fails_stops_with_one_line_and_keeps_the_checkpoint(task, after_two_steps,
+                                                                                      tmp_path):
     """Two good steps (a checkpoint at step 2), then a reward function that raises on every response (it passes
     the start-up check, which calls it with response=''): the resumed run stops at step 3 with one line."""
-    out_dir = tmp_path / "run"
-    run(task, out_dir, "job.num_steps=2")
+    out_dir = copy_of(after_two_steps, tmp_path / "run")
     broken = tmp_path / "broken.py"
     broken.write_text("def match(prompt, response, target):\n"
                       "    if response:\n"
