@@ -8,27 +8,30 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
 # What can break with another megatron-core version: everything that builds a megatron-core model or runs its
 # schedule, DDP, optimizer, checkpointing, MoE or CP code, or depends on a version-specific patch or warning
-# (patches/, docs/MEGATRON_CORE.md), and the main job once per engine kind. A path names a file or a folder (every
-# test in it), or ``file::test`` (one test, parameters included). The rest (algorithms and data in plain torch,
-# environments, config, the fleet's serving, the job's bookkeeping, benchmarks' helpers) runs on the newest end
-# only: its code does not touch megatron-core, so the other end cannot break it. ``pytest.mark.core`` on a test
-# adds it too.
+# (patches/, docs/MEGATRON_CORE.md), and the main job once per engine kind. A path (from the repository root)
+# names a file or a folder (every test in it), or ``file::test`` (one test, parameters included). The rest
+# (algorithms and data in plain torch, environments, config, the fleet's serving, the job's bookkeeping,
+# benchmarks' helpers) runs on the newest end only: its code does not touch megatron-core, so the other end
+# cannot break it. ``pytest.mark.core`` on a test adds it too.
 CORE = (
-    "model/", "checkpoint/", "moe/", "cp/", "distributed/test_bootstrap.py", "critic/test_critic_multirank.py",
-    "hf/test_hf_multirank.py", "hf/test_hf_moe.py", "hf/test_stage_weights.py", "hf/test_hf_moe_engine.py",
-    "data/test_packing.py", "test_patches.py", "test_warnings_filter.py", "test_failures.py",
-    "demo/test_demo_multirank.py", "demo/test_main_job.py",  # the main job on the built-in engine
-    "job/test_moe_main_job.py::test_moe_demo_runs_at_ep2_and_resumes_at_ep1",
-    "inference/test_vllm_sync.py",  # the trainer's weights into the vLLM engine, per layout
-    "inference/test_vllm_engine.py::test_engine_weights_equal_the_trainers_export",
-    "examples/test_examples.py::test_grpo_step_tp2_equals_one_process",
+    "tests/model/", "tests/checkpoint/", "tests/moe/", "tests/cp/",
+    "tests/distributed/test_bootstrap.py", "tests/critic/test_critic_multirank.py",
+    "tests/hf/test_hf_multirank.py", "tests/hf/test_hf_moe.py", "tests/hf/test_stage_weights.py",
+    "tests/hf/test_hf_moe_engine.py", "tests/data/test_packing.py",
+    "tests/test_patches.py", "tests/test_warnings_filter.py", "tests/test_failures.py",
+    "tests/demo/test_demo_multirank.py", "tests/demo/test_main_job.py",  # the main job on the built-in engine
+    "tests/job/test_moe_main_job.py::test_moe_demo_runs_at_ep2_and_resumes_at_ep1",
+    "tests/inference/test_vllm_sync.py",  # the trainer's weights into the vLLM engine, per layout
+    "tests/inference/test_vllm_engine.py::test_engine_weights_equal_the_trainers_export",
+    "tests/examples/test_examples.py::test_grpo_step_tp2_equals_one_process",
 )
 
 
 def is_core(item: pytest.Item) -> bool:
-    path = Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+    path = Path(str(item.fspath)).resolve().relative_to(ROOT).as_posix()
     name = f"{path}::{item.originalname}" if hasattr(item, "originalname") else path
     return any(path.startswith(p) if p.endswith("/") else (p == path or p == name) for p in CORE)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import re
 
-from ends import CORE, TESTS
+from ends import CORE, ROOT
 
 
 def test_every_core_entry_exists():
     for entry in CORE:
         path, _, test = entry.partition("::")
-        target = TESTS / path
+        target = ROOT / path
         assert target.exists(), f"tests/ends.py CORE names {entry!r}: no such file or folder"
         if test:
             assert re.search(rf"^def {re.escape(test)}\(", target.read_text(), re.M), (
