@@ -8,12 +8,12 @@ fla-core 0.6.0: "0 active drivers"). Its torch-native fallback (``deterministic_
 puts pure-torch versions in their place:
 
     l2norm                   x * rsqrt(sum(x^2) + eps) over the last dim, in fp32 (fla's formula)
-    causal_conv1d            depthwise ``F.conv1d`` + activation, run once per packed sequence
-    chunk_gated_delta_rule   megatron-core's own ``torch_chunk_gated_delta_rule`` (the transformers reference),
-                             run once per packed sequence
+    causal_conv1d            depthwise ``F.conv1d`` + activation
+    chunk_gated_delta_rule   megatron-core's own ``torch_chunk_gated_delta_rule`` (the transformers reference)
 
-The per-sequence loops over ``cu_seqlens`` are what keeps packed sequences apart: every sequence's convolution
-window and recurrent state start at zero (fla's varlen kernels do the same in one launch). ``HAVE_FLA`` is
+With ``cu_seqlens`` both move each packed sequence into its own batch row (zero-padded at its end to the
+longest) and back: that is what keeps packed sequences apart, every sequence's convolution window and
+recurrent state start at zero (fla's varlen kernels do the same in one launch). ``HAVE_FLA`` is
 set so that the layer builds. The ``jit_fuser`` (``torch.compile``) methods these models call, three of
 ``_GDNBase`` and the gated attention's ``Attention._apply_output_gate``, are restored to their plain functions:
 on a CPU their first calls compile for 10-40 s per process, for no gain here.
@@ -46,39 +46,55 @@ def _segments(length: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, i
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def _rows(x: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    """``x [1, T, ...]`` -> ``[n, L, ...]``: packed sequence i in row i, zero-padded at its end to the longest
+    ``L`` (a causal computation never lets trailing zeros reach earlier positions)."""
+    if len(segments) == 1 and segments[0] == (0, x.shape[1]):
+        return x
+    assert x.shape[0] == 1, "packed input has batch 1"
+    longest = max(end - start for start, end in segments)
+    rows = x.new_zeros(len(segments), longest, *x.shape[2:])
+    for i, (start, end) in enumerate(segments):
+        rows[i, : end - start] = x[0, start:end]
+    return rows
+
+
+def _unrows(rows: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+    """Inverse of ``_rows``: ``[n, L, ...]`` -> ``[1, T, ...]``."""
+    if len(segments) == 1 and segments[0][0] == 0 and rows.shape[0] == 1 and rows.shape[1] == segments[0][1]:
+        return rows
+    return torch.cat([rows[i, : end - start] for i, (start, end) in enumerate(segments)])[None]
+
+
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   activation: str | None = None, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None, **unused: object
                   ) -> tuple[torch.Tensor, None]:
     """fla's ``causal_conv1d``: ``x [b, s, d]``, depthwise ``weight [d, w]`` -> ``([b, s, d], None)``; with
-    ``cu_seqlens`` (``b`` = 1) each packed sequence is convolved on its own, its window starting at zero."""
+    ``cu_seqlens`` (``b`` = 1) each packed sequence is convolved in its own batch row, its window starting at zero."""
     assert initial_state is None and not output_final_state, "the training path passes no conv state"
+    segments = _segments(x.shape[1], cu_seqlens)
+    rows = _rows(x, segments).transpose(1, 2)  # [n, d, L]
     width = weight.shape[-1]
-    outputs = []
-    for start, end in _segments(x.shape[1], cu_seqlens):
-        seg = x[:, start:end].transpose(1, 2)  # [b, d, n]
-        out = F.conv1d(seg, weight.unsqueeze(1), bias, padding=width - 1, groups=weight.shape[0])[..., : end - start]
-        outputs.append(out.transpose(1, 2))
-    y = torch.cat(outputs, dim=1)
+    out = F.conv1d(rows, weight.unsqueeze(1), bias, padding=width - 1, groups=weight.shape[0])[..., : rows.shape[-1]]
     if activation in ("silu", "swish"):
-        y = F.silu(y)
+        out = F.silu(out)
     else:
         assert activation is None, f"unsupported conv activation {activation!r}"
-    return y, None
+    return _unrows(out.transpose(1, 2), segments), None
 
 
 def _chunk_rule(reference):
     def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **unused):
         """fla's ``chunk_gated_delta_rule`` (``q, k [b, s, h, dk]``, ``v [b, s, h, dv]``, ``g, beta [b, s, h]``)
-        -> ``([b, s, h, dv], None)``: megatron's torch reference once per packed sequence, state from zero."""
+        -> ``([b, s, h, dv], None)``: megatron's torch reference with each packed sequence in its own batch row
+        (its recurrent state starts at zero; the zero padding after it is never read by it)."""
         assert initial_state is None and not output_final_state, "the training path passes no recurrent state"
-        outputs = []
-        for start, end in _segments(q.shape[1], cu_seqlens):
-            out, _ = reference(q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
-                               beta[:, start:end], use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-            outputs.append(out)
-        return torch.cat(outputs, dim=1), None
+        segments = _segments(q.shape[1], cu_seqlens)
+        out, _ = reference(*(_rows(t, segments) for t in (q, k, v, g, beta)),
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return _unrows(out, segments), None
 
     return chunk_gated_delta_rule
 
