@@ -7,7 +7,9 @@ mbridge 0.15.1 (the newest release) has no Qwen3.5 bridge, so the mapping is wri
 Layouts read: ``Qwen3_5ForCausalLM`` (``model_type`` qwen3_5_text, ``model.layers.*``) and the published
 multimodal ``Qwen3_5ForConditionalGeneration`` (``model_type`` qwen3_5, the text config nested under
 ``text_config``, ``model.language_model.layers.*``): its language model only; the vision tower
-(``model.visual.*``) is left out (megatron_rl trains text).
+(``model.visual.*``) is left out (megatron_rl trains text) and copied unchanged from the source on export.
+mbridge is not used: every rank reads the checkpoint and ``model/weights.py`` shards it (``load_weights``);
+export gathers the full state dict (``iter_weights``).
 
 Mapping (``L`` = ``model.layers.{i}``, megatron ``D`` = ``decoder.layers.{i}``):
 
@@ -30,7 +32,9 @@ Every step is a concatenation or a row permutation: import then export gives the
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
@@ -170,3 +174,43 @@ def megatron_to_hf(full: dict[str, torch.Tensor], model_cfg: Any, model_type: st
             for src, dst in _ATTN_RENAMES.items():
                 out[at + src] = full[sa + dst]
     return {name: tensor.contiguous() for name, tensor in out.items()}
+
+
+def read_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of ``hf_dir`` (one file or shards), on CPU."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    return state
+
+
+def load_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
+                 model_type: str) -> None:
+    """Copy a Qwen3.5 checkpoint into this rank's model chunks (any TP/PP layout; collective only where
+    ``model/weights.py: load_full_state_dict`` is). Every rank reads the whole checkpoint: host memory is one
+    full copy per rank (mbridge, used for the other families, reads on TP rank 0 and scatters)."""
+    from megatron_rl.model.weights import load_full_state_dict
+
+    full = hf_to_megatron(read_safetensors(hf_dir), model_cfg, model_type)
+    for chunk in model_chunks:
+        load_full_state_dict(chunk, full, groups)
+
+
+def iter_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
+                 model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor on CPU)`` of the model in ``hf_dir``'s layout, then, unchanged, every tensor of
+    the source checkpoint the model here does not hold (the vision tower of the multimodal layout, MTP layers),
+    so that transformers loads the result as it loaded the source. Collective (``full_state_dict``): run it to
+    the end on every rank."""
+    from megatron_rl.model.weights import full_state_dict
+
+    full: dict[str, torch.Tensor] = {}
+    for chunk in model_chunks:
+        full.update(full_state_dict(chunk, groups))
+    language = megatron_to_hf(full, model_cfg, model_type)
+    yield from language.items()
+    for name, tensor in read_safetensors(hf_dir).items():
+        if name not in language:
+            yield name, tensor
