@@ -1,6 +1,7 @@
 """Qwen3.5 checkpoints in and out (hf/qwen35.py): ``policy_from_hf`` reads the text-only and the multimodal layout,
-its log-probs equal transformers' (one sequence per forward), export round-trips every tensor bitwise and
-transformers loads the export with the source's logits.
+its log-probs equal transformers' (one sequence per forward), the built-in engine samples from it with
+transformers' log-probs, export round-trips every tensor bitwise and transformers loads the export with the
+source's logits.
 
 Tolerance 1e-5 on log-probs: fp32, the same formulas in another order (tests/model/test_hybrid.py).
 """
@@ -47,6 +48,23 @@ def _hf_row_logprobs(hf, tensors) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def _check_builtin_engine(policy, hf) -> None:
+    """The built-in engine samples from the policy: each recorded log-prob is transformers' log-prob of the
+    sampled token given the prompt and the tokens before it."""
+    from megatron_rl.inference.builtin_engine import BuiltinEngine
+    from megatron_rl.inference.engine import SamplingSpec
+
+    prompts = [[5, 9, 17, 33], [40, 41]]
+    engine = BuiltinEngine.from_policy(policy, pad_token_id=0)
+    for prompt, completion in zip(prompts, engine.generate(prompts, SamplingSpec(max_tokens=6), seed=1)):
+        ids = torch.tensor(prompt + completion.token_ids)
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(ids[None]).logits[0].float(), -1)
+        want = logprobs[len(prompt) - 1: -1].gather(-1, ids[len(prompt):, None])[:, 0]
+        assert len(completion.token_ids) == 6
+        assert (torch.tensor(completion.logprobs) - want).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("layout", ["text", "multimodal"])
 def test_policy_from_hf_matches_transformers_and_export_round_trips(layout, groups, checkpoints, tmp_path):
     from safetensors.torch import load_file
@@ -66,6 +84,8 @@ def test_policy_from_hf_matches_transformers_and_export_round_trips(layout, grou
     mask = tensors["response_mask"].bool()
     assert (got - want)[mask].abs().max() < 1e-5
 
+    if layout == "text":
+        _check_builtin_engine(policy, hf_text)
     out = export_policy_to_hf(policy, tmp_path / "export", source)
     exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{source}/model.safetensors")
     assert exported.keys() == original.keys()  # the multimodal vision tower passes through unchanged
