@@ -16,7 +16,7 @@ from megatron_rl.data.packing import pack
 from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 from megatron_rl.model import hybrid
 
-pytestmark = pytest.mark.skipif(
+needs_hybrid = pytest.mark.skipif(
     not hybrid.mcore_supports_hybrid(),
     reason=f"hybrid Gated-DeltaNet models need megatron-core>={hybrid.MIN_MCORE} (docs/MEGATRON_CORE.md)")
 
@@ -77,6 +77,7 @@ def _max_diff_per_sequence(logits, packed, references):
     return [(logits[s:s + len(ref)] - ref).abs().max().item() for s, ref in zip(starts, references)]
 
 
+@needs_hybrid
 def test_packed_forward_matches_hf_per_sequence_and_a_state_leak_is_caught(groups, qwen35_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
@@ -100,6 +101,7 @@ def test_packed_forward_matches_hf_per_sequence_and_a_state_leak_is_caught(group
     assert leaked[0] < 1e-5 and min(leaked[1:]) > 1e-3, leaked
 
 
+@needs_hybrid
 def test_unpacked_input_is_refused(groups, qwen35_dir):
     cfg, model = megatron_from_hf(qwen35_dir, groups)
     ids = torch.randint(3, cfg.vocab_size, (1, 8))
@@ -107,15 +109,23 @@ def test_unpacked_input_is_refused(groups, qwen35_dir):
         model(ids, torch.arange(8)[None], None)
 
 
-def test_hybrid_config_errors():
+def test_hybrid_config_errors(monkeypatch):
+    """Runs on both ends: the installed megatron-core version is replaced by each end's."""
     from megatron_rl.config import ConfigError, ModelConfig
     from megatron_rl.model.builder import build_transformer_config
 
     base = ModelConfig(num_layers=2, linear_attention_freq=[1, 0])
     with pytest.raises(ConfigError, match=r"linear_attention_freq=\[1, 2\] must list 0 .* model.num_layers=2"):
         dataclasses.replace(base, linear_attention_freq=[1, 2])
+    monkeypatch.setattr(hybrid.importlib.metadata, "version", lambda name: "0.16.1")
+    with pytest.raises(ValueError, match=r"^model.linear_attention_freq .* needs megatron-core>=0.18.0 \(packed GDN "
+                                         r"input\); 0.16.1 is installed: use the megatron-core 0.19.2 environment"):
+        build_transformer_config(base, ParallelConfig())
+    monkeypatch.setattr(hybrid.importlib.metadata, "version", lambda name: "0.19.2")
     with pytest.raises(ValueError, match="context_parallel_size=2 with model.linear_attention_freq"):
         build_transformer_config(base, ParallelConfig(context_parallel_size=2))
     with pytest.raises(ValueError, match="linear_num_key_heads=2 is not divisible by tensor_model_parallel_size=8"):
         build_transformer_config(dataclasses.replace(base, num_attention_heads=8, num_query_groups=8),
                                  ParallelConfig(tensor_model_parallel_size=8))
+    with pytest.raises(ValueError, match="num_moe_experts with model.linear_attention_freq"):
+        build_transformer_config(dataclasses.replace(base, num_moe_experts=2), ParallelConfig())
