@@ -129,3 +129,32 @@ def test_hybrid_config_errors(monkeypatch):
                                  ParallelConfig(tensor_model_parallel_size=8))
     with pytest.raises(ValueError, match="num_moe_experts with model.linear_attention_freq"):
         build_transformer_config(dataclasses.replace(base, num_moe_experts=2), ParallelConfig())
+
+
+def test_vllm_engine_refused_at_start_up(tmp_path):
+    import json
+
+    from megatron_rl.config import ConfigError, ModelConfig
+    from megatron_rl.inference.config import RolloutConfig, check_engine_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
+    for model in (ModelConfig(num_layers=2, linear_attention_freq=[1, 0]), ModelConfig(hf_path=str(tmp_path))):
+        with pytest.raises(ConfigError, match="rollout.engine=vllm with a Qwen3.5 .* set rollout.engine=builtin"):
+            check_engine_model(RolloutConfig(engine="vllm"), model, "cpu")
+    check_engine_model(RolloutConfig(engine="builtin"), ModelConfig(hf_path=str(tmp_path)), "cpu")
+
+
+@needs_hybrid
+def test_checkpoint_round_trip(groups, qwen35_dir, tmp_path):
+    """megatron's sharded state of the GDN layers (in_proj split per block) saves and loads bitwise."""
+    from megatron_rl.checkpoint.dist import load_checkpoint, save_checkpoint
+    from megatron_rl.config import MegatronRLConfig, ModelConfig
+    from megatron_rl.hf import policy_from_hf
+    from megatron_rl.model.policy import MegatronPolicy
+
+    policy = policy_from_hf(MegatronRLConfig(model=ModelConfig(attention_backend="local")), groups, hf_dir=qwen35_dir)
+    save_checkpoint(policy, tmp_path, {"step": 1})
+    fresh = MegatronPolicy(policy.config, groups)  # random weights
+    assert load_checkpoint(fresh, tmp_path)["step"] == 1
+    saved, loaded = policy.full_state_dict(), fresh.full_state_dict()
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
