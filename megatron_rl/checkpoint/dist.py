@@ -86,6 +86,7 @@ class CheckpointablePolicy(Protocol):
     config: MegatronRLConfig
     groups: ParallelGroups
 
+
 HYBRID_FIELDS = ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_num_key_heads", "linear_num_value_heads")
 """The Gated-DeltaNet shape fields (docs/QWEN35.md); they mean nothing while linear_attention_freq is None."""

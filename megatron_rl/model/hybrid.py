@@ -22,8 +22,8 @@ any input without packed ``packed_seq_params`` (``packed_gdn_class``).
 
 Requirements (``validate``): megatron-core >= 0.18 (packed GDN input, NVIDIA/Megatron-LM PR #2644; 0.16.1's
 GDN raises "GDN does not support packed sequence"); the local layer spec; no context parallelism (megatron's GDN
-splits CP by all-to-all with its own load-balancing layout, not the one ``data/packing.py`` builds; untested
-here); dense MLPs; TP dividing both GDN head counts. Without fla on a CPU, ``patches/fla_standins.py`` (P12)
+implements it with its own all-to-alls over the packed sequences, never run with megatron_rl's CP packing,
+``data/packing.py: split_for_cp``); dense MLPs; TP dividing both GDN head counts. Without fla on a CPU, ``patches/fla_standins.py`` (P12)
 supplies torch versions of fla's functions.
 """
 
@@ -68,7 +68,7 @@ def validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
     if parallel_cfg.context_parallel_size > 1:
         raise ValueError(f"parallel.context_parallel_size={parallel_cfg.context_parallel_size} with "
                          "model.linear_attention_freq: context parallelism is not supported for Gated-DeltaNet "
-                         "models here; set context_parallel_size=1")
+                         "models yet (untested with megatron_rl's CP packing); set context_parallel_size=1")
     if model_cfg.num_moe_experts is not None:
         raise ValueError("model.num_moe_experts with model.linear_attention_freq: hybrid MoE models (Qwen3.5-MoE, "
                          "Qwen3-Next) are not supported yet; use a dense hybrid model")
