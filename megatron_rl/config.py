@@ -270,6 +270,25 @@ class ModelConfig(ConfigSection):
     """Routing replay (docs/MOE.md section 5): ``r2`` records each token's experts in the old-log-prob forward
     and replays them in that step's training forwards; ``r3`` replays the experts the rollout engine chose
     (``routed_experts`` in the rollouts); ``none`` routes afresh in every forward."""
+    linear_attention_freq: list[int] | None = None
+    """Hybrid Gated-DeltaNet model (Qwen3.5, docs/QWEN35.md): one entry per layer, 1 = a Gated-DeltaNet (linear
+    attention) layer, 0 = full attention; None = a plain transformer. Needs megatron-core >= 0.18."""
+    linear_conv_kernel_dim: int = field(default=4, metadata=AT_LEAST_1)
+    """Gated-DeltaNet: width of the causal depthwise convolution over q/k/v."""
+    linear_key_head_dim: int = field(default=32, metadata=AT_LEAST_1)
+    """Gated-DeltaNet: query/key head dimension."""
+    linear_value_head_dim: int = field(default=32, metadata=AT_LEAST_1)
+    """Gated-DeltaNet: value head dimension."""
+    linear_num_key_heads: int = field(default=2, metadata=AT_LEAST_1)
+    """Gated-DeltaNet: query/key heads."""
+    linear_num_value_heads: int = field(default=4, metadata=AT_LEAST_1)
+    """Gated-DeltaNet: value heads (a multiple of linear_num_key_heads)."""
+    attention_output_gate: bool = False
+    """Full attention multiplies each head's output by sigmoid(gate), the gate projected with the queries (Qwen3.5)."""
+    rotary_percent: float = field(default=1.0, metadata=valid(0, 1, low_open=True))
+    """Fraction of each head's channels that RoPE rotates (HF ``partial_rotary_factor``; Qwen3.5: 0.25)."""
+    layernorm_zero_centered_gamma: bool = False
+    """RMSNorm scales by (1 + weight), the weight initialized to 0 (Qwen3.5's layer, q/k and final norms)."""
 
     def _check_rules(self) -> None:
         if self.num_attention_heads % self.num_query_groups != 0:
@@ -277,6 +296,8 @@ class ModelConfig(ConfigSection):
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups={self.num_query_groups}; choose num_query_groups dividing the head count"
             )
+        if self.linear_attention_freq is not None:
+            self._check_hybrid_rules()
         if self.num_moe_experts is None:
             moe_set = [name for name in ("moe_ffn_hidden_size", "moe_z_loss_coeff") if getattr(self, name) is not None]
             moe_set += ["moe_aux_loss_coeff"] if self.moe_aux_loss_coeff > 0 else []
@@ -292,6 +313,15 @@ class ModelConfig(ConfigSection):
             raise ConfigError(f"model.moe_aux_loss_coeff={self.moe_aux_loss_coeff} with "
                               "model.moe_router_load_balancing_type='none'; set the type to 'seq_aux_loss' or the "
                               "coefficient to 0")
+
+    def _check_hybrid_rules(self) -> None:
+        pattern = self.linear_attention_freq
+        if len(pattern) != self.num_layers or any(v not in (0, 1) for v in pattern):
+            raise ConfigError(f"model.linear_attention_freq={pattern} must list 0 (attention) or 1 (Gated-DeltaNet) "
+                              f"for each of the model.num_layers={self.num_layers} layers")
+        if self.linear_num_value_heads % self.linear_num_key_heads != 0:
+            raise ConfigError(f"model.linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                              f"model.linear_num_key_heads={self.linear_num_key_heads}; choose a multiple")
 
 
 @dataclass(kw_only=True)

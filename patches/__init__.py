@@ -12,6 +12,8 @@ was measured on, the reason and the condition under which it can be deleted.
     P9          patches/cuda_calls.py  torch.cuda.current_stream -> a no-op stream
     P6          patches/rng.py         the model-parallel RNG tracker keeps CPU generator states
     P10, P11    patches/moe.py         the MoE alltoall dispatcher: its side stream, split sizes on the host
+    P12         patches/fla_standins.py  torch l2norm / causal_conv1d / chunk_gated_delta_rule for Gated-DeltaNet
+                                       (Qwen3.5) where fla is absent, looping over packed sequences
 
 P7 (a norm that supports sequence parallelism) and P8 (THD-capable core attention) are layer-spec
 substitutions made by ``megatron_rl.model.builder``, not patches.
@@ -80,9 +82,9 @@ _APPLIED: list[str] | None = None
 
 def registry() -> list[Patch]:
     """All CPU patches, in the order they are applied."""
-    from megatron_rl.patches import cuda_calls, moe, rng
+    from megatron_rl.patches import cuda_calls, fla_standins, moe, rng
 
-    return [*cuda_calls.PATCHES, *rng.PATCHES, *moe.PATCHES]
+    return [*cuda_calls.PATCHES, *rng.PATCHES, *moe.PATCHES, *fla_standins.PATCHES]
 
 
 def in_supported_range(version: str) -> bool:

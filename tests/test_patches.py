@@ -35,7 +35,8 @@ _MOE = ["P10 MoE dispatcher side stream", "P11 MoE split sizes on the host"]
 _COMMON = ["P1/P4/P5 CpuForCudaMode", "P2 torch.cuda.current_device", "P3 torch.cuda.synchronize"]
 EXPECTED_PATCHES = {  # megatron-core version -> the patches applied on CPU, in order
     "0.16.1": [*_COMMON, "P9 torch.cuda.current_stream", "P6 CPU RNG tracker", *_MOE],
-    "0.19.2": [*_COMMON, "P9 torch.cuda.current_stream", "P6 CPU RNG tracker", *_MOE],
+    "0.19.2": [*_COMMON, "P9 torch.cuda.current_stream", "P6 CPU RNG tracker", *_MOE,
+               "P12 fla stand-ins for Gated-DeltaNet"],
 }
 MCORE_VERSION = importlib.metadata.version("megatron-core")
 needs_cpu_patches = pytest.mark.skipif(

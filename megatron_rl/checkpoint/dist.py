@@ -86,17 +86,22 @@ class CheckpointablePolicy(Protocol):
     config: MegatronRLConfig
     groups: ParallelGroups
 
+
+HYBRID_FIELDS = ("linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads")
+"""The Gated-DeltaNet shape fields (docs/QWEN35.md); they mean nothing while linear_attention_freq is None."""
+
 SHAPE_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "vocab_size", "share_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm", "num_moe_experts",
-    "moe_ffn_hidden_size",
+    "moe_ffn_hidden_size", "attention_output_gate", *HYBRID_FIELDS,
 )  # fmt: skip
 """ModelConfig fields that must match between a checkpoint and the model it is loaded into."""
 
 
 SOFT_FIELDS = (
     "rotary_base", "layernorm_epsilon", "params_dtype", "moe_router_topk", "moe_router_score_function",
-    "moe_router_pre_softmax",
+    "moe_router_pre_softmax", "rotary_percent", "layernorm_zero_centered_gamma",
 )  # fmt: skip
 """ModelConfig fields that load under another value but change the model's function: a warning."""
 
@@ -119,6 +124,9 @@ def _effective_shape(model: ModelDict) -> ModelDict:
         model["kv_channels"] = model["hidden_size"] // model["num_attention_heads"]
     if model.get("num_moe_experts") is not None and model.get("moe_ffn_hidden_size") is None:
         model["moe_ffn_hidden_size"] = model.get("ffn_hidden_size")
+    model.setdefault("attention_output_gate", False)  # manifests written before Qwen3.5: no gate
+    if model.get("linear_attention_freq") is None:  # a plain transformer (or a manifest before Qwen3.5)
+        model.update(dict.fromkeys(HYBRID_FIELDS))
     return model
 
 

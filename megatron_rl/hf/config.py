@@ -1,4 +1,5 @@
-"""Hugging Face ``config.json`` -> megatron_rl ``ModelConfig`` (Llama, Qwen2, Qwen3; MoE: Qwen3-MoE, Mixtral).
+"""Hugging Face ``config.json`` -> megatron_rl ``ModelConfig`` (Llama, Qwen2, Qwen3; MoE: Qwen3-MoE, Mixtral;
+hybrid Gated-DeltaNet: Qwen3.5 text and the language model of multimodal Qwen3.5, ``hf/qwen35.py``).
 
 Place in the data flow: set-up, before the model is built (``model.builder.build_gpt_model`` reads the
 returned ``ModelConfig``); ``hf/weights.py`` then fills the built model with the checkpoint's tensors.
@@ -31,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import ModelConfig
+from megatron_rl.hf import qwen35
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", *qwen35.MODEL_TYPES)
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 
@@ -114,27 +116,41 @@ def model_config_from_hf(hf_dir: str | os.PathLike, base: ModelConfig | None = N
     come from ``base`` (defaults when None).
     """
     hf_config = load_hf_config(hf_dir, key=key)
-    _reject_unsupported(hf_config, f"{key}={str(hf_dir)!r} ({hf_config.model_type})")
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    where = f"{key}={str(hf_dir)!r} ({hf_config.model_type})"
+    text = qwen35.text_config(hf_config)  # the language model of a multimodal Qwen3.5 (hf/qwen35.py)
+    _reject_unsupported(text, where)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return dataclasses.replace(
         base or ModelConfig(),
         hf_path=str(hf_dir),
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
+        num_layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        ffn_hidden_size=text.intermediate_size,
         num_attention_heads=heads,
-        num_query_groups=getattr(hf_config, "num_key_value_heads", None) or heads,
+        num_query_groups=getattr(text, "num_key_value_heads", None) or heads,
         kv_channels=head_dim,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        rotary_base=rope_theta(hf_config),
-        layernorm_epsilon=hf_config.rms_norm_eps,
+        vocab_size=text.vocab_size,
+        max_position_embeddings=text.max_position_embeddings,
+        rotary_base=rope_theta(text),
+        layernorm_epsilon=text.rms_norm_eps,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         add_qkv_bias=hf_config.model_type == "qwen2",
-        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe"),
+        qk_layernorm=hf_config.model_type in ("qwen3", "qwen3_moe", *qwen35.MODEL_TYPES),
         **_moe_fields(hf_config),
+        **_hybrid_fields(hf_config, where),
     )
+
+
+def _hybrid_fields(hf_config: Any, where: str) -> dict[str, Any]:
+    """Qwen3.5's Gated-DeltaNet and gated-attention fields (hf/qwen35.py); plain values for other types."""
+    if hf_config.model_type not in qwen35.MODEL_TYPES:
+        return {"linear_attention_freq": None, "attention_output_gate": False, "rotary_percent": 1.0,
+                "layernorm_zero_centered_gamma": False}
+    try:
+        return qwen35.model_fields(hf_config)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _moe_fields(hf_config: Any) -> dict[str, Any]:

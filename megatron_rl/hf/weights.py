@@ -23,6 +23,9 @@ names and full tensors; every rank must run it to the end). What mbridge needs h
   to global expert ``e * n_local + j`` itself), and it gets the EP and expert-TP groups; its TP merge is told
   that a whole expert (expert_tensor_parallel_size 1) is not split over TP.
 
+Qwen3.5 (hybrid Gated-DeltaNet) has no mbridge bridge: ``hf/qwen35.py`` maps it (every rank reads the
+checkpoint, ``model/weights.py`` shards it), and the per-stage stream refuses it.
+
 Export writes ``model.safetensors`` (or size-limited shards + ``model.safetensors.index.json``) on rank 0,
 plus the source directory's config and tokenizer files, so ``transformers`` loads the result directly.
 """
@@ -46,6 +49,7 @@ from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.hf.config import (
     HF_DIR_KEY, MOE_MODEL_TYPES, describe_hf_load, load_hf_config, model_config_from_hf, rope_theta,
 )
+from megatron_rl.hf import qwen35
 from megatron_rl.hf.tokenizer import resolve_pad_token_id
 from megatron_rl.model.optimizer import follow_new_weights
 from megatron_rl.model.policy import MegatronPolicy
@@ -65,6 +69,10 @@ def make_bridge(hf_dir: str | os.PathLike, groups: ParallelGroups, dtype: torch.
     from mbridge.core.parallel_states import ParallelStates
 
     hf_config = load_hf_config(hf_dir)
+    if hf_config.model_type in qwen35.MODEL_TYPES:
+        raise ValueError(f"{str(hf_dir)!r} is a Qwen3.5 checkpoint: mbridge has no bridge for it, so the per-stage "
+                         "weight stream (the vLLM weight sync) does not support it yet; use the built-in engine "
+                         "(docs/QWEN35.md)")
     hf_config.rope_theta = rope_theta(hf_config)
     states = ParallelStates(
         tp_size=groups.tp_size, tp_rank=groups.tp_rank, pp_size=groups.pp_size, pp_rank=groups.pp_rank,
@@ -226,6 +234,11 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
         check_hf_matches(model_cfg, hf_dir, key=key)
     if not list(Path(hf_dir).glob("*.safetensors")):
         raise ValueError(f"{key}={str(hf_dir)!r} has no *.safetensors files (only safetensors are read)")
+    model_type = load_hf_config(hf_dir, key=key).model_type
+    if model_type in qwen35.MODEL_TYPES:  # no mbridge bridge: our own mapping (hf/qwen35.py)
+        with torch.no_grad():
+            qwen35.load_weights(model_chunks, hf_dir, groups, model_cfg or model_config_from_hf(hf_dir), model_type)
+        return
     bridge = bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
         bridge.load_weights(_views(model_chunks), str(hf_dir))
@@ -266,6 +279,11 @@ def policy_from_hf(config: MegatronRLConfig, groups: ParallelGroups, *, role: Li
 def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank."""
+    model_type = load_hf_config(hf_dir).model_type
+    if model_type in qwen35.MODEL_TYPES:  # no mbridge bridge: our own mapping (hf/qwen35.py)
+        with torch.no_grad():
+            yield from qwen35.iter_weights(model_chunks, hf_dir, groups, model_config_from_hf(hf_dir), model_type)
+        return
     bridge = bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
         for name, tensor in bridge.export_weights(_views(model_chunks)):

@@ -125,6 +125,9 @@ def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) 
     the shapes are the checkpoint's (its ``config.json``), not the ``model.*`` keys (which it replaces)."""
     if rollout.engine != "vllm":
         return
+    if model.linear_attention_freq is not None or _is_qwen35(model.hf_path):
+        raise ConfigError("rollout.engine=vllm with a Qwen3.5 (hybrid Gated-DeltaNet) model: the weight sync into "
+                          "vLLM does not support it yet (docs/QWEN35.md); set rollout.engine=builtin")
     if rollout.sleep_while_training and device == "cpu":
         raise ConfigError("rollout.sleep_while_training=true frees GPU memory for training, but parallel.device=cpu; "
                           "unset it (on CPU the engines use host memory)")
@@ -158,3 +161,16 @@ def _hf_shapes(hf_path: str) -> int | None:
         return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
+
+
+def _is_qwen35(hf_path: str | None) -> bool:
+    """Whether ``hf_path/config.json`` declares a Qwen3.5 model (False when absent or unreadable)."""
+    import json
+    from pathlib import Path
+
+    from megatron_rl.hf.qwen35 import MODEL_TYPES
+
+    try:
+        return hf_path is not None and json.loads((Path(hf_path) / "config.json").read_text()).get("model_type") in MODEL_TYPES
+    except (OSError, ValueError):
+        return False

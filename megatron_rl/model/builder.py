@@ -6,7 +6,8 @@ Place in the data flow (docs/DESIGN.md section 1): the "Megatron model (TP/PP)" 
 The model is Llama-style: RoPE, RMSNorm, SwiGLU MLP (``gated_linear_unit``: fc1 holds [gate; up]), GQA, no
 linear biases except the optional QKV bias (Qwen2), optional q/k RMSNorm (Qwen3), tied or untied output layer.
 With ``model.num_moe_experts`` every layer's MLP is megatron-core's MoE layer instead (top-k router, SwiGLU
-experts, alltoall dispatcher, expert parallelism; ``model/moe.py``, docs/MOE.md).
+experts, alltoall dispatcher, expert parallelism; ``model/moe.py``, docs/MOE.md). With
+``model.linear_attention_freq`` some layers are Gated-DeltaNet layers (Qwen3.5; ``model/hybrid.py``, docs/QWEN35.md).
 Logits stay vocab-sharded (``parallel_output=True``): ``[b, s, V_padded/tp]`` (``[1, T, V_padded/tp]`` packed)
 on the last stage; feed them to ``megatron_rl.model.logprobs``.
 
@@ -46,7 +47,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.distributed.bootstrap import ParallelGroups
-from megatron_rl.model import moe
+from megatron_rl.model import hybrid, moe
 from megatron_rl.model.attention import PackedDotProductAttention
 from megatron_rl.model.norm import RMSNorm
 from megatron_rl.model.rotary import PackedRopeSelfAttention
@@ -80,6 +81,7 @@ def _validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
     if model_cfg.kv_channels is None:
         _divisible("hidden_size", model_cfg.hidden_size, "model.num_attention_heads", model_cfg.num_attention_heads)
     moe.validate(model_cfg, parallel_cfg)
+    hybrid.validate(model_cfg, parallel_cfg)
 
 
 def use_transformer_engine(model_cfg: ModelConfig) -> bool:
@@ -136,29 +138,31 @@ def build_transformer_config(model_cfg: ModelConfig, parallel_cfg: ParallelConfi
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         **moe.transformer_config_kwargs(model_cfg, parallel_cfg),
+        **hybrid.transformer_config_kwargs(model_cfg),
     )
     if model_cfg.num_moe_experts is not None:
         moe.configure_losses(config, model_cfg)
     return config
 
 
-def _local_layer_spec(qk_layernorm: bool, moe_layer: bool = False) -> ModuleSpec:
-    """megatron's local GPT layer spec with the THD attention (P8) and the SP-aware RMSNorm (P7); the MLP is
-    megatron's MoE layer with our router for ``moe_layer`` (model/moe.py)."""
+def _local_layer_spec(qk_layernorm: bool, moe_layer: bool = False, norm: type[RMSNorm] = RMSNorm) -> ModuleSpec:
+    """megatron's local GPT layer spec with the THD attention (P8) and the SP-aware RMSNorm (P7; ``norm``, e.g.
+    the zero-centred one of model/hybrid.py); the MLP is megatron's MoE layer with our router for ``moe_layer``
+    (model/moe.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     layer = spec.submodules
     if moe_layer:
         layer.mlp = moe.moe_mlp_spec(qk_layernorm)
-    layer.input_layernorm = RMSNorm
-    layer.pre_mlp_layernorm = RMSNorm
+    layer.input_layernorm = norm
+    layer.pre_mlp_layernorm = norm
     layer.self_attention.module = PackedRopeSelfAttention  # RoPE from per-token positions (model/rotary.py)
     attention = layer.self_attention.submodules
     attention.core_attention = PackedDotProductAttention
     if qk_layernorm:
-        attention.q_layernorm = RMSNorm
-        attention.k_layernorm = RMSNorm
+        attention.q_layernorm = norm
+        attention.k_layernorm = norm
     return spec
 
 
@@ -169,10 +173,13 @@ def _block_spec(config: TransformerConfig, model_cfg: ModelConfig, pp_rank: int,
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model_cfg.qk_layernorm)
     # An explicit block spec sets the final norm (megatron would take the module global LayerNormImpl).
+    norm = hybrid.norm_class(model_cfg)
+    layer = _local_layer_spec(model_cfg.qk_layernorm, moe_layer=model_cfg.num_moe_experts is not None, norm=norm)
+    if hybrid.is_hybrid(model_cfg):  # Gated-DeltaNet layers among these attention layers (model/hybrid.py)
+        return TransformerBlockSubmodules(layer_specs=hybrid.stage_layer_specs(config, model_cfg, pp_rank, layer),
+                                          layer_norm=norm)
     num_layers = get_num_layers_to_build(config, pp_rank=pp_rank)
-    layer = _local_layer_spec(model_cfg.qk_layernorm, moe_layer=model_cfg.num_moe_experts is not None)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers,
-                                      layer_norm=RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
 
 
 def build_gpt_model(
@@ -202,6 +209,7 @@ def build_gpt_model(
         share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=model_cfg.rotary_base,
+        rotary_percent=model_cfg.rotary_percent,
         pg_collection=groups.pg_collection,
     )
     if config.num_moe_experts is not None:

@@ -10,6 +10,8 @@ two functions. ``full_state_dict`` has the keys and shapes of a TP1/PP1 model of
                              gate_r, up_r are chunk r of gate and up (each rank applies silu(gate) * up to
                              its own half), so chunking the full tensor directly would be wrong
     qkv                      per-query-group [q; k; v] rows, groups contiguous: plain chunking is right
+    Gated-DeltaNet           ``in_proj`` full ``[q; k; v; z; beta; alpha]``, ``conv1d`` full ``[q; k; v]``
+                             channels: like gated fc1, rank r holds chunk r of each block (``_sections``)
     pipeline stages          local ``decoder.layers.{i}`` is global layer ``layer_number - 1``
     tied output layer        the last stage's ``output_layer.weight`` copy is not in the full dict (a TP1/PP1
                              tied model has none); it is loaded from ``embedding.word_embeddings.weight``
@@ -81,22 +83,39 @@ def _is_gated_fc1(model: torch.nn.Module, name: str) -> bool:
     return model.config.gated_linear_unit and re.search(r"linear_fc1\.(weight|bias)$", name) is not None
 
 
+def _sections(model: torch.nn.Module, name: str, local_rows: int) -> list[int] | None:
+    """Row blocks of a TP shard that are split over TP one by one (module doc), as local sizes; None for a plain
+    split. Gated fc1: ``[gate_r; up_r]``; Gated-DeltaNet (model/hybrid.py) ``in_proj``: ``[q_r; k_r; v_r; z_r;
+    beta_r; alpha_r]`` and ``conv1d``: ``[q_r; k_r; v_r]`` (megatron's ``in_proj_split_sections``)."""
+    if _is_gated_fc1(model, name):
+        return [local_rows // 2] * 2
+    match = re.match(r"^(.*self_attention)\.(in_proj|conv1d)\.(weight|bias)$", name)
+    if match is None:
+        return None
+    gdn = model.get_submodule(match[1])
+    if not hasattr(gdn, "in_proj_split_sections"):
+        return None
+    if match[2] == "in_proj":
+        return list(gdn.in_proj_split_sections)
+    return [gdn.qk_dim_local_tp, gdn.qk_dim_local_tp, gdn.v_dim_local_tp]
+
+
 def _is_tied_copy(model: torch.nn.Module, name: str) -> bool:
     return name == _TIED_COPY and model.share_embeddings_and_output_weights
 
 
-def _unshard_tp(shards: list[torch.Tensor], dim: int, gated: bool) -> torch.Tensor:
-    if not gated:
+def _unshard_tp(shards: list[torch.Tensor], dim: int, sections: list[int] | None) -> torch.Tensor:
+    if sections is None:
         return torch.cat(shards, dim=dim)
-    halves = [shard.chunk(2, dim=dim) for shard in shards]  # [(gate_r, up_r)]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    blocks = [shard.split(sections, dim=dim) for shard in shards]  # [(gate_r, up_r)] for gated fc1
+    return torch.cat([b[i] for i in range(len(sections)) for b in blocks], dim=dim)
 
 
-def _shard_tp(full: torch.Tensor, local_shape: torch.Size, dim: int, gated: bool, tp: int, rank: int,
-              vocab: bool = False):
-    if gated:
-        gate, up = full.chunk(2, dim=dim)
-        return torch.cat([gate.chunk(tp, dim=dim)[rank], up.chunk(tp, dim=dim)[rank]], dim=dim)
+def _shard_tp(full: torch.Tensor, local_shape: torch.Size, dim: int, sections: list[int] | None, tp: int,
+              rank: int, vocab: bool = False):
+    if sections is not None:
+        blocks = full.split([n * tp for n in sections], dim=dim)  # (gate, up) for gated fc1
+        return torch.cat([block.chunk(tp, dim=dim)[rank] for block in blocks], dim=dim)
     missing = local_shape[dim] * tp - full.shape[dim]
     if missing > 0:  # vocabulary padded to a multiple of tp
         pad_shape = list(full.shape)
@@ -107,10 +126,11 @@ def _shard_tp(full: torch.Tensor, local_shape: torch.Size, dim: int, gated: bool
     return full.chunk(tp, dim=dim)[rank]
 
 
-def _gather_tp(tensor: torch.Tensor, size: int, group: object, dim: int, gated: bool) -> torch.Tensor:
+def _gather_tp(tensor: torch.Tensor, size: int, group: object, dim: int, sections: list[int] | None
+               ) -> torch.Tensor:
     shards = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(shards, tensor.contiguous(), group=group)
-    return _unshard_tp(shards, dim, gated)
+    return _unshard_tp(shards, dim, sections)
 
 
 @torch.no_grad()
@@ -125,7 +145,8 @@ def full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
         value = tensor.detach()
         size, _, group = _tp_of(name, groups)
         if getattr(tensor, "tensor_model_parallel", False) and size > 1:
-            value = _gather_tp(value, size, group, tensor.partition_dim, _is_gated_fc1(model, name))
+            value = _gather_tp(value, size, group, tensor.partition_dim,
+                               _sections(model, name, tensor.shape[tensor.partition_dim]))
         (experts if _is_expert(name) else stage)[_global_name(model, name, groups)] = value.cpu().clone()
     if groups.ep_size > 1:  # each EP rank holds its own experts: gather them all
         parts: list[dict[str, torch.Tensor] | None] = [None] * groups.ep_size
@@ -155,7 +176,8 @@ def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor
         full = full_sd[_source_name(model, name, groups)].to(tensor.device, tensor.dtype)
         if getattr(tensor, "tensor_model_parallel", False):
             size, rank, _ = _tp_of(name, groups)
-            full = _shard_tp(full, tensor.shape, tensor.partition_dim, _is_gated_fc1(model, name),
+            full = _shard_tp(full, tensor.shape, tensor.partition_dim,
+                             _sections(model, name, tensor.shape[tensor.partition_dim]),
                              size, rank, vocab=name in (_EMBEDDING, _TIED_COPY))
         if full.shape != tensor.shape:
             raise ValueError(

@@ -1,0 +1,100 @@
+"""Qwen3.5 checkpoints in and out (hf/qwen35.py): ``policy_from_hf`` reads the text-only and the multimodal layout,
+its log-probs equal transformers' (one sequence per forward), the built-in engine samples from it with
+transformers' log-probs, export round-trips every tensor bitwise and transformers loads the export with the
+source's logits.
+
+Tolerance 1e-5 on log-probs: fp32, the same formulas in another order (tests/model/test_hybrid.py).
+"""
+
+import pytest
+import torch
+
+from batches import left_padded_tensors, training_batch
+from megatron_rl.config import MegatronRLConfig, ModelConfig, ParallelConfig
+from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+from megatron_rl.model import hybrid
+
+pytestmark = pytest.mark.skipif(
+    not hybrid.mcore_supports_hybrid(),
+    reason=f"hybrid Gated-DeltaNet models need megatron-core>={hybrid.MIN_MCORE} (docs/MEGATRON_CORE.md)")
+
+
+@pytest.fixture(scope="module")
+def groups():
+    groups = initialize_distributed(ParallelConfig(), seed=5)
+    yield groups
+    destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from qwen35_tiny import save_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen35_ckpts")
+    return {"text": save_checkpoint(root / "text"), "multimodal": save_checkpoint(root / "vl", multimodal=True)}
+
+
+def _hf_row_logprobs(hf, tensors) -> torch.Tensor:
+    """[B, R] log-probs from transformers, one unpadded sequence per forward, right-aligned as the policy's."""
+    seqs, am = tensors["sequences"], tensors["attention_mask"]
+    width, resp = seqs.shape[1], tensors["response_mask"].shape[1]
+    rows = []
+    for i in range(seqs.shape[0]):
+        tokens = seqs[i][am[i].bool()]
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(tokens[None]).logits[0].float(), -1)[:-1].gather(-1, tokens[1:, None])[:, 0]
+        full = torch.cat([torch.zeros(width - len(tokens)), lp, torch.zeros(1)])  # column c predicts c+1
+        rows.append(full[width - resp - 1: width - 1])
+    return torch.stack(rows)
+
+
+def _check_builtin_engine(policy, hf) -> None:
+    """The built-in engine samples from the policy: each recorded log-prob is transformers' log-prob of the
+    sampled token given the prompt and the tokens before it."""
+    from megatron_rl.inference.builtin_engine import BuiltinEngine
+    from megatron_rl.inference.engine import SamplingSpec
+
+    prompts = [[5, 9, 17, 33], [40, 41]]
+    engine = BuiltinEngine.from_policy(policy, pad_token_id=0)
+    for prompt, completion in zip(prompts, engine.generate(prompts, SamplingSpec(max_tokens=6), seed=1)):
+        ids = torch.tensor(prompt + completion.token_ids)
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf(ids[None]).logits[0].float(), -1)
+        want = logprobs[len(prompt) - 1: -1].gather(-1, ids[len(prompt):, None])[:, 0]
+        assert len(completion.token_ids) == 6
+        assert (torch.tensor(completion.logprobs) - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["text", "multimodal"])
+def test_policy_from_hf_matches_transformers_and_export_round_trips(layout, groups, checkpoints, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Qwen3_5ForConditionalGeneration
+
+    from megatron_rl.hf import export_policy_to_hf, policy_from_hf
+
+    source = checkpoints[layout]
+    config = MegatronRLConfig(model=ModelConfig(attention_backend="local"))
+    policy = policy_from_hf(config, groups, role="reference", hf_dir=source)
+    assert policy.config.model.linear_attention_freq == [1, 0, 1, 0]
+
+    tensors = left_padded_tensors([5, 30, 2], [9, 40, 3], 256, torch.Generator().manual_seed(0), low=3)
+    got = policy.forward(training_batch(tensors))["logprobs"]
+    hf_text = AutoModelForCausalLM.from_pretrained(checkpoints["text"], dtype=torch.float32).eval()
+    want = _hf_row_logprobs(hf_text, tensors)
+    mask = tensors["response_mask"].bool()
+    assert (got - want)[mask].abs().max() < 1e-5
+
+    if layout == "text":
+        _check_builtin_engine(policy, hf_text)
+    out = export_policy_to_hf(policy, tmp_path / "export", source)
+    exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{source}/model.safetensors")
+    assert exported.keys() == original.keys()  # the multimodal vision tower passes through unchanged
+    assert all(torch.equal(exported[k], original[k]) for k in original), "round trip is not bitwise"
+    if layout == "multimodal":
+        _, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        return
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = tensors["sequences"][1][tensors["attention_mask"][1].bool()][None]
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf_text(ids).logits)
