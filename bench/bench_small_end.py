@@ -93,8 +93,13 @@ def run_megatron_rl(job: dict[str, Path], out: Path, steps: int, engine: str, *,
     return {"wall_s": wall, "steps": lines}
 
 
-def run_trl(job: dict[str, Path], out: Path, steps: int) -> dict:
-    """TRL's GRPOTrainer on CPU on the same model, prompts and reward; step times from a callback."""
+def run_trl(job: dict[str, Path], out: Path, steps: int, threads: int = 1) -> dict:
+    """TRL's GRPOTrainer on CPU on the same model, prompts and reward; step times from a callback. ``threads``:
+    torch's intra-op threads (run_megatron.sh gives each rank OMP_NUM_THREADS=1; on a loaded 2-core box two
+    spinning OpenMP threads made TRL's step ~10x slower)."""
+    import torch
+
+    torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -183,6 +188,7 @@ def main() -> int:
     parser.add_argument("--tokens", action="store_true", help="add the tokens system (a token budget)")
     parser.add_argument("--before", help="add the before system: builtin through this checkout")
     parser.add_argument("--trl-site", default="/tmp/trl-site", help="folder TRL was installed into (--target)")
+    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL run (megatron_rl: 1)")
     parser.add_argument("--out", help="write the summary rows as JSON here")
     args = parser.parse_args()
     systems = ((["before"] if args.before else []) + [s for s in args.systems.split(",") if s]
@@ -197,7 +203,7 @@ def main() -> int:
                 if system == "trl":
                     if Path(args.trl_site).is_dir():
                         sys.path.insert(0, args.trl_site)
-                    result = run_trl(job, out, args.steps)
+                    result = run_trl(job, out, args.steps, args.trl_threads)
                 elif system == "before":
                     result = run_megatron_rl(job, out, args.steps, "builtin", repo=Path(args.before).resolve())
                 elif system == "tokens":
