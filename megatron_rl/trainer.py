@@ -33,6 +33,13 @@ the policy's device. A policy hands results back on the host; ``add_old_and_ref_
 there (a no-op for a host tensor), so no stage below can mix devices (the first CUDA run crashed exactly there,
 subtracting CUDA ``old_logprobs`` from host ``rollout_logprobs``).
 
+Skipped forward (``Trainer.old_logprobs_needed``): when the step takes one optimizer step (one mini-batch, one
+epoch) and nothing before the update reads the old log-probs (no KL in the reward, no MoE routing replay), the
+policy cannot move between that forward and the update's, so the old log-probs ARE the update's (detached; the
+loss takes them so when ``old_logprobs`` is absent, as TRL and verl do): the forward is skipped, the rollout
+mismatch and ratio metrics come from the update's forward (``policy_loss_with_rollout_metrics``), and
+``timing/old_logprobs_skipped`` is 1 (0 when the forward runs).
+
 Metrics are ``Metric`` partials merged exactly (``megatron_rl.metrics``). Across the optimizer steps of one
 train step, token/sequence means stay exact means over the whole batch; losses (``reduce="sum"`` within a
 mini-batch, i.e. the mini-batch objective) become means over the optimizer steps.
@@ -87,7 +94,7 @@ class Trainer:
     """
 
     def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, reference: PolicyLike | None = None,
-                 critic: PolicyLike | None = None) -> None:
+                 critic: PolicyLike | None = None, skip_old_logprobs: bool = True) -> None:
         config.validate()  # re-checks a config changed after construction (tests and library users mutate fields)
         algo = config.algorithm
         if (algo.use_kl_loss or algo.use_kl_in_reward) and reference is None:
@@ -109,6 +116,8 @@ class Trainer:
         self.critic = critic
         self.optimizer_steps = 0
         """Optimizer steps taken by this trainer (all train steps)."""
+        self.skip_old_logprobs = skip_old_logprobs
+        """False: always run the old-log-prob forward (the main job passes False under rollout.max_staleness > 0)."""
 
     # ----------------------------------------------------------------------------------------------------------
     # The RL step
@@ -120,9 +129,11 @@ class Trainer:
         with timed(metrics, "timing/prepare_s"):
             rollouts = self.validate_and_merge(generator_output, metrics)
             batch = self.to_training_batch(rollouts)  # [B, S] / [B, R]
+        needed = self.old_logprobs_needed(batch)
         with timed(metrics, "timing/old_logprobs_s"):
-            self.add_old_and_ref_logprobs(batch)  # old_logprobs (+ ref_logprobs) [B, R]
+            self.add_old_and_ref_logprobs(batch, policy=needed)  # old_logprobs (+ ref_logprobs) [B, R]
             metrics.update(self.replay_logprob_metrics(batch))
+        metrics["timing/old_logprobs_skipped"] = Metric(0.0 if needed else 1.0, 1.0, "max")
         if self.critic is not None:
             with timed(metrics, "timing/old_values_s"):
                 self.add_old_values(batch)  # values [B, R]
@@ -167,9 +178,19 @@ class Trainer:
             validated=True,
         )
 
+    def old_logprobs_needed(self, batch: TrainingBatch) -> bool:
+        """Whether the old-log-prob forward can differ from the update's own (module docstring): several optimizer
+        steps this step, a stage before the update that reads them (KL in the reward, MoE routing replay), or
+        ``skip_old_logprobs`` off."""
+        cfg = self.config
+        mini_batches = len(compute_prompt_mini_batch_boundaries(batch.uids, cfg.batch.policy_mini_batch_size))
+        return (not self.skip_old_logprobs or mini_batches * cfg.batch.update_epochs_per_batch != 1
+                or cfg.algorithm.use_kl_in_reward or cfg.model.moe_router_replay != "none")
+
     @torch.no_grad()
-    def add_old_and_ref_logprobs(self, batch: TrainingBatch) -> None:
-        """``old_logprobs`` from the policy before any update; ``ref_logprobs`` when a reference model exists.
+    def add_old_and_ref_logprobs(self, batch: TrainingBatch, *, policy: bool = True) -> None:
+        """``old_logprobs`` from the policy before any update (``policy=False``: skipped, see
+        ``old_logprobs_needed``); ``ref_logprobs`` when a reference model exists.
 
         Routing replay (``model.moe_router_replay``): r2 records the routing of this forward into
         ``routed_experts``; r3 keeps the rollouts' (this forward already replays it); otherwise it is dropped."""
@@ -179,9 +200,10 @@ class Trainer:
         if replay == "r2":
             out = self.policy.forward(batch, record_routing=True)
             batch["routed_experts"] = out["routed_experts"]
-        else:
+        elif policy:
             out = self.policy.forward(batch)
-        batch["old_logprobs"] = out["logprobs"].to("cpu", torch.float32)
+        if policy or replay == "r2":
+            batch["old_logprobs"] = out["logprobs"].to("cpu", torch.float32)
         if self.reference is not None:
             batch["ref_logprobs"] = self.reference.forward(batch)["logprobs"].to("cpu", torch.float32)
 
@@ -249,8 +271,9 @@ class Trainer:
             mini_batch["advantages"], mini_batch["loss_mask"], algo.loss_reduction, algo.max_seq_len
         )
         loss_context = LossContext.for_minibatch(algo, mini_batch["loss_mask"])  # the real rows (no DP padding)
+        loss_fn = policy_loss_fn if "old_logprobs" in mini_batch else policy_loss_with_rollout_metrics
         loss_metrics = self.policy.forward_backward(
-            mini_batch, policy_loss_fn, loss_context, compute_entropy=algo.entropy_loss_coef != 0.0
+            mini_batch, loss_fn, loss_context, compute_entropy=algo.entropy_loss_coef != 0.0
         )
         step_metrics = self.policy.optim_step()
         self.optimizer_steps += 1
@@ -356,6 +379,20 @@ def logprob_mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch
         "rollout/logprob_abs_diff_mean": mean_metric(diff, loss_mask),
         "rollout/logprob_abs_diff_max": Metric(float(diff.max()) if valid.any() else 0.0, 1.0, "max"),
     }
+
+
+def policy_loss_with_rollout_metrics(logprobs: torch.Tensor, entropy: torch.Tensor | None,
+                                     mb: Mapping[str, torch.Tensor], loss_config: Any) -> tuple[torch.Tensor, Metrics]:
+    """``policy_loss_fn`` with the old log-prob forward skipped (old = ``logprobs``, detached) plus what
+    ``rollout_metrics`` computes from the old log-probs otherwise: the rollout mismatch and the importance ratio
+    statistics, as partials of this micro-batch (a micro-batch without loss tokens adds none: its ratio min/max
+    would be 0), merged exactly over micro-batches and DP ranks."""
+    loss, metrics = policy_loss_fn(logprobs, entropy, mb, loss_config)
+    if "rollout_logprobs" in mb and bool((mb["loss_mask"] > 0).any()):
+        current, rollout = logprobs.detach().float(), mb["rollout_logprobs"]
+        metrics.update(logprob_mismatch_metrics(rollout, current, mb["loss_mask"]))
+        metrics.update(importance_ratio_metrics(current, rollout, mb["loss_mask"]))
+    return loss, metrics
 
 
 def per_optimizer_step(metrics: Mapping[str, Metric]) -> Metrics:

@@ -5,11 +5,19 @@ Place in the data flow: the rollout stage of the main job (``megatron_rl/environ
 the environment, the recorded log-probs become ``GeneratorOutput`` rollout log-probs (checked by the trainer
 against the policy's own: the rollout/old mismatch metrics).
 
-The model is reached through one function, ``next_token_logprobs(contexts) -> [n, V]``: log-softmax (temperature 1)
-of the next token after each context. ``policy_next_token_logprobs`` implements it with the Megatron policy (every
-rank takes part, results identical on every rank); tests implement it with plain torch. The sampler does repeated
-full forward passes over the growing contexts (no KV cache): meant for small models and tests; a real
-checkpoint on a GPU samples with ``rollout.engine: vllm``.
+The model is reached through one of two interfaces, both log-softmax (temperature 1) of the next token:
+
+    next_token_logprobs(contexts) -> [n, V]      a full forward over each whole context (no cache): tests' plain
+                                                 torch stand-ins, and the policy under context parallelism
+    Decoder: prefill(prompts) -> [n, V],         incremental decoding with a KV cache (``PolicyDecoder``: the
+             extend(tokens) -> [n, V]            policy with ``model/kv_cache.py``), what ``from_policy`` uses
+
+Both are collective with the Megatron policy (every rank takes part, results identical on every rank). With the
+cache a call runs each row's new token only (one micro-batch per decoding step, whatever ``config.batch``'s
+rule): prefill once, then one token per row per step; a stopped row keeps its place (its token is ignored) so
+the rows never move between DP ranks. Exact against the full forward up to float rounding
+(``tests/inference/test_kv_cache.py``): the same seed gives the same tokens. Meant for small models and tests; a
+real checkpoint on a GPU samples with ``rollout.engine: vllm``.
 
 Collective and reproducible: every rank calls ``generate`` with the same prompts and seed, computes identical
 log-probs and draws with an identically seeded CPU ``torch.Generator``, so the draws agree without communication.
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,6 +45,18 @@ from megatron_rl.inference.engine import Completion, SamplingSpec
 
 NextTokenLogprobs = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 """``contexts (n token lists) -> [n, V]`` float log-probs of the next token (temperature 1)."""
+
+
+class Decoder(Protocol):
+    """Incremental next-token log-probs over a fixed set of rows (one ``generate`` call)."""
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Start the rows with their prompts; ``[n, V]`` log-probs of each row's first new token."""
+
+    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append one token to every row; ``[n, V]`` log-probs of each row's next token."""
+
+
 RoutedExperts = Callable[[Sequence[Sequence[int]]], list[np.ndarray]]
 """``sequences (n token lists) -> n arrays [len, L, k]``: each token's top-k experts per MoE layer (R3)."""
 
@@ -116,22 +137,29 @@ def _nucleus(logprobs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_responses(
-    next_token_logprobs: NextTokenLogprobs,
+    next_token_logprobs: NextTokenLogprobs | Decoder,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | SamplingSpec,
     generator: torch.Generator,
 ) -> Samples:
-    """Sample one response per prompt: repeated forward passes over the rows that have not stopped yet."""
+    """Sample one response per prompt: a forward per step over the rows that have not stopped yet (a
+    ``Decoder``: its new token of every row; the draws are the same: only the active rows are sampled)."""
     spec = params.to_spec() if isinstance(params, SamplingParams) else params
     stop = set(spec.stop_token_ids)
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
-    for _ in range(spec.max_tokens):
+    decoder = next_token_logprobs if hasattr(next_token_logprobs, "prefill") else None
+    for step in range(spec.max_tokens):
         if not active:
             break
-        contexts = [list(prompts[i]) + responses[i] for i in active]
-        next_lp = next_token_logprobs(contexts)  # [n_active, V]
+        if decoder is None:
+            contexts = [list(prompts[i]) + responses[i] for i in active]
+            next_lp = next_token_logprobs(contexts)  # [n_active, V]
+        elif step == 0:
+            next_lp = decoder.prefill(prompts)[active]
+        else:  # every row's last token (a stopped row's is ignored), so the rows keep their places
+            next_lp = decoder.extend([r[-1] if r else 0 for r in responses])[active]
         assert next_lp.shape[0] == len(active), (next_lp.shape, len(active))
         tokens, token_lp = sample_next_tokens(next_lp, spec.temperature, generator, spec.top_p)
         for i, token, lp in zip(active, tokens.tolist(), token_lp.tolist()):
@@ -167,6 +195,33 @@ def policy_next_token_logprobs(policy, pad_token_id: int) -> NextTokenLogprobs:
     return next_token_logprobs
 
 
+class PolicyDecoder:
+    """``Decoder`` through ``policy.next_token_logprobs`` with a ``KVCache`` (model/kv_cache.py); collective.
+
+    The prefill runs under ``config.batch``'s micro-batch rule (its packs hold whole prompts); each decoding step
+    holds one token per row and runs as one micro-batch per DP rank (a token budget of all the rows).
+    """
+
+    def __init__(self, policy, pad_token_id: int) -> None:
+        self.policy, self.pad_token_id = policy, pad_token_id
+        self.cache = None
+        self.num_rows = 0
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        from megatron_rl.model.kv_cache import KVCache  # the policy's module; tests use stand-ins
+
+        self.cache, self.num_rows = KVCache(), len(prompts)
+        sequences, mask = left_padded(prompts, self.pad_token_id)
+        return self.policy.next_token_logprobs(sequences, mask, kv_cache=self.cache).float().cpu()
+
+    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
+        assert self.cache is not None and len(tokens) == self.num_rows, (len(tokens), self.num_rows)
+        sequences = torch.tensor(list(tokens), dtype=torch.long)[:, None]  # [n, 1]
+        budget = -(-self.num_rows // self.policy.groups.dp_size) * self.policy.align  # every row of a DP shard
+        return self.policy.next_token_logprobs(sequences, torch.ones_like(sequences), kv_cache=self.cache,
+                                               max_tokens_per_micro_batch=budget).float().cpu()
+
+
 def policy_routed_experts(policy, pad_token_id: int) -> RoutedExperts:
     """``sequences -> [len_i, L, k]`` arrays: the routing ``policy`` chooses for every token (one recording
     forward, any layout; collective)."""
@@ -189,27 +244,35 @@ def _dedupe(contexts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], t
 class BuiltinEngine:
     """``RolloutEngine`` over a ``next_token_logprobs`` function (the live policy, or a stand-in in tests)."""
 
-    def __init__(self, next_token_logprobs: NextTokenLogprobs, routed_experts: RoutedExperts | None = None) -> None:
+    def __init__(self, next_token_logprobs: NextTokenLogprobs, routed_experts: RoutedExperts | None = None,
+                 decoder: Callable[[], Decoder] | None = None) -> None:
         self.next_token_logprobs = next_token_logprobs
+        """The full-forward path (no cache): used when ``decoder`` is None."""
+        self.decoder = decoder
+        """Set: each ``generate`` decodes incrementally through a fresh ``decoder()`` (the KV-cache path)."""
         self.routed_experts = routed_experts
         """Set (R3): each completion's ``extra["routed_experts"]`` (module docstring)."""
         self._seed: int | None = None
         self._generator = torch.Generator(device="cpu")
 
     @classmethod
-    def from_policy(cls, policy, pad_token_id: int) -> BuiltinEngine:
-        """The engine that samples from ``policy`` (a ``MegatronPolicy``) itself; collective. Records the routing
-        when the policy's ``model.moe_router_replay`` is "r3"."""
+    def from_policy(cls, policy, pad_token_id: int, *, kv_cache: bool = True) -> BuiltinEngine:
+        """The engine that samples from ``policy`` (a ``MegatronPolicy``) itself; collective. Decodes with a KV
+        cache (``kv_cache=False`` or context parallelism: full forwards). Records the routing when the policy's
+        ``model.moe_router_replay`` is "r3"."""
         record = getattr(policy.config.model, "moe_router_replay", "none") == "r3"
+        cached = kv_cache and policy.groups.cp_size == 1
         return cls(policy_next_token_logprobs(policy, pad_token_id),
-                   policy_routed_experts(policy, pad_token_id) if record else None)
+                   policy_routed_experts(policy, pad_token_id) if record else None,
+                   decoder=(lambda: PolicyDecoder(policy, pad_token_id)) if cached else None)
 
     def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
         """One completion per prompt; a new ``seed`` restarts the stream, a repeated one continues it."""
         if seed != self._seed:
             self._seed = seed
             self._generator.manual_seed(seed)
-        samples = sample_responses(self.next_token_logprobs, prompts, spec, self._generator)
+        model = self.decoder() if self.decoder is not None else self.next_token_logprobs
+        samples = sample_responses(model, prompts, spec, self._generator)
         completions = [Completion(token_ids=r, logprobs=lp, finish_reason=reason)
                        for r, lp, reason in zip(samples.responses, samples.logprobs, samples.stop_reasons)]
         if self.routed_experts is not None:

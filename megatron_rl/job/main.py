@@ -181,8 +181,8 @@ def build_job(config: JobConfig, groups: ParallelGroups, environment: Environmen
         critic = MegatronCritic(rl, groups, pad_token_id=pad_id, total_optim_steps=job.num_steps * critic_steps)
         if critic_cfg.init_from_policy:
             critic.load_trunk(policy.full_state_dict())
-    trainer = Trainer(rl, policy,
-                      reference=reference, critic=critic)
+    trainer = Trainer(rl, policy, reference=reference, critic=critic,
+                      skip_old_logprobs=config.rollout.max_staleness == 0)  # async: keep the forward
     sampling = SamplingSpec(max_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
                             stop_token_ids=environment.stop_token_ids)
     eval_sampling = SamplingSpec(max_tokens=config.eval.max_new_tokens or job.max_new_tokens,

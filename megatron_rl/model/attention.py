@@ -117,6 +117,8 @@ class PackedDotProductAttention(MegatronModule):
 
     def _thd(self, query, key, value, params: PackedSeqParams) -> torch.Tensor:
         """q [T, np, hn], k/v [T, ng, hn] -> [T, np*hn], block-diagonal causal over cu_seqlens."""
+        if getattr(params, "kv_cache", None) is not None:  # incremental decoding (model/kv_cache.py)
+            return params.kv_cache.attend(self.layer_number, query, key, value, params, self._sdpa)
         cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         if cu_q is not cu_kv:  # PackedBatch passes one tensor for both: no comparison (a device sync) needed

@@ -42,6 +42,7 @@ Process groups: DDP, the optimizer and the schedule read megatron-core's ``paral
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any, Literal
@@ -58,6 +59,7 @@ from megatron_rl.distributed.metrics import reduce_metrics
 from megatron_rl.metrics import Metric, merge_metrics, metrics_to_host
 from megatron_rl.model import moe, router_replay, schedule
 from megatron_rl.model.builder import build_gpt_model
+from megatron_rl.model.kv_cache import KVCache
 from megatron_rl.model.optimizer import build_optimizer, build_scheduler, follow_new_weights, wrap_ddp
 from megatron_rl.model.plan import CallPlan, plan_call
 from megatron_rl.model.schedule import LossFn
@@ -162,7 +164,9 @@ class MegatronPolicy:
         return {name: gathered[..., i] for i, name in enumerate(names)}
 
     def next_token_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, *,
-                            record_routing: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            record_routing: bool = False, kv_cache: KVCache | None = None,
+                            max_tokens_per_micro_batch: int | None = None,
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-softmax over the vocabulary of the token after each row's last valid token: ``[n, V]`` fp32.
 
         ``sequences`` ``[n, S]`` int64 left-padded contexts, ``attention_mask`` ``[n, S]`` (docs/DESIGN.md section 2);
@@ -172,17 +176,28 @@ class MegatronPolicy:
         rank gets the same table (on the host). One position per row is kept, so the full vocabulary is cheap.
         ``record_routing=True`` (routing replay R3, the built-in sampler): returns ``(logprobs, routed_experts
         [n, S, L, k])``, the routing of every context token (model/router_replay.py).
+        ``kv_cache`` (the built-in engine's incremental decoding, model/kv_cache.py): the rows continue the
+        cache's rows (row i = cache row i, the same rows on every call) and hold only their new tokens.
+        ``max_tokens_per_micro_batch``: plan this call by that token budget instead of ``config.batch``'s rule
+        (a decoding step's one token per row fits one micro-batch).
         """
         n = len(sequences)
         no_responses = torch.zeros((n, 0), dtype=attention_mask.dtype)  # R = 0: validation and DP padding need it
         tensors = {"sequences": sequences, "attention_mask": attention_mask, "response_mask": no_responses}
         batch = TrainingBatch(tensors, [None] * n, [None] * n, [True] * n)
-        call = self.plan_call(batch)
+        call = self.plan_call(batch, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        if kv_cache is not None:
+            if self.groups.cp_size > 1:
+                raise ValueError("next_token_logprobs(kv_cache=...) does not support context parallelism "
+                                 "(parallel.context_parallel_size > 1); decode without the cache")
+            kv_cache.attach(call, n)
         head = partial(schedule.next_token_head, **self._head_args())
         self.model.eval()
         with torch.no_grad(), self._routing_replay(batch, record=record_routing) as replay:
             stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=True, replay=replay)
             routing = replay.recorded_table() if record_routing else None
+        if kv_cache is not None:
+            kv_cache.commit()
         stacked = None
         if self.groups.is_last_stage:
             stacked = restore_order([s["next_token_logprobs"] for s in stores], call.plan, call.first_row)  # [n/dp, V]
@@ -287,11 +302,16 @@ class MegatronPolicy:
 
     # ------------------------------------------------------------------ stages
 
-    def plan_call(self, batch: TrainingBatch) -> CallPlan:
-        """Validate, DP-pad, plan, pack on the host and move to the device (model/plan.py)."""
+    def plan_call(self, batch: TrainingBatch, *, max_tokens_per_micro_batch: int | None = None) -> CallPlan:
+        """Validate, DP-pad, plan, pack on the host and move to the device (model/plan.py); a token budget
+        given here replaces ``config.batch``'s micro-batch rule for this call."""
         fixed_shapes = self.groups.pp_size > 1 and not self.module.config.variable_seq_lengths
+        config = self.config
+        if max_tokens_per_micro_batch is not None:
+            config = dataclasses.replace(config, batch=dataclasses.replace(
+                config.batch, micro_batch_size=None, max_tokens_per_micro_batch=max_tokens_per_micro_batch))
         return plan_call(
-            batch, self.config, self.groups, align=self.align, pad_token_id=self.pad_token_id,
+            batch, config, self.groups, align=self.align, pad_token_id=self.pad_token_id,
             fixed_shapes=fixed_shapes, device=self.device,
         )  # fmt: skip
 

@@ -4,6 +4,9 @@
   ``forward`` on candidate rows ``context + [v]`` for every token v, on TP2 and on PP2 (same weights), and both
   ranks get the same table;
 - both ranks sample the same multi-turn rollouts;
+- the built-in engine's KV-cache decoding (model/kv_cache.py) draws the same tokens with the same log-probs
+  (to 2e-5, fp32 rounding: tests/inference/test_kv_cache.py) as its full-forward path, on TP2, PP2, TP2 with
+  sequence parallelism (each new token padded to 2) and DP2 (rows split over the ranks);
 - one RL step on those step-wise rollouts with prefix merging off and on (two policies, same initial weights,
   SGD): the same number of optimizer steps, finite and equal losses, and the same updated weights (a causal
   model sees every turn's tokens with the same context either way, and token_mean weighs every token alike).
@@ -52,6 +55,21 @@ def _tables(policy, tok) -> dict:
     }
 
 
+def _decodes(policy, tok) -> dict:
+    """Completions of the cached and the full-forward engine on the same prompts and seed."""
+    from megatron_rl.inference.builtin_engine import BuiltinEngine
+    from megatron_rl.inference.engine import SamplingSpec
+
+    spec = SamplingSpec(max_tokens=5, temperature=1.0, stop_token_ids=(tok.eos_token_id,))
+    prompts = [c for c in CONTEXTS for _ in range(3)]
+    out = {}
+    for cached in (True, False):
+        completions = BuiltinEngine.from_policy(policy, tok.pad_token_id, kv_cache=cached).generate(
+            prompts, spec, seed=3)
+        out[cached] = ([c.token_ids for c in completions], [torch.tensor(c.logprobs) for c in completions])
+    return out
+
+
 def _tp2_checks(rank: int, world_size: int) -> dict:
     from megatron_rl.job.config import load_job_config
     from megatron_rl.environments.next_digit.game import NextDigitGame
@@ -76,7 +94,7 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
     policies = {merge: MegatronPolicy(config, groups, pad_token_id=tok.pad_token_id) for merge in (False, True)}
     policies[True].load_full_state_dict(policies[False].full_state_dict())
     initial_weights = policies[False].full_state_dict()
-    result = {"tp2": _tables(policies[False], tok)}
+    result = {"tp2": _tables(policies[False], tok), "decode_tp2": _decodes(policies[False], tok)}
     sample = policy_next_token_logprobs(policies[False], tok.pad_token_id)
     game = NextDigitGame(tok, num_turns=3)
     params = SamplingParams(max_new_tokens=3, stop_token_id=tok.eos_token_id)
@@ -97,6 +115,15 @@ def _tp2_checks(rank: int, world_size: int) -> dict:
                             pad_token_id=tok.pad_token_id)
     policy.load_full_state_dict(initial_weights)
     result["pp2"] = _tables(policy, tok)
+    result["decode_pp2"] = _decodes(policy, tok)
+    for name, layout in (("tp2_sp", ["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"]),
+                         ("dp2", [])):
+        parallel_state.destroy_model_parallel()
+        cfg = load_job_config("configs/demo_cpu.yaml", layout).rl
+        policy = MegatronPolicy(cfg, initialize_distributed(cfg.parallel, cfg.seed), role="reference",
+                                pad_token_id=tok.pad_token_id)
+        policy.load_full_state_dict(initial_weights)
+        result[f"decode_{name}"] = _decodes(policy, tok)
     return result
 
 
@@ -115,6 +142,17 @@ def test_next_token_logprobs_match_forward_on_candidate_rows(tp2, layout) -> Non
         assert torch.allclose(got["table"].exp().sum(-1), torch.ones(len(CONTEXTS)), atol=1e-5)
     assert torch.equal(tp2[0][layout]["table"], tp2[1][layout]["table"])
     assert torch.allclose(tp2[0]["tp2"]["table"], tp2[0]["pp2"]["table"], atol=2e-5)  # same weights
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp2_sp", "dp2"])
+def test_kv_cache_decoding_matches_full_forward(tp2, layout) -> None:
+    for rank_result in tp2:
+        cached, plain = rank_result[f"decode_{layout}"][True], rank_result[f"decode_{layout}"][False]
+        assert cached[0] == plain[0]
+        assert any(len(t) < 5 for t in cached[0]) and any(len(t) == 5 for t in cached[0])  # stops and lengths
+        for a, b in zip(cached[1], plain[1]):
+            assert torch.allclose(a, b, atol=2e-5), (a - b).abs().max()
+    assert tp2[0][f"decode_{layout}"][True][0] == tp2[1][f"decode_{layout}"][True][0]
 
 
 def test_ranks_sample_the_same_rollouts(tp2) -> None:

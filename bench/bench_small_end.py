@@ -1,0 +1,224 @@
+"""The small end: the job a newcomer starts with, through megatron_rl's main job and through TRL's GRPOTrainer.
+
+    .venv/bin/python bench/bench_small_end.py [--steps 20] [--systems builtin,trl] [--vllm] [--out results.json]
+
+The job (issue 36): a random 2-layer Qwen3 (hidden 64, ~86k parameters, ``examples/common.py tiny_qwen3``) with
+a word-level tokenizer built locally, 8 prompts x 8 samples per step, at most 16 new tokens, Adam at 1e-5, one
+optimizer step per RL step, no KL, 20 steps. Systems, run one after the other on the same files:
+
+    builtin   bash run_megatron.sh ... NPROC=1 (rollout.engine builtin, the default)
+    vllm      the same with rollout.engine=vllm (--vllm; needs MEGATRON_RL_ENGINE_PYTHON, docs/INFERENCE.md)
+    trl       TRL's GRPOTrainer on CPU (plain transformers ``generate``; gradient checkpointing on, TRL's default)
+    tokens    builtin with ``batch.max_tokens_per_micro_batch=4096 batch.micro_batch_size=null`` (--tokens: one
+              micro-batch per call on this job instead of configs/user_job.yaml's 4 rows)
+    before    builtin through another checkout (--before PATH, e.g. the main branch's worktree): the same job
+              on older code, in the same invocation
+
+TRL is an optional bench dependency, never installed into the project's venv (it could move transformers or
+torch); install it beside it and the bench finds it there::
+
+    .venv/bin/python -m pip install --no-deps --target /tmp/trl-site trl accelerate datasets dill multiprocess \
+        xxhash pandas python-dateutil pytz tzdata requests urllib3 idna certifi charset_normalizer six
+
+(``--trl-site`` names another folder). Without it, the trl row says "not installed" and the rest runs.
+
+Printed: one markdown table, median seconds per step over steps 5..N (the first steps pay for warm-up), the
+phase breakdown of megatron_rl's steps (``timing/*`` metrics of ``metrics.jsonl``: rollout, old log-probs,
+update, weight sync), the whole run's wall time (process start included) and each system's ratio to TRL's
+median step. The numbers are from a shared 2-core CPU box unless said otherwise: run the systems side by side in
+one invocation and compare only within it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = 8
+SAMPLES = 8
+MAX_NEW_TOKENS = 16
+LR = 1e-5
+TOKEN_BUDGET = ("batch.micro_batch_size=null", "batch.max_tokens_per_micro_batch=4096")
+NUMBERS = "one two three four five six seven eight nine ten".split()
+REWARD_SOURCE = '''
+def reward(prompt, response, answer, **_):
+    """1 when the answer word is the first word of the response, 0.1 when it appears later, else 0."""
+    words = response.split()
+    return 1.0 if words[:1] == [answer] else (0.1 if answer in words else 0.0)
+'''
+
+
+def make_job(root: Path) -> dict[str, Path]:
+    """The model folder, the prompts and the reward file of the job (no downloads)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from common import tiny_qwen3  # examples/common.py: random Qwen3 + word-level tokenizer
+
+    model = tiny_qwen3(root / "model")
+    rows = [{"prompt": f"what is {a} plus {b} ?", "answer": NUMBERS[i + j + 1]}
+            for i, a in enumerate(NUMBERS[:4]) for j, b in enumerate(NUMBERS[:4]) if i + j + 1 < len(NUMBERS)]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = root / "reward.py"
+    reward.write_text(REWARD_SOURCE)
+    return {"model": model, "prompts": prompts, "reward": reward}
+
+
+def run_megatron_rl(job: dict[str, Path], out: Path, steps: int, engine: str, *, repo: Path = ROOT,
+                    extra: tuple[str, ...] = ()) -> dict:
+    """The main job through ``repo``'s run_megatron.sh, one process; per-step ``timing/*`` from its metrics.jsonl."""
+    overrides = [*extra, 
+        f"model.hf_path={job['model']}", f"data.train_files={job['prompts']}", f"reward.function={job['reward']}:reward",
+        f"logging.output_dir={out}", f"job.num_steps={steps}", f"job.max_new_tokens={MAX_NEW_TOKENS}",
+        f"batch.train_batch_size={PROMPTS}", f"batch.policy_mini_batch_size={PROMPTS}",
+        f"job.n_samples_per_prompt={SAMPLES}", f"optimizer.lr={LR}", "checkpoint.save_interval=0",
+        "logging.tensorboard=false", "logging.progress_bar=false", f"rollout.engine={engine}",
+    ]
+    env = {**os.environ, "NPROC": "1"}
+    started = time.perf_counter()
+    proc = subprocess.run(["bash", str(repo / "run_megatron.sh"), *overrides], env=env, capture_output=True,
+                          text=True, cwd=out.parent)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"megatron_rl ({engine}) failed, exit {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {"wall_s": wall, "steps": lines}
+
+
+def run_trl(job: dict[str, Path], out: Path, steps: int, threads: int = 1) -> dict:
+    """TRL's GRPOTrainer on CPU on the same model, prompts and reward; step times from a callback. ``threads``:
+    torch's intra-op threads (run_megatron.sh gives each rank OMP_NUM_THREADS=1; on a loaded 2-core box two
+    spinning OpenMP threads made TRL's step ~10x slower)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    namespace: dict = {}
+    exec(REWARD_SOURCE, namespace)
+    score = namespace["reward"]
+
+    def reward_fn(prompts, completions, answer, **_):
+        return [score(prompt=p, response=c, answer=a) for p, c, a in zip(prompts, completions, answer)]
+
+    rows = [json.loads(line) for line in job["prompts"].read_text().splitlines()]
+    dataset = Dataset.from_list(rows * ((steps * PROMPTS) // len(rows) + 1))
+    times: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+
+    started = time.perf_counter()
+    args = GRPOConfig(
+        output_dir=str(out), use_cpu=True, max_steps=steps, learning_rate=LR, beta=0.0,
+        per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES, gradient_accumulation_steps=1,
+        max_completion_length=MAX_NEW_TOKENS, temperature=1.0, report_to=[], save_strategy="no", logging_steps=1,
+        lr_scheduler_type="constant", warmup_steps=0, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(job["model"])
+    tokenizer = AutoTokenizer.from_pretrained(job["model"])
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer.train()
+    return {"wall_s": time.perf_counter() - started, "step_s": times}
+
+
+def median_from(values: list[float], first: int) -> float:
+    """Median of steps ``first``..N (1-based), or of all when there are fewer."""
+    tail = values[first - 1:] or values
+    return statistics.median(tail) if tail else float("nan")
+
+
+def summarize(name: str, result: dict, first: int) -> dict:
+    if "step_s" in result:
+        return {"system": name, "step": median_from(result["step_s"], first), "wall": result["wall_s"]}
+    steps = result["steps"]
+
+    def col(key: str) -> float | None:
+        values = [s[key] for s in steps if key in s]
+        return median_from(values, first) if values else None
+
+    return {"system": name, "step": col("timing/step_s"), "rollout": col("timing/rollout_s"),
+            "old": col("timing/old_logprobs_s"), "update": col("timing/update_s"),
+            "sync": col("timing/weight_sync_s"), "skipped": col("timing/old_logprobs_skipped"),
+            "wall": result["wall_s"]}
+
+
+def table(rows: list[dict], first: int, steps: int) -> str:
+    trl = next((r["step"] for r in rows if r["system"] == "trl" and r.get("step")), None)
+
+    def fmt(value, digits=3):
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"| system | median s / step (steps {first}-{steps}) | vs TRL | rollout | old log-probs | update | "
+             "weight sync | whole run s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['system']} | {r['error']} | | | | | | |")
+            continue
+        ratio = f"{r['step'] / trl:.2f}x" if trl else "-"
+        old = fmt(r.get("old"))
+        if r.get("skipped"):
+            old += " (skipped)"
+        lines.append(f"| {r['system']} | {fmt(r['step'])} | {ratio} | {fmt(r.get('rollout'))} | {old} | "
+                     f"{fmt(r.get('update'))} | {fmt(r.get('sync'))} | {r['wall']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--first", type=int, default=5, help="first step of the median (1-based)")
+    parser.add_argument("--systems", default="builtin,trl", help="comma list of builtin, vllm, trl")
+    parser.add_argument("--vllm", action="store_true", help="add the vllm system")
+    parser.add_argument("--tokens", action="store_true", help="add the tokens system (a token budget)")
+    parser.add_argument("--before", help="add the before system: builtin through this checkout")
+    parser.add_argument("--trl-site", default="/tmp/trl-site", help="folder TRL was installed into (--target)")
+    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL run (megatron_rl: 1)")
+    parser.add_argument("--out", help="write the summary rows as JSON here")
+    args = parser.parse_args()
+    systems = ((["before"] if args.before else []) + [s for s in args.systems.split(",") if s]
+               + (["tokens"] if args.tokens else []) + (["vllm"] if args.vllm else []))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_small_end_") as tmp:
+        root = Path(tmp)
+        job = make_job(root)
+        for system in systems:
+            out = root / f"out_{system}"
+            try:
+                if system == "trl":
+                    if Path(args.trl_site).is_dir():
+                        sys.path.insert(0, args.trl_site)
+                    result = run_trl(job, out, args.steps, args.trl_threads)
+                elif system == "before":
+                    result = run_megatron_rl(job, out, args.steps, "builtin", repo=Path(args.before).resolve())
+                elif system == "tokens":
+                    result = run_megatron_rl(job, out, args.steps, "builtin", extra=TOKEN_BUDGET)
+                else:
+                    result = run_megatron_rl(job, out, args.steps, system)
+                rows.append(summarize(system, result, args.first))
+            except ImportError as exc:
+                rows.append({"system": system, "error": f"not installed ({exc}); see the docstring"})
+            print(f"{system}: done", flush=True)
+    print(table(rows, args.first, args.steps))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
