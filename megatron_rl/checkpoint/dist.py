@@ -184,7 +184,8 @@ def writer_queue_dies_with_rank() -> None:
     ``multiprocessing.Manager()`` server process (spawned, ~700 MB resident) and keeps it for the life of the
     process. The manager does not watch its parent: after a SIGKILL of the rank it ran forever, re-parented to
     init. Here the same queue comes from a manager whose process asks the kernel for SIGKILL when its parent
-    dies (``PR_SET_PDEATHSIG``, Linux); elsewhere megatron-core's own is left in place."""
+    dies (``PR_SET_PDEATHSIG``, Linux) and never takes a Ctrl-C (SIGINT ignored: the rank reports it); elsewhere
+    megatron-core's own is left in place."""
     import sys
 
     if not sys.platform.startswith("linux"):
@@ -199,9 +200,23 @@ def writer_queue_dies_with_rank() -> None:
     from multiprocessing.managers import SyncManager
 
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_die_with_parent)
+    # Ctrl-C reaches the whole process group: the manager, re-importing the job's main module as it starts, would
+    # print a KeyboardInterrupt traceback (once up it ignores SIGINT itself). Started while SIGINT is ignored here,
+    # it inherits that (an ignored signal stays ignored across exec; a blocked one does not: spawn clears the
+    # mask). The price: a Ctrl-C in those seconds of the first save is not this rank's to report (torchrun's
+    # closing signal still ends it).
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
+    try:
+        manager.start(initializer=_die_with_parent)
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
     filesystem_async._results_queue = manager.Queue()
     _WRITER_MANAGERS.append(manager)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()  # (signal.signal works there only)
 
 
 _WRITER_MANAGERS: list = []
