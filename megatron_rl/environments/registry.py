@@ -126,7 +126,8 @@ def _agent(config: Any, *, max_rows: int | None = None) -> Environment:
     return AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
                             max_concurrency=config.job.max_concurrency,
                             max_prompt_tokens=turn_prompt_limit(config, context),
-                            tool_call_parser_name=config.rollout.tool_call_parser, max_rows=max_rows)
+                            tool_call_parser_name=config.rollout.tool_call_parser, max_rows=max_rows,
+                            episode_timeout_s=config.job.episode_timeout_s)
 
 
 register_environment("next_digit", _next_digit)
