@@ -110,7 +110,10 @@ class EngineServer:
     @classmethod
     def start(cls, model_dir: Path, options: ServeOptions, *, token: str, log_path: Path,
               cpu_cores: str | None = None, devices: str | None = None, host: str = "127.0.0.1") -> "EngineServer":
-        """Start ``vllm serve`` on ``model_dir``, bound to ``host`` (returns at once; ``wait_ready`` waits)."""
+        """Start ``vllm serve`` on ``model_dir``, bound to ``host`` (returns at once; ``wait_ready`` waits). The server
+        runs in the repository root: a relative ``model_dir`` is made absolute here, against the caller's working
+        directory (read there it would be a Hugging Face repo id)."""
+        model_dir, log_path = Path(model_dir).absolute(), Path(log_path).absolute()
         port = free_port(host)
         env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
         env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", MEGATRON_RL_ENGINE_TOKEN=token,

@@ -458,7 +458,7 @@ class VLLMEngine:
         from megatron_rl.hf.weights import export_hf
 
         groups = policy.groups
-        work_dir = Path(work_dir)
+        work_dir = Path(work_dir).absolute()  # handed to the engines' processes, which run elsewhere
         model_cfg = policy.config.model
         python = engine_python(config) if config.num_engines else None  # same check everywhere: before collectives
         layout = NodeLayout.from_env()
@@ -779,7 +779,7 @@ class VLLMEngine:
 
     def _sync_dir(self) -> Path:
         if self.config.sync_dir:
-            return Path(self.config.sync_dir)
+            return Path(self.config.sync_dir).absolute()  # the engines read it from their own directory
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         return base / f"megatron_rl_sync_{os.environ.get('MASTER_PORT', os.getpid())}"
 
