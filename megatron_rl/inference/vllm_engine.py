@@ -141,6 +141,8 @@ class Slot:
     restarts: int = 0
     restarter: threading.Thread | None = None
     error: str | None = None
+    down_since: float | None = None
+    """When it was marked down (``time.monotonic``), until a replacement serves: the "is back" line."""
 
     @property
     def prefix(self) -> str:
@@ -167,6 +169,9 @@ class Fleet:
         """Set by ``kill_all``: no more restarts."""
         self.sessions: dict[str, int] = {}
         """Agent session -> the engine its calls go to (``complete``)."""
+        self.calls_waiting = threading.Event()
+        """Set while an agent call waits for a replacement engine (none serves): the caller's loop runs the
+        collective admission (``VLLMEngine.admit_replacements``) that makes it serve."""
         self.lock = threading.RLock()
         atexit.register(self.kill_all)
 
@@ -208,6 +213,8 @@ class Fleet:
             if slot.state in ("dead", "starting"):
                 return
             slot.state = "dead"
+            if slot.down_since is None:
+                slot.down_since = time.monotonic()
         remote = slot.node != self.launcher.layout.node and slot.index < self.config.num_engines
         print(f"megatron_rl: vLLM {slot.name} is down ({reason.splitlines()[0][:300]}); "
               + ("its node restarts it at the next weight sync" if remote else "restarting it"
@@ -364,27 +371,45 @@ class Fleet:
     def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, session: str) -> Completion:
         """One request of an agent session (rank 0 only, not collective, thread-safe): the session's calls stay
         on one engine while it serves (its prefix cache); an engine that fails is marked down and the call goes
-        to another with the same seed. EngineError when no engine serves (replacements join at the next
-        ``update_weights``)."""
+        to another with the same seed. When no engine serves, the call waits for a replacement (it serves once
+        the caller's loop has admitted it: ``calls_waiting``), at most ``rollout.start_timeout_s``; EngineError
+        when none can come back or that passes."""
+        waiting_since = None
         while True:
             with self.lock:
                 serving = self.serving()
-                if not serving:
-                    raise EngineError("no vLLM engine is serving this agent call (all are down or restarting)")
-                engine = self.sessions.get(session)
-                if engine is None or self.slots[engine].state != "serving":
-                    load = {s.index: 0 for s in serving}
-                    for pinned in self.sessions.values():
-                        if pinned in load:
-                            load[pinned] += 1
-                    engine = min(load, key=lambda e: (load[e], e))
-                    self.sessions[session] = engine
+                if serving:
+                    engine = self.sessions.get(session)
+                    if engine is None or self.slots[engine].state != "serving":
+                        load = {s.index: 0 for s in serving}
+                        for pinned in self.sessions.values():
+                            if pinned in load:
+                                load[pinned] += 1
+                        engine = min(load, key=lambda e: (load[e], e))
+                        self.sessions[session] = engine
+            if not serving:
+                waiting_since = self._wait_for_serving(waiting_since)
+                continue
             slot = self.slots[engine]
             try:
                 return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s,
                                             versioned=self.config.partial_rollouts)
             except EngineDown as err:
                 self.mark_down(slot, str(err))
+
+    def _wait_for_serving(self, since: float | None) -> float:
+        """An agent call found no engine serving: flag it (``calls_waiting``) and wait a moment; EngineError when
+        no replacement is coming or ``rollout.start_timeout_s`` has passed since ``since``. Returns ``since``."""
+        since = since or time.monotonic()
+        coming = [s for s in self.slots if s.state in ("starting", "joining") or s.remote_restart]
+        waited = time.monotonic() - since
+        if not coming or waited > self.config.start_timeout_s:
+            raise EngineError(f"no vLLM engine is serving this agent call and "
+                              f"{'none is coming back' if not coming else 'none came back'} within {waited:.0f} s "
+                              f"(rollout.start_timeout_s={self.config.start_timeout_s:g})")
+        self.calls_waiting.set()
+        time.sleep(0.2)
+        return since
 
     def end_session(self, session: str) -> None:
         with self.lock:
@@ -566,6 +591,11 @@ class VLLMEngine:
             joined = [self.fleet.slots[i] for i, _ in joining if self.fleet.slots[i].state == "joining"]
             for slot in joined:  # (one that died during its sync was marked down: it is replaced again)
                 slot.state = "serving"
+                if slot.down_since is not None:  # a replacement: say that it came back
+                    print(f"megatron_rl: vLLM engine {slot.index} is back after "
+                          f"{time.monotonic() - slot.down_since:.0f} s (a replacement, serving with the current "
+                          "weights)", flush=True)
+                    slot.down_since = None
             if send and self.config.partial_rollouts:  # label their tokens with the version they were given
                 self._label_version(joined)
 
@@ -617,10 +647,7 @@ class VLLMEngine:
             broadcast_from_rank0(payload)  # this thread's group: job/pipeline.py generates in a thread
             status, value = payload[0]
             if status == "admit":  # no engine serves: bring the replacements in with the current weights
-                if self.run_on_main_thread is not None and threading.current_thread() is not threading.main_thread():
-                    self.run_on_main_thread(self._admit_replacements)  # its collectives: the main thread's groups
-                else:
-                    self._admit_replacements()
+                self.admit_replacements()
                 continue
             if status != "ok":
                 raise EngineError(value)
@@ -628,6 +655,17 @@ class VLLMEngine:
                 self.token_versions.update(completion.extra.get("weight_versions", ()))
             return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
                                extra=c.extra) for c in value]  # (the versions go on into the turns: multi-turn)
+
+    def admit_replacements(self) -> None:
+        """Collective, when no engine serves (``generate``; an agent's calls waiting, ``Fleet.calls_waiting``):
+        wait for a replacement and give it the current weights; from a rollout thread it runs on the main thread,
+        whose groups the sync uses (``run_on_main_thread``). EngineError on every rank if none comes back."""
+        if self.fleet is not None:
+            self.fleet.calls_waiting.clear()
+        if self.run_on_main_thread is not None and threading.current_thread() is not threading.main_thread():
+            self.run_on_main_thread(self._admit_replacements)
+        else:
+            self._admit_replacements()
 
     def _admit_replacements(self) -> None:
         """Collective, when no engine serves: the other nodes restart theirs, rank 0 waits for a replacement,

@@ -310,3 +310,41 @@ def test_an_episode_past_its_time_limit_is_a_failed_sample_and_the_step_goes_on(
     assert "episode of row 1 (sample 0)" in printed and "episode of row 1 (sample 1)" in printed
     assert "the step waits on 2 job.agent episode(s) running for over 0.5 s: row 1 (sample" in printed
     assert rollouts.output["rewards"][:2] == [1.0, 1.0]  # row 0's episodes trained
+
+
+class LostEngineFleet(ScriptedFleet):
+    """The only engine is down when the episodes start: each call waits (as ``Fleet.complete`` does) until the
+    job has admitted the replacement (``FakeEngine.admit_replacements``)."""
+
+    def __init__(self, tokenizer, reply) -> None:
+        super().__init__(tokenizer, reply)
+        self.calls_waiting = threading.Event()
+        self.back = threading.Event()
+
+    def serving(self):
+        return [0] if self.back.is_set() else []
+
+    def complete(self, prompt, spec, *, seed, session):
+        while not self.back.is_set():
+            self.calls_waiting.set()
+            time.sleep(0.05)
+        return super().complete(prompt, spec, seed=seed, session=session)
+
+
+class AdmittingEngine(FakeEngine):
+    def __init__(self, fleet) -> None:
+        super().__init__(fleet)
+        self.admissions = 0
+
+    def admit_replacements(self):
+        self.admissions += 1
+        self.fleet.calls_waiting.clear()
+        self.fleet.back.set()
+
+
+def test_agent_calls_wait_for_the_replacement_engine(tmp_path):
+    env, tokenizer = make_env(tmp_path, [{"digits": [1, 2, 3]}])
+    engine = AdmittingEngine(LostEngineFleet(tokenizer, next_digit))
+    rollouts = env.rollout(engine, SPEC, num_prompts=1, n_samples_per_prompt=2, seed=0, step_wise=True)
+    assert engine.admissions == 1 and rollouts.metrics["rollout/failed_samples"] == 0
+    assert rollouts.output["rewards"][-1] == 1.0

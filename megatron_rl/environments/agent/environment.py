@@ -120,7 +120,6 @@ class AgentEnvironment:
         epoch = float(self.order.epoch)
 
         def play() -> Rollouts:
-            self.play(episodes, engine, spec, seed)
             out_rows, failed = [], []
             for ep in episodes:
                 turns = [] if ep.timed_out else ep.session.turns  # (a given-up episode may still be calling)
@@ -144,6 +143,7 @@ class AgentEnvironment:
             return Rollouts(output, metrics, samples=samples, failures=failures,  # type: ignore[arg-type]
                             token_versions=tokens or None)
 
+        self.play_everywhere(episodes, engine, spec, seed)
         return on_rank0(play)
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
@@ -154,14 +154,52 @@ class AgentEnvironment:
             return Evaluation({})
         rows = self.val[:num_prompts] if num_prompts else self.val
 
+        episodes = [Episode(row, i, i, 0) for i, row in enumerate(rows)]
+
         def play() -> Evaluation:
-            episodes = [Episode(row, i, i, 0) for i, row in enumerate(rows)]
-            self.play(episodes, engine, spec, seed)
             rewards = [None if ep.error is not None else ep.reward for ep in episodes]
             return Evaluation(pass_metrics(rewards, pass_threshold), self._samples(episodes),
                               self._failures(episodes))
 
+        self.play_everywhere(episodes, engine, spec, seed)
         return on_rank0(play)
+
+    def play_everywhere(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
+        """Collective: global rank 0 plays the episodes (``play``, in a thread); meanwhile, whenever its calls wait
+        for a replacement engine (none serves: ``Fleet.calls_waiting``), every rank joins the admission that gives
+        the replacement the current weights (``VLLMEngine.admit_replacements``), and the calls go on. An error of
+        the play (an engine that cannot come back) is raised on every rank."""
+        import torch.distributed as dist
+
+        from megatron_rl.distributed.rank0 import on_rank0
+
+        outcome: dict[str, Any] = {}
+        player = None
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            def run() -> None:
+                try:
+                    self.play(episodes, engine, spec, seed)
+                except Exception as err:  # noqa: BLE001 - raised on every rank by ``played``
+                    outcome["error"] = err
+
+            player = threading.Thread(target=run, name="megatron_rl-agent-play", daemon=True)
+            player.start()
+
+        def played() -> bool:
+            """Rank 0: True when the play ended, False when a replacement engine must be admitted first."""
+            waiting = getattr(getattr(engine, "fleet", None), "calls_waiting", None)
+            while player.is_alive():
+                player.join(timeout=0.2)
+                if waiting is not None and waiting.is_set() and player.is_alive():
+                    if not engine.fleet.serving():
+                        return False
+                    waiting.clear()  # an engine serves again: the calls went on
+            if "error" in outcome:
+                raise outcome["error"]
+            return True
+
+        while not on_rank0(played):
+            engine.admit_replacements()
 
     def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
         """Run every episode (``max_concurrency`` at once) against ``engine``'s fleet: each gets its reward or

@@ -1,0 +1,60 @@
+"""An agent's call when no engine serves (``vllm_engine.Fleet.complete``), without vLLM: it waits for the
+replacement (flagging ``calls_waiting`` for the job's admission), bounded by ``rollout.start_timeout_s``, and fails
+at once when none is coming back. The replacement's "is back" line: ``VLLMEngine._admit`` (fleet tests)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.inference.config import RolloutConfig
+from megatron_rl.inference.engine import Completion, SamplingSpec
+from megatron_rl.inference.server import EngineError
+from megatron_rl.inference.vllm_engine import Fleet, Slot
+
+SPEC = SamplingSpec(max_tokens=2, stop_token_ids=(0,))
+
+
+class AnsweringServer:
+    owned = False
+    log_path = None
+    url = "http://127.0.0.1:1"
+
+    def complete(self, prompt, spec, *, seed, timeout_s, versioned):
+        return Completion([7, 0], [-0.1, -0.2], "stop")
+
+    def kill(self):  # (``Fleet`` registers ``kill_all`` with atexit)
+        pass
+
+
+def fleet_of(state: str, start_timeout_s: float = 60.0) -> Fleet:
+    fleet = Fleet(RolloutConfig(engine="vllm", start_timeout_s=start_timeout_s),
+                  SimpleNamespace(work_dir=None, token="t"))
+    fleet.slots = [Slot(index=0, server=AnsweringServer(), state=state)]
+    return fleet
+
+
+def test_an_agent_call_waits_for_the_replacement_engine():
+    fleet = fleet_of("starting")
+
+    def replacement_serves() -> None:  # what the job's admission does once the call is flagged
+        assert fleet.calls_waiting.wait(timeout=10)
+        time.sleep(0.3)
+        fleet.slots[0].state = "serving"
+
+    threading.Thread(target=replacement_serves, daemon=True).start()
+    started = time.monotonic()
+    assert fleet.complete([1, 2], SPEC, seed=3, session="s").token_ids == [7, 0]
+    assert time.monotonic() - started >= 0.3
+
+
+def test_an_agent_call_gives_up_when_no_engine_comes_back():
+    with pytest.raises(EngineError, match="none is coming back"):
+        fleet_of("dead").complete([1, 2], SPEC, seed=3, session="s")
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"none came back within 1 s \(rollout.start_timeout_s=0.5\)"):
+        fleet_of("starting", start_timeout_s=0.5).complete([1, 2], SPEC, seed=3, session="s")
+    assert time.monotonic() - started < 5
