@@ -57,7 +57,7 @@ from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
 from megatron_rl.inference.router import route
 from megatron_rl.inference.server import (REPO_ROOT, EngineDown, EngineError, EngineServer, EngineStartError,
-                                          ServeOptions, log_tail)
+                                          EngineTimeout, ServeOptions, log_tail)
 from megatron_rl.inference.vllm_serve import TOKEN_ENV
 
 __all__ = ["VLLMEngine", "EngineError", "EngineStartError", "engine_python"]
@@ -602,6 +602,7 @@ class VLLMEngine:
     def _join(self, joining: list) -> None:
         """Collective: the senders and the workers of each engine in ``joining`` form that engine's groups."""
         timeout = self.config.start_timeout_s
+        deadline = self.config.sync_timeout_s  # of each broadcast of the groups formed here
         errors: dict[int, Any] = {}
         worker = None
         if self.fleet is not None:
@@ -610,11 +611,11 @@ class VLLMEngine:
             workers = self.config.engine_tensor_parallel_size
             call = lambda slot: slot.server.collective_rpc(  # noqa: E731
                 "megatron_rl_join", host, self.store.port, slot.prefix, self.groups.pp_size, workers, self.transport,
-                timeout, timeout_s=timeout)
+                deadline, timeout_s=timeout)
             worker = threading.Thread(target=lambda: errors.update(self.fleet.each(slots, call)), daemon=True)
             worker.start()
         for _, prefix in joining:
-            self.sender.join(prefix, num_workers=self.config.engine_tensor_parallel_size, timeout_s=timeout)
+            self.sender.join(prefix, num_workers=self.config.engine_tensor_parallel_size, timeout_s=deadline)
         if worker is not None:
             worker.join()
         error = next((f"{self.fleet.slots[i].name} could not join the weight sync: {e}"
@@ -726,7 +727,7 @@ class VLLMEngine:
             export_hf([policy.module], path, self.hf_source, self.groups)
             if self.fleet is not None:
                 results = self.fleet.each(slots, lambda s: s.server.collective_rpc(
-                    "megatron_rl_reload_path", str(path), timeout_s=self.config.start_timeout_s))
+                    "megatron_rl_reload_path", str(path), timeout_s=self.config.sync_timeout_s))
                 error = self._failures(results)
                 shutil.rmtree(path, ignore_errors=True)
         else:
@@ -738,7 +739,7 @@ class VLLMEngine:
             worker = None
             if self.fleet is not None:
                 call = lambda s: s.server.collective_rpc(  # noqa: E731
-                    "megatron_rl_receive", self.version, self.record_digests, timeout_s=self.config.start_timeout_s)
+                    "megatron_rl_receive", self.version, self.record_digests, timeout_s=self.config.sync_timeout_s)
                 worker = threading.Thread(target=lambda: results.update(self.fleet.each(slots, call)), daemon=True)
                 worker.start()
             stats = self.sender.send([policy.module], self.hf_source, self.version, engines=payload[0])
@@ -753,13 +754,17 @@ class VLLMEngine:
         _raise_everywhere(error, EngineError)
 
     def _failures(self, results: dict[int, Any]) -> str | None:
-        """Rank 0: an engine that died during the sync (its RPC got no answer and neither does ``/health``) is
-        marked down and replaced, the others' sync stands; the first error of an engine that still answers, as one
-        message (None if none)."""
+        """Rank 0: an engine that died during the sync (its RPC got no answer and neither does ``/health``) or did
+        not take part in time (no answer within ``rollout.sync_timeout_s``) is marked down and replaced, the
+        others' sync stands; the first error of an engine that still answers, as one message (None if none)."""
         for index, result in results.items():
             if not isinstance(result, Exception):
                 continue
             slot = self.fleet.slots[index]
+            if isinstance(result, EngineTimeout):
+                self.fleet.mark_down(slot, f"it did not take part in the weight sync to version {self.version} within "
+                                           f"{self.config.sync_timeout_s:g} s (rollout.sync_timeout_s): {result}")
+                continue
             if isinstance(result, EngineDown) and not _answers(slot.server):
                 self.fleet.mark_down(slot, f"it died during the weight sync to version {self.version}: {result}")
                 continue

@@ -32,7 +32,7 @@ class AnsweringServer:
 
 def fleet_of(state: str, start_timeout_s: float = 60.0) -> Fleet:
     fleet = Fleet(RolloutConfig(engine="vllm", start_timeout_s=start_timeout_s),
-                  SimpleNamespace(work_dir=None, token="t"))
+                  SimpleNamespace(work_dir=None, token="t", layout=SimpleNamespace(node=0)))
     fleet.slots = [Slot(index=0, server=AnsweringServer(), state=state)]
     return fleet
 
@@ -58,3 +58,30 @@ def test_an_agent_call_gives_up_when_no_engine_comes_back():
     with pytest.raises(EngineError, match=r"none came back within 1 s \(rollout.start_timeout_s=0.5\)"):
         fleet_of("starting", start_timeout_s=0.5).complete([1, 2], SPEC, seed=3, session="s")
     assert time.monotonic() - started < 5
+
+
+class HungServer(AnsweringServer):
+    """Answers ``/health`` but never took part in the sync (its receive call timed out)."""
+
+    def alive(self):
+        return True
+
+    def call(self, method, path, body=None, *, timeout_s):
+        return {}
+
+
+def test_an_engine_that_misses_the_sync_deadline_is_marked_down_and_the_sync_stands():
+    from megatron_rl.inference.server import EngineDown, EngineTimeout
+    from megatron_rl.inference.vllm_engine import VLLMEngine
+
+    fleet = fleet_of("serving", start_timeout_s=60)
+    fleet.slots.append(Slot(index=1, server=HungServer(), state="serving"))
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.fleet, engine.version, engine.config = fleet, 3, RolloutConfig(engine="vllm", sync_timeout_s=5)
+    late = EngineTimeout("POST /collective_rpc: no answer within 5 s: timed out")
+    assert engine._failures({0: [{}], 1: late}) is None  # the sync stands for engine 0
+    assert fleet.slots[1].state == "dead" and "rollout.sync_timeout_s" in fleet.slots[1].error
+    assert fleet.slots[0].state == "serving"
+    # an engine that answers but failed the sync (not a timeout) still ends the run, with its log
+    fleet.slots[1].state = "serving"
+    assert "failed during a weight sync" in engine._failures({1: EngineDown("POST /collective_rpc: HTTP 500: bad")})
