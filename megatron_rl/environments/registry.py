@@ -115,7 +115,8 @@ def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
 
     tokenizer, context = _tokenizer_and_context(config)
     return StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
-                              max_turns=config.job.max_turns, max_prompt_tokens=turn_prompt_limit(config, context))
+                              max_turns=config.job.max_turns, max_prompt_tokens=turn_prompt_limit(config, context),
+                              episode_timeout_s=config.job.episode_timeout_s)
 
 
 def _agent(config: Any, *, max_rows: int | None = None) -> Environment:

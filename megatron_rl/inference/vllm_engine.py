@@ -401,7 +401,8 @@ class Fleet:
         """An agent call found no engine serving: flag it (``calls_waiting``) and wait a moment; EngineError when
         no replacement is coming or ``rollout.start_timeout_s`` has passed since ``since``. Returns ``since``."""
         since = since or time.monotonic()
-        coming = [s for s in self.slots if s.state in ("starting", "joining") or s.remote_restart]
+        coming = [s for s in self.slots if s.state in ("starting", "joining") or s.remote_restart
+                  or (s.state == "dead" and s.error is None and not self.closed)]  # (being killed, then restarted)
         waited = time.monotonic() - since
         if not coming or waited > self.config.start_timeout_s:
             raise EngineError(f"no vLLM engine is serving this agent call and "

@@ -37,8 +37,9 @@ def fleet_of(state: str, start_timeout_s: float = 60.0) -> Fleet:
     return fleet
 
 
-def test_an_agent_call_waits_for_the_replacement_engine():
-    fleet = fleet_of("starting")
+@pytest.mark.parametrize("state", ["dead", "starting"])  # dead: marked down, its replacement not launched yet
+def test_an_agent_call_waits_for_the_replacement_engine(state):
+    fleet = fleet_of(state)
 
     def replacement_serves() -> None:  # what the job's admission does once the call is flagged
         assert fleet.calls_waiting.wait(timeout=10)
@@ -52,8 +53,10 @@ def test_an_agent_call_waits_for_the_replacement_engine():
 
 
 def test_an_agent_call_gives_up_when_no_engine_comes_back():
+    given_up = fleet_of("dead")
+    given_up.slots[0].error = "its log says why; restarted 3 times already"
     with pytest.raises(EngineError, match="none is coming back"):
-        fleet_of("dead").complete([1, 2], SPEC, seed=3, session="s")
+        given_up.complete([1, 2], SPEC, seed=3, session="s")
     started = time.monotonic()
     with pytest.raises(EngineError, match=r"none came back within 1 s \(rollout.start_timeout_s=0.5\)"):
         fleet_of("starting", start_timeout_s=0.5).complete([1, 2], SPEC, seed=3, session="s")

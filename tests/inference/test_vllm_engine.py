@@ -102,16 +102,19 @@ def test_no_engine_process_outlives_a_kill_of_its_server_or_of_the_run(engine_hf
     trainer lives), then the whole run at once, trainer and server 1 (``pkill -9 -f <output_dir>``: the watchdog
     dies too): nothing is left 20 s later either time."""
     proc = _trainer("wait", engine_hf_model, tmp_path, engine_py, "rollout.num_engines=2")
-    servers = [int(p) for p in str(_wait_for(tmp_path / "engine.pid", proc, raw=True)).split()]
-    children = {server: _descendants(server) for server in servers}
-    assert all(len(c) >= 1 for c in children.values()), children  # EngineCore (+ Worker): vLLM's own processes
-    os.kill(servers[0], signal.SIGKILL)
-    _assert_gone(children[servers[0]], "after a SIGKILL of engine 0's server alone")
-    assert proc.poll() is None and psutil.Process(servers[1]).is_running()
-    proc.kill()
-    os.kill(servers[1], signal.SIGKILL)
-    proc.wait(timeout=60)
-    _assert_gone(children[servers[1]], "after a SIGKILL of the trainer and the server")
+    try:
+        servers = [int(p) for p in str(_wait_for(tmp_path / "engine.pid", proc, raw=True)).split()]
+        children = {server: _descendants(server) for server in servers}
+        assert all(len(c) >= 1 for c in children.values()), children  # EngineCore (+ Worker): vLLM's processes
+        os.kill(servers[0], signal.SIGKILL)
+        _assert_gone(children[servers[0]], "after a SIGKILL of engine 0's server alone")
+        assert proc.poll() is None and psutil.Process(servers[1]).is_running()
+        proc.kill()
+        os.kill(servers[1], signal.SIGKILL)
+        proc.wait(timeout=60)
+        _assert_gone(children[servers[1]], "after a SIGKILL of the trainer and the server")
+    finally:
+        proc.kill()  # (a failed check: the trainer's watchdog then takes the engines with it)
 
 
 def test_engine_weights_equal_the_trainers_export(engine_hf_model, engine_py, tmp_path):

@@ -169,13 +169,11 @@ class AgentEnvironment:
         for a replacement engine (none serves: ``Fleet.calls_waiting``), every rank joins the admission that gives
         the replacement the current weights (``VLLMEngine.admit_replacements``), and the calls go on. An error of
         the play (an engine that cannot come back) is raised on every rank."""
-        import torch.distributed as dist
-
-        from megatron_rl.distributed.rank0 import on_rank0
+        from megatron_rl.distributed.rank0 import is_global_rank0, on_rank0
 
         outcome: dict[str, Any] = {}
         player = None
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        if is_global_rank0():
             def run() -> None:
                 try:
                     self.play(episodes, engine, spec, seed)
@@ -215,7 +213,8 @@ class AgentEnvironment:
                                  tokenizer_lock=self._tokenizer_lock)
         run_episodes(episodes, lambda ep: self._run(ep, fleet), concurrency=self.max_concurrency,
                      timeout_s=self.episode_timeout_s, on_timeout=lambda ep, seconds: self._give_up(ep, fleet),
-                     describe=lambda ep: f"row {ep.index} (sample {ep.sample})", what=f"{KEY} episode(s)")
+                     describe=lambda ep: f"row {ep.index} (sample {ep.sample})", what=f"{KEY} episode(s)",
+                     paused=(lambda: not fleet.serving()) if hasattr(fleet, "serving") else None)
         engine_error = next((ep.session.engine_error for ep in episodes
                              if ep.session.engine_error and not ep.timed_out), None)
         if engine_error is not None:
