@@ -267,3 +267,22 @@ def test_an_episode_past_its_time_limit_is_a_failed_sample_and_the_step_goes_on(
     assert printed.count("ran past job.episode_timeout_s=1.5 s: counted as a failed sample") == 2
     assert "episode of row 1 (sample 0)" in printed and "the step waits on row 1 (sample 0) in Game.step" in printed
     assert out.metrics["episode/ended_done"] == 2
+
+
+def test_an_episode_that_failed_on_another_rank_only_fails_here_too(tmp_path, monkeypatch):
+    """The ranks agree on the failed episodes (the union): one that failed on another rank only (its class raised
+    there) is a counted failure on this one too, so every rank trains on the same rows."""
+    from megatron_rl.distributed import rank0
+
+    calls = []
+
+    def other_rank_failed_episode_1(values: set) -> set:  # what rank 1 adds, at the first agreement
+        calls.append(values)
+        return values | ({(1, False)} if len(calls) == 1 else set())
+
+    monkeypatch.setattr(rank0, "union_over_ranks", other_rank_failed_episode_1)
+    env, tok = make(tmp_path, rows=[{"digits": [1, 2]}, {"digits": [3, 4]}])
+    out = rollout(env, ScriptedEngine(tok, answer), num_prompts=2)
+    assert out.metrics["rollout/failed_samples"] == 1 and out.metrics["rollout/dropped_groups"] == 1
+    assert out.failures[0].row == 0 and "failed on another rank" in out.failures[0].error
+    assert len(calls) >= 2 and not any(calls[1:])  # known everywhere once agreed: not gathered again

@@ -63,7 +63,9 @@ class Episode:
     spent_s: float = 0.0
     """Seconds spent in the class's calls so far (``job.episode_timeout_s`` bounds them)."""
     ran_out: bool = False
-    """This rank's call of it ran past its time (the ranks then agree: ``_agree_on_timeouts``)."""
+    """This rank's call of it ran past its time (the ranks then agree: ``_agree_on_failures``)."""
+    agreed: bool = False
+    """Its failure is known to every rank (``_agree_on_failures``)."""
 
 
 class StepApiEnvironment:
@@ -129,7 +131,7 @@ class StepApiEnvironment:
         (every call with ``seed``: the built-in engine continues one stream)."""
         for ep in episodes:
             self._start(ep)
-        self._agree_on_timeouts(episodes)
+        self._agree_on_failures(episodes)
         for turn in range(self.max_turns):
             running = [ep for ep in episodes if ep.end is None]
             if not running:
@@ -137,7 +139,7 @@ class StepApiEnvironment:
             completions = engine.generate([ep.conversation.prompt_ids for ep in running], spec, seed=seed)
             for ep, completion in zip(running, completions):
                 self._advance(ep, completion, last_turn=turn == self.max_turns - 1)
-            self._agree_on_timeouts(episodes)
+            self._agree_on_failures(episodes)
 
     def _timed(self, ep: Episode, what: str, fn: Any) -> Any:
         """The class's call ``fn()`` within the episode's time left (``job.episode_timeout_s``); EpisodeError
@@ -156,12 +158,21 @@ class StepApiEnvironment:
         return (f"{self.user.name}: the episode ran past job.episode_timeout_s={self.episode_timeout_s:g} s in its "
                 "calls; given up (the call runs on in the background)")
 
-    def _agree_on_timeouts(self, episodes: list[Episode]) -> None:
-        """Collective: an episode that ran out of time on any rank fails on every rank (the ranks' clocks differ;
-        their rollouts must not), with one line each (global rank 0)."""
+    def _agree_on_failures(self, episodes: list[Episode]) -> None:
+        """Collective: an episode that failed on any rank fails on every rank (a class that raised on one rank
+        only, or the ranks' clocks on a time limit: their rollouts must not differ, or the training's collectives
+        would disagree); a timeout with one line each (global rank 0)."""
         from megatron_rl.distributed.rank0 import is_global_rank0, union_over_ranks
 
-        for i in sorted(union_over_ranks({i for i, ep in enumerate(episodes) if ep.ran_out})):
+        failed = {i for i, ep in enumerate(episodes) if ep.end == "failed" and not ep.agreed}
+        late = {i for i, ep in enumerate(episodes) if ep.ran_out}
+        agreed = union_over_ranks({(i, i in late) for i in failed | late})
+        for i in sorted({i for i, _ in agreed} - failed):
+            self._fail(episodes[i], f"{self.user.name}: the episode failed on another rank (a class that is not a "
+                                    "function of its row and the replies)")
+        for i in sorted({i for i, _ in agreed}):
+            episodes[i].agreed = True
+        for i in sorted({i for i, timed_out in agreed if timed_out}):
             ep = episodes[i]
             self._fail(ep, self._timeout_message())
             ep.ran_out = False  # failed: it plays no more turns, so it is reported once
