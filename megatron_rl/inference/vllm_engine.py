@@ -28,7 +28,8 @@ serving. An engine that cannot be brought back after ``MAX_RESTARTS`` tries in o
 naming its log. ``step_metrics`` reports ``rollout/engine_restarts`` and ``rollout/engines_alive``.
 
 Lifecycle: every server the job starts runs in its own session with a watchdog on rank 0's pid
-(``vllm_serve.py``), so Ctrl-C, an exception or a SIGKILL of the trainer leaves no engine process; ``close``
+(``vllm_serve.py``), and the processes vLLM starts below it die with their parent (``PR_SET_PDEATHSIG``), so
+Ctrl-C, an exception or a SIGKILL of the trainer, of the server, or of both leaves no engine process; ``close``
 (also registered with ``atexit``) kills them at once. Attached servers are never killed.
 """
 
