@@ -192,8 +192,8 @@ def writer_queue_dies_with_rank() -> None:
     ``multiprocessing.Manager()`` server process (spawned, ~700 MB resident) and keeps it for the life of the
     process. The manager does not watch its parent: after a SIGKILL of the rank it ran forever, re-parented to
     init. Here the same queue comes from a manager whose process asks the kernel for SIGKILL when its parent
-    dies (``PR_SET_PDEATHSIG``, Linux) and starts without importing the rank's main module (``lifetime.py``);
-    elsewhere megatron-core's own is left in place."""
+    dies (``PR_SET_PDEATHSIG``, Linux), starts without importing the rank's main module (``lifetime.py``) and
+    never takes a Ctrl-C (SIGINT ignored: the rank reports it); elsewhere megatron-core's own is left in place."""
     import sys
 
     if not sys.platform.startswith("linux"):
@@ -210,10 +210,23 @@ def writer_queue_dies_with_rank() -> None:
     from megatron_rl.lifetime import bare_main, die_with_parent
 
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    with bare_main():  # the manager does not import the job's main module (megatron_rl/lifetime.py)
-        manager.start(initializer=die_with_parent)
+    # Ctrl-C reaches the whole process group: started while SIGINT is ignored here, the manager inherits that (an
+    # ignored signal stays ignored across exec; a blocked one does not: spawn clears the mask), so it neither
+    # prints a traceback nor dies before the rank reports. The price: a Ctrl-C in that half second of the first
+    # save is not this rank's to report (torchrun's closing signal still ends it).
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
+    try:
+        with bare_main():  # the manager does not import the job's main module (megatron_rl/lifetime.py)
+            manager.start(initializer=die_with_parent)
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
     filesystem_async._results_queue = manager.Queue()
     _WRITER_MANAGERS.append(manager)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()  # (signal.signal works there only)
 
 
 _WRITER_MANAGERS: list = []

@@ -50,6 +50,21 @@ def current_group() -> Any:
     return getattr(_local, "group", None)
 
 
+def is_global_rank0() -> bool:
+    """True on global rank 0, and in one process."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def union_over_ranks(values: set) -> set:
+    """The union of every rank's ``values`` (collective over this thread's group; the set itself in one
+    process): what one rank found, every rank acts on."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return set(values)
+    gathered: list = [None] * dist.get_world_size(group=current_group())
+    dist.all_gather_object(gathered, sorted(values), group=current_group())
+    return {v for part in gathered for v in part}
+
+
 def broadcast_from_rank0(payload: list) -> list:
     """``dist.broadcast_object_list(payload, src=0)`` over this thread's group (a no-op in one process); returns
     ``payload`` (filled in place on the other ranks)."""

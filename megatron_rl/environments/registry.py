@@ -115,7 +115,8 @@ def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
 
     tokenizer, context = _tokenizer_and_context(config)
     return StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
-                              max_turns=config.job.max_turns, max_prompt_tokens=turn_prompt_limit(config, context))
+                              max_turns=config.job.max_turns, max_prompt_tokens=turn_prompt_limit(config, context),
+                              episode_timeout_s=config.job.episode_timeout_s)
 
 
 def _agent(config: Any, *, max_rows: int | None = None) -> Environment:
@@ -126,7 +127,8 @@ def _agent(config: Any, *, max_rows: int | None = None) -> Environment:
     return AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
                             max_concurrency=config.job.max_concurrency,
                             max_prompt_tokens=turn_prompt_limit(config, context),
-                            tool_call_parser_name=config.rollout.tool_call_parser, max_rows=max_rows)
+                            tool_call_parser_name=config.rollout.tool_call_parser, max_rows=max_rows,
+                            episode_timeout_s=config.job.episode_timeout_s)
 
 
 register_environment("next_digit", _next_digit)

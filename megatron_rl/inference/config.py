@@ -87,6 +87,9 @@ class RolloutConfig(ConfigSection):
     """KV-cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``)."""
     start_timeout_s: float = field(default=600.0, metadata=POSITIVE)
     """Seconds the engine may take to start before the job stops with the tail of its log."""
+    sync_timeout_s: float = field(default=600.0, metadata=POSITIVE)
+    """Seconds an engine may take to take part in one weight sync (its receive call, each broadcast of its sync
+    group): one that does not answer in time is marked down and replaced, the sync stands for the others."""
     sync_dir: str | None = None
     """Directory for the 'disk' transport's safetensors; None = ``/dev/shm`` when it exists, else the temp dir."""
     tool_call_parser: str = "hermes"

@@ -54,6 +54,10 @@ class EngineDown(RuntimeError):
     """An engine did not answer (dead, hung past its timeout, or an HTTP 5xx): replace it."""
 
 
+class EngineTimeout(EngineDown):
+    """An engine did not answer within the call's deadline (it may still answer ``/health``: hung, not dead)."""
+
+
 def log_tail(path: Path | None, lines: int = 30) -> str:
     if path is None:
         return "(an attached engine: its log is wherever it was started)"
@@ -110,7 +114,10 @@ class EngineServer:
     @classmethod
     def start(cls, model_dir: Path, options: ServeOptions, *, token: str, log_path: Path,
               cpu_cores: str | None = None, devices: str | None = None, host: str = "127.0.0.1") -> "EngineServer":
-        """Start ``vllm serve`` on ``model_dir``, bound to ``host`` (returns at once; ``wait_ready`` waits)."""
+        """Start ``vllm serve`` on ``model_dir``, bound to ``host`` (returns at once; ``wait_ready`` waits). The server
+        runs in the repository root: a relative ``model_dir`` is made absolute here, against the caller's working
+        directory (read there it would be a Hugging Face repo id)."""
+        model_dir, log_path = Path(model_dir).absolute(), Path(log_path).absolute()
         port = free_port(host)
         env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
         env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", MEGATRON_RL_ENGINE_TOKEN=token,
@@ -196,7 +203,9 @@ class EngineServer:
             connection.request(method, path, body=data, headers=headers)
             response = connection.getresponse()
             payload = response.read()
-        except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out
+        except TimeoutError as err:
+            raise EngineTimeout(f"{method} {path}: no answer within {timeout_s:g} s: {err}") from None
+        except (OSError, http.client.HTTPException) as err:  # refused, reset
             raise EngineDown(f"{method} {path}: {type(err).__name__}: {err}") from None
         finally:
             connection.close()
@@ -236,9 +245,11 @@ class EngineServer:
                           extra={} if versions is None else {"weight_versions": versions})
 
     def collective_rpc(self, method: str, *args: Any, timeout_s: float) -> list:
-        """Call ``WorkerExtension.<method>(*args)`` on every worker of the engine; one result per worker."""
-        answer = self.call("POST", "/collective_rpc", {"method": method, "args": list(args), "timeout": timeout_s},
-                           timeout_s=timeout_s + 30)
+        """Call ``WorkerExtension.<method>(*args)`` on every worker of the engine; one result per worker.
+        ``EngineTimeout`` when they have not answered within ``timeout_s`` (vLLM's own deadline is later, so the
+        caller learns of a hung engine as a timeout, not as vLLM's HTTP 500)."""
+        answer = self.call("POST", "/collective_rpc", {"method": method, "args": list(args), "timeout": timeout_s + 30},
+                           timeout_s=timeout_s)
         return answer.get("results", []) if isinstance(answer, dict) else answer
 
     def generated_tokens(self, timeout_s: float = 10) -> float:

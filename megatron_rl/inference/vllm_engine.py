@@ -28,7 +28,8 @@ serving. An engine that cannot be brought back after ``MAX_RESTARTS`` tries in o
 naming its log. ``step_metrics`` reports ``rollout/engine_restarts`` and ``rollout/engines_alive``.
 
 Lifecycle: every server the job starts runs in its own session with a watchdog on rank 0's pid
-(``vllm_serve.py``), so Ctrl-C, an exception or a SIGKILL of the trainer leaves no engine process; ``close``
+(``vllm_serve.py``), and the processes vLLM starts below it die with their parent (``PR_SET_PDEATHSIG``), so
+Ctrl-C, an exception or a SIGKILL of the trainer, of the server, or of both leaves no engine process; ``close``
 (also registered with ``atexit``) kills them at once. Attached servers are never killed.
 """
 
@@ -57,7 +58,7 @@ from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
 from megatron_rl.inference.router import route
 from megatron_rl.inference.server import (REPO_ROOT, EngineDown, EngineError, EngineServer, EngineStartError,
-                                          ServeOptions, log_tail)
+                                          EngineTimeout, ServeOptions, log_tail)
 from megatron_rl.inference.vllm_serve import TOKEN_ENV
 
 __all__ = ["VLLMEngine", "EngineError", "EngineStartError", "engine_python"]
@@ -141,6 +142,8 @@ class Slot:
     restarts: int = 0
     restarter: threading.Thread | None = None
     error: str | None = None
+    down_since: float | None = None
+    """When it was marked down (``time.monotonic``), until a replacement serves: the "is back" line."""
 
     @property
     def prefix(self) -> str:
@@ -167,6 +170,9 @@ class Fleet:
         """Set by ``kill_all``: no more restarts."""
         self.sessions: dict[str, int] = {}
         """Agent session -> the engine its calls go to (``complete``)."""
+        self.calls_waiting = threading.Event()
+        """Set while an agent call waits for a replacement engine (none serves): the caller's loop runs the
+        collective admission (``VLLMEngine.admit_replacements``) that makes it serve."""
         self.lock = threading.RLock()
         atexit.register(self.kill_all)
 
@@ -208,6 +214,8 @@ class Fleet:
             if slot.state in ("dead", "starting"):
                 return
             slot.state = "dead"
+            if slot.down_since is None:
+                slot.down_since = time.monotonic()
         remote = slot.node != self.launcher.layout.node and slot.index < self.config.num_engines
         print(f"megatron_rl: vLLM {slot.name} is down ({reason.splitlines()[0][:300]}); "
               + ("its node restarts it at the next weight sync" if remote else "restarting it"
@@ -364,27 +372,46 @@ class Fleet:
     def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, session: str) -> Completion:
         """One request of an agent session (rank 0 only, not collective, thread-safe): the session's calls stay
         on one engine while it serves (its prefix cache); an engine that fails is marked down and the call goes
-        to another with the same seed. EngineError when no engine serves (replacements join at the next
-        ``update_weights``)."""
+        to another with the same seed. When no engine serves, the call waits for a replacement (it serves once
+        the caller's loop has admitted it: ``calls_waiting``), at most ``rollout.start_timeout_s``; EngineError
+        when none can come back or that passes."""
+        waiting_since = None
         while True:
             with self.lock:
                 serving = self.serving()
-                if not serving:
-                    raise EngineError("no vLLM engine is serving this agent call (all are down or restarting)")
-                engine = self.sessions.get(session)
-                if engine is None or self.slots[engine].state != "serving":
-                    load = {s.index: 0 for s in serving}
-                    for pinned in self.sessions.values():
-                        if pinned in load:
-                            load[pinned] += 1
-                    engine = min(load, key=lambda e: (load[e], e))
-                    self.sessions[session] = engine
+                if serving:
+                    engine = self.sessions.get(session)
+                    if engine is None or self.slots[engine].state != "serving":
+                        load = {s.index: 0 for s in serving}
+                        for pinned in self.sessions.values():
+                            if pinned in load:
+                                load[pinned] += 1
+                        engine = min(load, key=lambda e: (load[e], e))
+                        self.sessions[session] = engine
+            if not serving:
+                waiting_since = self._wait_for_serving(waiting_since)
+                continue
             slot = self.slots[engine]
             try:
                 return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s,
                                             versioned=self.config.partial_rollouts)
             except EngineDown as err:
                 self.mark_down(slot, str(err))
+
+    def _wait_for_serving(self, since: float | None) -> float:
+        """An agent call found no engine serving: flag it (``calls_waiting``) and wait a moment; EngineError when
+        no replacement is coming or ``rollout.start_timeout_s`` has passed since ``since``. Returns ``since``."""
+        since = since or time.monotonic()
+        coming = [s for s in self.slots if s.state in ("starting", "joining") or s.remote_restart
+                  or (s.state == "dead" and s.error is None and not self.closed)]  # (being killed, then restarted)
+        waited = time.monotonic() - since
+        if not coming or waited > self.config.start_timeout_s:
+            raise EngineError(f"no vLLM engine is serving this agent call and "
+                              f"{'none is coming back' if not coming else 'none came back'} within {waited:.0f} s "
+                              f"(rollout.start_timeout_s={self.config.start_timeout_s:g})")
+        self.calls_waiting.set()
+        time.sleep(0.2)
+        return since
 
     def end_session(self, session: str) -> None:
         with self.lock:
@@ -458,7 +485,7 @@ class VLLMEngine:
         from megatron_rl.hf.weights import export_hf
 
         groups = policy.groups
-        work_dir = Path(work_dir)
+        work_dir = Path(work_dir).absolute()  # handed to the engines' processes, which run elsewhere
         model_cfg = policy.config.model
         python = engine_python(config) if config.num_engines else None  # same check everywhere: before collectives
         layout = NodeLayout.from_env()
@@ -566,12 +593,18 @@ class VLLMEngine:
             joined = [self.fleet.slots[i] for i, _ in joining if self.fleet.slots[i].state == "joining"]
             for slot in joined:  # (one that died during its sync was marked down: it is replaced again)
                 slot.state = "serving"
+                if slot.down_since is not None:  # a replacement: say that it came back
+                    print(f"megatron_rl: vLLM engine {slot.index} is back after "
+                          f"{time.monotonic() - slot.down_since:.0f} s (a replacement, serving with the current "
+                          "weights)", flush=True)
+                    slot.down_since = None
             if send and self.config.partial_rollouts:  # label their tokens with the version they were given
                 self._label_version(joined)
 
     def _join(self, joining: list) -> None:
         """Collective: the senders and the workers of each engine in ``joining`` form that engine's groups."""
         timeout = self.config.start_timeout_s
+        deadline = self.config.sync_timeout_s  # of each broadcast of the groups formed here
         errors: dict[int, Any] = {}
         worker = None
         if self.fleet is not None:
@@ -580,11 +613,11 @@ class VLLMEngine:
             workers = self.config.engine_tensor_parallel_size
             call = lambda slot: slot.server.collective_rpc(  # noqa: E731
                 "megatron_rl_join", host, self.store.port, slot.prefix, self.groups.pp_size, workers, self.transport,
-                timeout, timeout_s=timeout)
+                deadline, timeout_s=timeout)
             worker = threading.Thread(target=lambda: errors.update(self.fleet.each(slots, call)), daemon=True)
             worker.start()
         for _, prefix in joining:
-            self.sender.join(prefix, num_workers=self.config.engine_tensor_parallel_size, timeout_s=timeout)
+            self.sender.join(prefix, num_workers=self.config.engine_tensor_parallel_size, timeout_s=deadline)
         if worker is not None:
             worker.join()
         error = next((f"{self.fleet.slots[i].name} could not join the weight sync: {e}"
@@ -617,10 +650,7 @@ class VLLMEngine:
             broadcast_from_rank0(payload)  # this thread's group: job/pipeline.py generates in a thread
             status, value = payload[0]
             if status == "admit":  # no engine serves: bring the replacements in with the current weights
-                if self.run_on_main_thread is not None and threading.current_thread() is not threading.main_thread():
-                    self.run_on_main_thread(self._admit_replacements)  # its collectives: the main thread's groups
-                else:
-                    self._admit_replacements()
+                self.admit_replacements()
                 continue
             if status != "ok":
                 raise EngineError(value)
@@ -628,6 +658,17 @@ class VLLMEngine:
                 self.token_versions.update(completion.extra.get("weight_versions", ()))
             return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
                                extra=c.extra) for c in value]  # (the versions go on into the turns: multi-turn)
+
+    def admit_replacements(self) -> None:
+        """Collective, when no engine serves (``generate``; an agent's calls waiting, ``Fleet.calls_waiting``):
+        wait for a replacement and give it the current weights; from a rollout thread it runs on the main thread,
+        whose groups the sync uses (``run_on_main_thread``). EngineError on every rank if none comes back."""
+        if self.fleet is not None:
+            self.fleet.calls_waiting.clear()
+        if self.run_on_main_thread is not None and threading.current_thread() is not threading.main_thread():
+            self.run_on_main_thread(self._admit_replacements)
+        else:
+            self._admit_replacements()
 
     def _admit_replacements(self) -> None:
         """Collective, when no engine serves: the other nodes restart theirs, rank 0 waits for a replacement,
@@ -688,7 +729,7 @@ class VLLMEngine:
             export_hf([policy.module], path, self.hf_source, self.groups)
             if self.fleet is not None:
                 results = self.fleet.each(slots, lambda s: s.server.collective_rpc(
-                    "megatron_rl_reload_path", str(path), timeout_s=self.config.start_timeout_s))
+                    "megatron_rl_reload_path", str(path), timeout_s=self.config.sync_timeout_s))
                 error = self._failures(results)
                 shutil.rmtree(path, ignore_errors=True)
         else:
@@ -700,7 +741,7 @@ class VLLMEngine:
             worker = None
             if self.fleet is not None:
                 call = lambda s: s.server.collective_rpc(  # noqa: E731
-                    "megatron_rl_receive", self.version, self.record_digests, timeout_s=self.config.start_timeout_s)
+                    "megatron_rl_receive", self.version, self.record_digests, timeout_s=self.config.sync_timeout_s)
                 worker = threading.Thread(target=lambda: results.update(self.fleet.each(slots, call)), daemon=True)
                 worker.start()
             stats = self.sender.send([policy.module], self.hf_source, self.version, engines=payload[0])
@@ -715,13 +756,17 @@ class VLLMEngine:
         _raise_everywhere(error, EngineError)
 
     def _failures(self, results: dict[int, Any]) -> str | None:
-        """Rank 0: an engine that died during the sync (its RPC got no answer and neither does ``/health``) is
-        marked down and replaced, the others' sync stands; the first error of an engine that still answers, as one
-        message (None if none)."""
+        """Rank 0: an engine that died during the sync (its RPC got no answer and neither does ``/health``) or did
+        not take part in time (no answer within ``rollout.sync_timeout_s``) is marked down and replaced, the
+        others' sync stands; the first error of an engine that still answers, as one message (None if none)."""
         for index, result in results.items():
             if not isinstance(result, Exception):
                 continue
             slot = self.fleet.slots[index]
+            if isinstance(result, EngineTimeout):
+                self.fleet.mark_down(slot, f"it did not take part in the weight sync to version {self.version} within "
+                                           f"{self.config.sync_timeout_s:g} s (rollout.sync_timeout_s): {result}")
+                continue
             if isinstance(result, EngineDown) and not _answers(slot.server):
                 self.fleet.mark_down(slot, f"it died during the weight sync to version {self.version}: {result}")
                 continue
@@ -779,7 +824,7 @@ class VLLMEngine:
 
     def _sync_dir(self) -> Path:
         if self.config.sync_dir:
-            return Path(self.config.sync_dir)
+            return Path(self.config.sync_dir).absolute()  # the engines read it from their own directory
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         return base / f"megatron_rl_sync_{os.environ.get('MASTER_PORT', os.getpid())}"
 

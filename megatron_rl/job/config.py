@@ -27,6 +27,7 @@ from megatron_rl.config import (
     FINITE,
     KEY_ALIASES,
     NON_NEGATIVE,
+    POSITIVE,
     ConfigError,
     ConfigSection,
     MegatronRLConfig,
@@ -69,6 +70,13 @@ class JobSection(ConfigSection):
     max_concurrency: int = field(default=32, metadata=AT_LEAST_1)
     """Episodes of ``job.agent`` running at once (threads on global rank 0; each waits on the fleet for its
     calls)."""
+    episode_timeout_s: float = field(default=900.0, metadata=POSITIVE)
+    """Seconds one episode may spend in your code: a ``job.agent`` function (its tool calls included; time waiting
+    for a replacement engine not counted), or the calls into a step-API class (``job.environment``; the engine's
+    replies not counted). Past it the episode is given up, counted as a failed sample (``rollout/failed_samples``,
+    one line naming the row and the limit) and the step goes on; while a step waits on episodes running over a
+    minute, a line every minute names them. 900 s fits tool calls to real services; lower it for fast tools, raise
+    it for slow ones."""
     max_turns: int = field(default=8, metadata=AT_LEAST_1)
     """Turns per episode at most (a step-API environment): an episode not done after this many replies ends,
     counted in ``episode/ended_max_turns``."""

@@ -20,7 +20,8 @@ checkpoint kept). Rollouts of step ``k``
 depend only on ``(seed, k)``, the weights and the environment's data position (saved in every checkpoint, with
 the batches already generated for the steps after it), so a run resumed from the checkpoint of step ``k``
 continues exactly as the uninterrupted run would have. Ctrl-C keeps
-the last complete checkpoint (saves are atomic); running the same command again resumes from it.
+the last complete checkpoint (saves are atomic) and says which; running the same command again resumes from it
+(before the first checkpoint it says that the next run starts from the beginning).
 
     python -m megatron_rl.job.main [--config X.yaml] [section.key=value ...]   (no --config: job/paths.py picks)
 
@@ -274,8 +275,7 @@ def run(job: Job) -> int:
             reporter.close()
         from megatron_rl.distributed.launch import report_error as report
 
-        return report(f"\nmegatron_rl: interrupted during step {step}; the last complete checkpoint in "
-                      f"{job.save_dir} is kept. Run the same command again to resume from it.", code=130)
+        return report(interrupted_message(step, job.save_dir), code=130)
     except AllSamplesFailed:
         if reporter is not None:
             reporter.close()
@@ -285,6 +285,20 @@ def run(job: Job) -> int:
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
               f"summary.txt); checkpoints: {job.save_dir}", flush=True)
     return 0
+
+
+def interrupted_message(step: int, save_dir: Path) -> str:
+    """What Ctrl-C during ``step`` leaves: the newest checkpoint to resume from (saves are atomic: a ``step_*``
+    directory is complete), or none yet, and then the next run starts from the beginning."""
+    from megatron_rl.checkpoint.layout import checkpoint_dirs, step_of
+
+    saved = checkpoint_dirs(save_dir)
+    if not saved:
+        return (f"\nmegatron_rl: interrupted during step {step}, before the first checkpoint: nothing was saved "
+                f"in {save_dir}, so the same command starts again from the beginning (checkpoint.save_interval "
+                "sets how often a run saves).")
+    return (f"\nmegatron_rl: interrupted during step {step}; the last complete checkpoint, step {step_of(saved[-1])} "
+            f"in {save_dir}, is kept. Run the same command again to resume from it.")
 
 
 def report_finished(job: Job, step: int) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 import threading
 from pathlib import Path
 
@@ -184,7 +185,8 @@ def make_env(tmp_path: Path, rows: list[dict], template: str = KEEP_HISTORY, sou
     data = DataConfig(train_files=str(tmp_path / "train.jsonl"), val_files=str(tmp_path / "train.jsonl"), shuffle=False)
     env = AgentEnvironment(f"{tmp_path / 'agent.py'}:{function}", data, tokenizer, seed=0,
                            max_concurrency=kwargs.pop("max_concurrency", 4),
-                           max_prompt_tokens=kwargs.pop("max_prompt_tokens", 200), tool_call_parser_name="hermes")
+                           max_prompt_tokens=kwargs.pop("max_prompt_tokens", 200), tool_call_parser_name="hermes",
+                           **kwargs)
     return env, tokenizer
 
 
@@ -277,3 +279,72 @@ def test_the_config_names_the_fix_for_an_agent_without_the_vllm_fleet(tmp_path):
         load_job_config(None, [*base, "rollout.engine=vllm", "rollout.tool_call_parser=qwen9"])
     with pytest.raises(ConfigError, match="an agent is its own environment"):
         load_job_config(None, [*base, "rollout.engine=vllm", "job.environment=single_turn"])
+
+
+def test_an_episode_past_its_time_limit_is_a_failed_sample_and_the_step_goes_on(tmp_path, capsys, monkeypatch):
+    """A hung agent (a tool waiting on a dead service) with job.episode_timeout_s=2: the step returns soon after,
+    the hung episodes count as failed samples with one line each naming the row and the limit, the others train;
+    while waiting, a line names the slow episodes (every SLOW_REPORT_S, lowered here)."""
+    from megatron_rl.environments import episodes
+
+    monkeypatch.setattr(episodes, "SLOW_REPORT_S", 0.5)
+    source = AGENT + textwrap.dedent('''
+        import time
+
+        def hanging_agent(base_url, digits, hang=False):
+            if hang:
+                time.sleep(3600)
+            return agent(base_url, digits, calls=1)
+        ''')
+    env, tokenizer = make_env(tmp_path, [{"digits": [1, 2], "hang": False}, {"digits": [3, 4], "hang": True}],
+                              source=source, function="hanging_agent", episode_timeout_s=2.0)
+    started = time.monotonic()
+    rollouts = env.rollout(FakeEngine(ScriptedFleet(tokenizer, next_digit)), SPEC, num_prompts=2,
+                           n_samples_per_prompt=2, seed=0, step_wise=True)
+    assert time.monotonic() - started < 10  # the limit, plus the 0.5 s polling
+    assert rollouts.metrics["rollout/failed_samples"] == 2 and rollouts.metrics["rollout/dropped_groups"] == 1
+    assert [f.row for f in rollouts.failures] == [1, 1]
+    assert "ran past job.episode_timeout_s=2 s" in rollouts.failures[0].error
+    printed = capsys.readouterr().out
+    assert printed.count("ran past job.episode_timeout_s=2 s: counted as a failed sample") == 2
+    assert "episode of row 1 (sample 0)" in printed and "episode of row 1 (sample 1)" in printed
+    assert "the step waits on 2 job.agent episode(s) running for over 0.5 s: row 1 (sample" in printed
+    assert rollouts.output["rewards"][:2] == [1.0, 1.0]  # row 0's episodes trained
+
+
+class LostEngineFleet(ScriptedFleet):
+    """The only engine is down when the episodes start: each call waits (as ``Fleet.complete`` does) until the
+    job has admitted the replacement (``FakeEngine.admit_replacements``)."""
+
+    def __init__(self, tokenizer, reply) -> None:
+        super().__init__(tokenizer, reply)
+        self.calls_waiting = threading.Event()
+        self.back = threading.Event()
+
+    def serving(self):
+        return [0] if self.back.is_set() else []
+
+    def complete(self, prompt, spec, *, seed, session):
+        while not self.back.is_set():
+            self.calls_waiting.set()
+            time.sleep(0.05)
+        return super().complete(prompt, spec, seed=seed, session=session)
+
+
+class AdmittingEngine(FakeEngine):
+    def __init__(self, fleet) -> None:
+        super().__init__(fleet)
+        self.admissions = 0
+
+    def admit_replacements(self):
+        self.admissions += 1
+        self.fleet.calls_waiting.clear()
+        self.fleet.back.set()
+
+
+def test_agent_calls_wait_for_the_replacement_engine(tmp_path):
+    env, tokenizer = make_env(tmp_path, [{"digits": [1, 2, 3]}])
+    engine = AdmittingEngine(LostEngineFleet(tokenizer, next_digit))
+    rollouts = env.rollout(engine, SPEC, num_prompts=1, n_samples_per_prompt=2, seed=0, step_wise=True)
+    assert engine.admissions == 1 and rollouts.metrics["rollout/failed_samples"] == 0
+    assert rollouts.output["rewards"][-1] == 1.0

@@ -188,3 +188,17 @@ def test_rollouts_after_a_restored_state_match_the_uninterrupted_run(word_tokeni
     resumed = make_env(word_tokenizer, tmp_path)
     resumed.load_state_dict(state)
     assert prompts_of(resumed, range(5, 9)) == straight[4:]
+
+
+def test_a_reward_that_failed_on_another_rank_only_fails_here_too(word_tokenizer, tmp_path, monkeypatch):
+    """The ranks agree on the failed responses (the union): one whose reward function raised on another rank only
+    is a counted failure on this one too, so every rank trains on the same rows."""
+    from megatron_rl.distributed import rank0
+
+    monkeypatch.setattr(rank0, "union_over_ranks", lambda values: values | {4})  # rank 1's failure: response 4
+    env = make_env(word_tokenizer, tmp_path)
+    spec = SamplingSpec(max_tokens=3, temperature=1.0, stop_token_ids=env.stop_token_ids)
+    rollouts = env.rollout(BuiltinEngine(oracle_and_noise(word_tokenizer)), spec, num_prompts=4,
+                           n_samples_per_prompt=3, seed=11, step_wise=False)
+    assert rollouts.metrics["rollout/failed_samples"] == 1 and len(rollouts.output["response_ids"]) == 11
+    assert [f.index for f in rollouts.failures] == [4] and "failed on another rank" in rollouts.failures[0].error

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def write(tmp_path: Path, rows: list[dict], source: str = GAME, name: str = "tra
 
 
 def make(tmp_path, template=KEEP_HISTORY, rows=None, source=GAME, spec="Game", max_turns=8, max_prompt=200,
-         val=None):
+         val=None, **kwargs):
     rows = rows or [{"digits": [d, (d + 3) % 10, (d + 5) % 10]} for d in range(4)]
     game, train = write(tmp_path, rows, source)
     data = DataConfig(train_files=str(train), shuffle=False)
@@ -68,7 +69,7 @@ def make(tmp_path, template=KEEP_HISTORY, rows=None, source=GAME, spec="Game", m
                           shuffle=False)
     tok = chat_tokenizer(tmp_path / "tok", template)
     return StepApiEnvironment(f"{game}:{spec}", data, tok, seed=3, max_turns=max_turns,
-                              max_prompt_tokens=max_prompt), tok
+                              max_prompt_tokens=max_prompt, **kwargs), tok
 
 
 SPEC = SamplingSpec(max_tokens=8, stop_token_ids=(2,))
@@ -245,3 +246,43 @@ def test_a_placeholder_row_carries_zero_routing_when_the_played_rows_do():
     row = placeholder_row(Episode({}, 0, 0, 0), 7, 2, routing_shape(played))
     assert row["routed_experts"].shape == (2, 3, 2) and not row["routed_experts"].any()
     assert "routed_experts" not in placeholder_row(Episode({}, 0, 0, 0), 7, 2, routing_shape([[], [{}]]))
+
+
+def test_an_episode_past_its_time_limit_is_a_failed_sample_and_the_step_goes_on(tmp_path, capsys, monkeypatch):
+    """A step() that hangs on one row (a tool waiting on a dead service), job.episode_timeout_s=1.5: the rollout
+    returns soon after, its episodes are failed samples with one line each naming the row and the limit, a line
+    names the slow call meanwhile (every SLOW_REPORT_S, lowered here), the other row trains."""
+    from megatron_rl.environments import episodes
+
+    monkeypatch.setattr(episodes, "SLOW_REPORT_S", 0.5)
+    source = GAME.replace("    def step(self, response):\n", "    def step(self, response):\n"
+                          "        if self.digits[0] == 7:\n            import time; time.sleep(3600)\n")
+    env, tok = make(tmp_path, rows=[{"digits": [1, 2]}, {"digits": [7, 8]}], source=source, episode_timeout_s=1.5)
+    started = time.monotonic()
+    out = rollout(env, ScriptedEngine(tok, answer), num_prompts=2)
+    assert time.monotonic() - started < 10  # two hung episodes, 1.5 s each (the calls of one rank run in turn)
+    assert out.metrics["rollout/failed_samples"] == 2 and out.metrics["rollout/dropped_groups"] == 1
+    assert [f.row for f in out.failures] == [1, 1] and "job.episode_timeout_s=1.5 s" in out.failures[0].error
+    printed = capsys.readouterr().out
+    assert printed.count("ran past job.episode_timeout_s=1.5 s: counted as a failed sample") == 2
+    assert "episode of row 1 (sample 0)" in printed and "the step waits on row 1 (sample 0) in Game.step" in printed
+    assert out.metrics["episode/ended_done"] == 2
+
+
+def test_an_episode_that_failed_on_another_rank_only_fails_here_too(tmp_path, monkeypatch):
+    """The ranks agree on the failed episodes (the union): one that failed on another rank only (its class raised
+    there) is a counted failure on this one too, so every rank trains on the same rows."""
+    from megatron_rl.distributed import rank0
+
+    calls = []
+
+    def other_rank_failed_episode_1(values: set) -> set:  # what rank 1 adds, at the first agreement
+        calls.append(values)
+        return values | ({(1, False)} if len(calls) == 1 else set())
+
+    monkeypatch.setattr(rank0, "union_over_ranks", other_rank_failed_episode_1)
+    env, tok = make(tmp_path, rows=[{"digits": [1, 2]}, {"digits": [3, 4]}])
+    out = rollout(env, ScriptedEngine(tok, answer), num_prompts=2)
+    assert out.metrics["rollout/failed_samples"] == 1 and out.metrics["rollout/dropped_groups"] == 1
+    assert out.failures[0].row == 0 and "failed on another rank" in out.failures[0].error
+    assert len(calls) >= 2 and not any(calls[1:])  # known everywhere once agreed: not gathered again

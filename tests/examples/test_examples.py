@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,13 +22,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4
 
 
-def run_example(*args: str, torchrun: int = 0) -> str:
-    """stdout + stderr of ``python [-m torch.distributed.run ...] examples/<args>`` from the repository root."""
+def run_example(script: str, *args: str, torchrun: int = 0) -> str:
+    """stdout + stderr of ``python [-m torch.distributed.run ...] <ROOT>/<script> <args>`` run from a scratch folder
+    (a user's working directory is not the repository: every relative path the example hands on must hold)."""
     launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(torchrun)] if torchrun else []
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.pop("MEGATRON_RL_DEBUG", None)
-    done = subprocess.run([sys.executable, *launcher, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory(prefix="megatron_rl_example_cwd_") as scratch:
+        done = subprocess.run([sys.executable, *launcher, str(ROOT / script), *args], cwd=scratch, env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     return output

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.engine
@@ -40,7 +41,7 @@ def _alive_in_group(pgid: int) -> list[int]:
     return alive
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 400) -> int:
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 400, raw: bool = False) -> int | str:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
@@ -50,7 +51,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 400) -> int:
             raise AssertionError("the engine did not start in time")
         time.sleep(0.5)
     time.sleep(0.2)
-    return int(path.read_text())
+    return path.read_text() if raw else int(path.read_text())
 
 
 def _assert_group_gone(pgid: int, timeout: float = 20) -> None:
@@ -64,7 +65,7 @@ def _assert_group_gone(pgid: int, timeout: float = 20) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("how", ["sigkill", "sigint", "error"])
+@pytest.mark.parametrize("how", ["sigint", "error"])  # a SIGKILL of the trainer alone: test_vllm_main_job.py
 def test_engine_dies_with_the_trainer(how, engine_hf_model, engine_py, tmp_path):
     proc = _trainer("raise" if how == "error" else "wait", engine_hf_model, tmp_path, engine_py)
     pgid = _wait_for(tmp_path / "engine.pid", proc)
@@ -76,6 +77,44 @@ def test_engine_dies_with_the_trainer(how, engine_hf_model, engine_py, tmp_path)
         proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     _assert_group_gone(pgid)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _assert_gone(processes: list[psutil.Process], what: str, timeout: float = 20) -> None:
+    """Every one of ``processes`` ends (or is a zombie) within ``timeout`` seconds; the survivors are killed."""
+    def alive() -> list[psutil.Process]:
+        return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+    deadline = time.monotonic() + timeout
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    survivors = alive()
+    for p in survivors:
+        p.kill()
+    assert not survivors, f"{what}: {[(p.pid, p.name()) for p in survivors]} still alive after {timeout:.0f} s"
+
+
+def test_no_engine_process_outlives_a_kill_of_its_server_or_of_the_run(engine_hf_model, engine_py, tmp_path):
+    """Two engines: SIGKILL the API server of engine 0 alone (its EngineCore and Worker must follow it while the
+    trainer lives), then the whole run at once, trainer and server 1 (``pkill -9 -f <output_dir>``: the watchdog
+    dies too): nothing is left 20 s later either time."""
+    proc = _trainer("wait", engine_hf_model, tmp_path, engine_py, "rollout.num_engines=2")
+    try:
+        servers = [int(p) for p in str(_wait_for(tmp_path / "engine.pid", proc, raw=True)).split()]
+        children = {server: _descendants(server) for server in servers}
+        assert all(len(c) >= 1 for c in children.values()), children  # EngineCore (+ Worker): vLLM's processes
+        os.kill(servers[0], signal.SIGKILL)
+        _assert_gone(children[servers[0]], "after a SIGKILL of engine 0's server alone")
+        assert proc.poll() is None and psutil.Process(servers[1]).is_running()
+        proc.kill()
+        os.kill(servers[1], signal.SIGKILL)
+        proc.wait(timeout=60)
+        _assert_gone(children[servers[1]], "after a SIGKILL of the trainer and the server")
+    finally:
+        proc.kill()  # (a failed check: the trainer's watchdog then takes the engines with it)
 
 
 def test_engine_weights_equal_the_trainers_export(engine_hf_model, engine_py, tmp_path):

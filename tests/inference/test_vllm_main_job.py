@@ -1,5 +1,6 @@
-"""The main job on a fleet of two vLLM engines (``configs/demo_vllm.yaml``, ``rollout.num_engines=2``): an engine
-killed mid-run costs a restart, not the run (the replacement serves again with the current weights); the job
+"""The main job on a fleet of two vLLM engines (``configs/demo_vllm.yaml``, ``rollout.num_engines=2``): an engine's
+server killed mid-run costs a restart, not the run (the replacement serves again with the current weights and says
+it is back); the job
 killed with SIGKILL leaves no process at all (engines, their children, megatron-core's checkpoint writer queue:
 W31); resumed, it restarts the engines from the checkpoint's weights (the engines' log-probs of their own samples
 equal the trainer's from the first resumed step on)."""
@@ -110,7 +111,7 @@ def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(en
     _wait_rows(out, proc, lambda rows: len(rows) >= 3, "reach step 3")
     engines = sorted(_engine_pids(out))
     assert len(engines) == 2, engines
-    os.killpg(engines[1], signal.SIGKILL)  # each engine leads its own process group
+    os.kill(engines[1], signal.SIGKILL)  # its API server alone: EngineCore and Worker follow (PR_SET_PDEATHSIG)
     rows = _wait_rows(out, proc, lambda rows: any(r.get("rollout/engine_restarts", 0) > 0 for r in rows),
                       "report the engine restart")
     _wait_rows(out, proc, lambda rows: rows[-1].get("rollout/engines_alive") == 2.0, "serve with 2 engines again")
@@ -122,6 +123,7 @@ def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(en
         os.kill(pid, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    assert "vLLM engine 1 is back after" in proc.stdout.read()  # the replacement says it serves
     deadline = time.monotonic() + 20
     while _alive(job):
         assert time.monotonic() < deadline, f"processes of the killed job outlived it: {sorted(_alive(job))}"

@@ -28,7 +28,6 @@ order fixed by its row and the replies gets the same samples on a rerun or a res
 
 from __future__ import annotations
 
-import concurrent.futures as futures
 import hashlib
 import inspect
 import math
@@ -42,6 +41,7 @@ from megatron_rl.environments.agent.endpoint import AgentEndpoint, Session
 from megatron_rl.environments.agent.tool_parsers import tool_call_parser
 from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
 from megatron_rl.environments.conversation import Turn, trajectory_rows, weight_versions
+from megatron_rl.environments.episodes import run_episodes
 from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
@@ -59,6 +59,9 @@ class Episode:
     uid: int
     sample: int
     session: Session | None = None
+    base_url: str | None = None
+    timed_out: bool = False
+    """Given up past ``job.episode_timeout_s`` (its function may still be running: nothing it does counts)."""
     reward: float = 0.0
     error: str | None = None
     """Why the episode failed, one line after ``function(base_url, **row)`` ("raised KeyError: ..."); None when
@@ -73,8 +76,11 @@ def call_seed(seed: int, row: int, sample: int, call: int) -> int:
 
 class AgentEnvironment:
     def __init__(self, spec: str, data: DataConfig, tokenizer: Any, *, seed: int, max_concurrency: int,
-                 max_prompt_tokens: int, tool_call_parser_name: str, max_rows: int | None = None) -> None:
+                 max_prompt_tokens: int, tool_call_parser_name: str, max_rows: int | None = None,
+                 episode_timeout_s: float = 900.0) -> None:
         """``max_rows``: read only the first rows of each data file (the pre-flight's check)."""
+        self.episode_timeout_s = episode_timeout_s
+        self._episode_lock = threading.Lock()
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
         self.spec, self.function = spec, load_agent(spec)
@@ -114,10 +120,10 @@ class AgentEnvironment:
         epoch = float(self.order.epoch)
 
         def play() -> Rollouts:
-            self.play(episodes, engine, spec, seed)
             out_rows, failed = [], []
             for ep in episodes:
-                rows = trajectory_rows(ep.session.turns or [self._placeholder_turn()], reward=ep.reward,
+                turns = [] if ep.timed_out else ep.session.turns  # (a given-up episode may still be calling)
+                rows = trajectory_rows(turns or [self._placeholder_turn()], reward=ep.reward,
                                        uid=ep.uid, trajectory_id=(ep.uid, ep.sample))
                 out_rows += rows
                 failed += [ep.error is not None] * len(rows)
@@ -137,6 +143,7 @@ class AgentEnvironment:
             return Rollouts(output, metrics, samples=samples, failures=failures,  # type: ignore[arg-type]
                             token_versions=tokens or None)
 
+        self.play_everywhere(episodes, engine, spec, seed)
         return on_rank0(play)
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
@@ -147,14 +154,50 @@ class AgentEnvironment:
             return Evaluation({})
         rows = self.val[:num_prompts] if num_prompts else self.val
 
+        episodes = [Episode(row, i, i, 0) for i, row in enumerate(rows)]
+
         def play() -> Evaluation:
-            episodes = [Episode(row, i, i, 0) for i, row in enumerate(rows)]
-            self.play(episodes, engine, spec, seed)
             rewards = [None if ep.error is not None else ep.reward for ep in episodes]
             return Evaluation(pass_metrics(rewards, pass_threshold), self._samples(episodes),
                               self._failures(episodes))
 
+        self.play_everywhere(episodes, engine, spec, seed)
         return on_rank0(play)
+
+    def play_everywhere(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
+        """Collective: global rank 0 plays the episodes (``play``, in a thread); meanwhile, whenever its calls wait
+        for a replacement engine (none serves: ``Fleet.calls_waiting``), every rank joins the admission that gives
+        the replacement the current weights (``VLLMEngine.admit_replacements``), and the calls go on. An error of
+        the play (an engine that cannot come back) is raised on every rank."""
+        from megatron_rl.distributed.rank0 import is_global_rank0, on_rank0
+
+        outcome: dict[str, Any] = {}
+        player = None
+        if is_global_rank0():
+            def run() -> None:
+                try:
+                    self.play(episodes, engine, spec, seed)
+                except Exception as err:  # noqa: BLE001 - raised on every rank by ``played``
+                    outcome["error"] = err
+
+            player = threading.Thread(target=run, name="megatron_rl-agent-play", daemon=True)
+            player.start()
+
+        def played() -> bool:
+            """Rank 0: True when the play ended, False when a replacement engine must be admitted first."""
+            waiting = getattr(getattr(engine, "fleet", None), "calls_waiting", None)
+            while player.is_alive():
+                player.join(timeout=0.2)
+                if waiting is not None and waiting.is_set() and player.is_alive():
+                    if not engine.fleet.serving():
+                        return False
+                    waiting.clear()  # an engine serves again: the calls went on
+            if "error" in outcome:
+                raise outcome["error"]
+            return True
+
+        while not on_rank0(played):
+            engine.admit_replacements()
 
     def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
         """Run every episode (``max_concurrency`` at once) against ``engine``'s fleet: each gets its reward or
@@ -168,9 +211,12 @@ class AgentEnvironment:
                                  seed_of_call=lambda call, ep=ep: call_seed(seed, ep.uid, ep.sample, call),
                                  max_prompt_tokens=self.max_prompt_tokens, parse=self.parse,
                                  tokenizer_lock=self._tokenizer_lock)
-        with futures.ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="agent") as pool:
-            list(pool.map(lambda ep: self._run(ep, fleet), episodes))
-        engine_error = next((ep.session.engine_error for ep in episodes if ep.session.engine_error), None)
+        run_episodes(episodes, lambda ep: self._run(ep, fleet), concurrency=self.max_concurrency,
+                     timeout_s=self.episode_timeout_s, on_timeout=lambda ep, seconds: self._give_up(ep, fleet),
+                     describe=lambda ep: f"row {ep.index} (sample {ep.sample})", what=f"{KEY} episode(s)",
+                     paused=(lambda: not fleet.serving()) if hasattr(fleet, "serving") else None)
+        engine_error = next((ep.session.engine_error for ep in episodes
+                             if ep.session.engine_error and not ep.timed_out), None)
         if engine_error is not None:
             from megatron_rl.inference.server import EngineError
 
@@ -180,15 +226,39 @@ class AgentEnvironment:
         """One episode: the user's function against its own URL; its reward, or its error."""
         session = ep.session
         assert session is not None and self.endpoint is not None
-        base_url = self.endpoint.open(session)
+        base_url = ep.base_url = self.endpoint.open(session)
         try:
             result = self.function(base_url=base_url, **ep.row)
         except Exception as err:  # noqa: BLE001 - the user's code: the episode fails, the run goes on
-            ep.error = f"raised {failure(0, None, err).error}"
-            return
+            result, error = None, f"raised {failure(0, None, err).error}"
+        else:
+            error = None
         finally:
             self.endpoint.close_session(base_url)
             fleet.end_session(session.name)
+        with self._episode_lock:
+            if not ep.timed_out:
+                self._score(ep, result, error)
+
+    def _give_up(self, ep: Episode, fleet: Any) -> None:
+        """``ep`` ran past ``job.episode_timeout_s``: a failed sample; its URL stops answering its calls."""
+        with self._episode_lock:
+            ep.timed_out = True
+            ep.error = (f"ran past job.episode_timeout_s={self.episode_timeout_s:g} s: given up (its function runs on "
+                        "in the background; its result is dropped)")
+        print(f"megatron_rl: {KEY} episode of row {ep.index} (sample {ep.sample}) ran past job.episode_timeout_s="
+              f"{self.episode_timeout_s:g} s: counted as a failed sample (rollout/failed_samples), the step goes on",
+              flush=True)
+        if ep.base_url is not None:
+            self.endpoint.close_session(ep.base_url)
+        fleet.end_session(ep.session.name)
+
+    def _score(self, ep: Episode, result: Any, error: str | None) -> None:
+        """The episode's reward from its function's ``result``, or its error."""
+        if error is not None:
+            ep.error = error
+            return
+        session = ep.session
         reward = as_reward(result)
         if reward is None:
             ep.error = (f"returned {str(result)[:80]!r} ({type(result).__name__}): it must return a finite number "

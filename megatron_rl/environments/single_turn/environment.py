@@ -121,9 +121,23 @@ class SingleTurnEnvironment:
                                          error=scored.failures[-1].error if reward is None else None))
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
+        self._agree_on_failures(scored)
         ok = sum(r is not None for r in scored.rewards)
         scored.metrics = {k: v / ok for k, v in sums.items()} if ok else {}
         return scored
+
+    def _agree_on_failures(self, scored: "Scored") -> None:
+        """Collective: a response whose scoring failed on any rank fails on every rank (a reward function that
+        raised on one rank only), so every rank trains on the same rows (a counted failure, not a disagreement)."""
+        from megatron_rl.distributed.rank0 import union_over_ranks
+
+        here = {i for i, r in enumerate(scored.rewards) if r is None}
+        for i in sorted(union_over_ranks(here) - here):
+            scored.rewards[i] = None
+            scored.failures.append(SampleFailure(i, scored.samples[i].row, "reward.function failed on another rank "
+                                                 "for this response (it is not a function of its arguments there)"))
+            scored.samples[i] = dataclasses.replace(scored.samples[i], reward=None, error=scored.failures[-1].error)
+        scored.failures.sort(key=lambda f: f.index)
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
                  pass_threshold: float) -> Evaluation:

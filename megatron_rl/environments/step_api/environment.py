@@ -26,6 +26,7 @@ Every rank runs the same episodes (the engine is collective).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ import numpy as np
 
 from megatron_rl.environments.base import Evaluation, Rollouts, pass_metrics
 from megatron_rl.environments.conversation import Conversation, has_chat_template, trajectory_rows, weight_versions
+from megatron_rl.environments.episodes import EpisodeTimeout, call_within
 from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
@@ -58,11 +60,17 @@ class Episode:
     """Why it ended: one of ``END_REASONS``, or 'failed'; None while it runs."""
     error: str | None = None
     """Why it failed (one line naming the class and the call)."""
+    spent_s: float = 0.0
+    """Seconds spent in the class's calls so far (``job.episode_timeout_s`` bounds them)."""
+    ran_out: bool = False
+    """This rank's call of it ran past its time (the ranks then agree: ``_agree_on_failures``)."""
+    agreed: bool = False
+    """Its failure is known to every rank (``_agree_on_failures``)."""
 
 
 class StepApiEnvironment:
     def __init__(self, spec: str, data: DataConfig, tokenizer: Any, *, seed: int, max_turns: int,
-                 max_prompt_tokens: int) -> None:
+                 max_prompt_tokens: int, episode_timeout_s: float = 900.0) -> None:
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
         self.user = UserClass(spec)
@@ -74,6 +82,7 @@ class StepApiEnvironment:
         self.user.check_on_row(self.train[0], tokenizer, "row 0 of data.train_files")
         self.order = PromptOrder(len(self.train), seed=seed, shuffle=data.shuffle)
         self.max_turns, self.max_prompt_tokens = max_turns, max_prompt_tokens
+        self.episode_timeout_s = episode_timeout_s
 
     def describe(self) -> str:
         """One line for the log: the class, the rows, how text is rendered, the limits."""
@@ -122,6 +131,7 @@ class StepApiEnvironment:
         (every call with ``seed``: the built-in engine continues one stream)."""
         for ep in episodes:
             self._start(ep)
+        self._agree_on_failures(episodes)
         for turn in range(self.max_turns):
             running = [ep for ep in episodes if ep.end is None]
             if not running:
@@ -129,6 +139,47 @@ class StepApiEnvironment:
             completions = engine.generate([ep.conversation.prompt_ids for ep in running], spec, seed=seed)
             for ep, completion in zip(running, completions):
                 self._advance(ep, completion, last_turn=turn == self.max_turns - 1)
+            self._agree_on_failures(episodes)
+
+    def _timed(self, ep: Episode, what: str, fn: Any) -> Any:
+        """The class's call ``fn()`` within the episode's time left (``job.episode_timeout_s``); EpisodeError
+        when it runs out (the episode's ``ran_out``: the ranks agree on it after the turn)."""
+        started = time.monotonic()
+        try:
+            return call_within(fn, self.episode_timeout_s - ep.spent_s,
+                               lambda: f"row {ep.index} (sample {ep.sample}) in {self.user.name}.{what}")
+        except EpisodeTimeout:
+            ep.ran_out = True
+            raise EpisodeError(self._timeout_message()) from None
+        finally:
+            ep.spent_s += time.monotonic() - started
+
+    def _timeout_message(self) -> str:
+        return (f"{self.user.name}: the episode ran past job.episode_timeout_s={self.episode_timeout_s:g} s in its "
+                "calls; given up (the call runs on in the background)")
+
+    def _agree_on_failures(self, episodes: list[Episode]) -> None:
+        """Collective: an episode that failed on any rank fails on every rank (a class that raised on one rank
+        only, or the ranks' clocks on a time limit: their rollouts must not differ, or the training's collectives
+        would disagree); a timeout with one line each (global rank 0)."""
+        from megatron_rl.distributed.rank0 import is_global_rank0, union_over_ranks
+
+        failed = {i for i, ep in enumerate(episodes) if ep.end == "failed" and not ep.agreed}
+        late = {i for i, ep in enumerate(episodes) if ep.ran_out}
+        agreed = union_over_ranks({(i, i in late) for i in failed | late})
+        for i in sorted({i for i, _ in agreed} - failed):
+            self._fail(episodes[i], f"{self.user.name}: the episode failed on another rank (a class that is not a "
+                                    "function of its row and the replies)")
+        for i in sorted({i for i, _ in agreed}):
+            episodes[i].agreed = True
+        for i in sorted({i for i, timed_out in agreed if timed_out}):
+            ep = episodes[i]
+            self._fail(ep, self._timeout_message())
+            ep.ran_out = False  # failed: it plays no more turns, so it is reported once
+            if is_global_rank0():
+                print(f"megatron_rl: {KEY} episode of row {ep.index} (sample {ep.sample}) ran past "
+                      f"job.episode_timeout_s={self.episode_timeout_s:g} s: counted as a failed sample "
+                      "(rollout/failed_samples), the step goes on", flush=True)
 
     def _rows(self, ep: Episode) -> list[dict]:
         """The episode's step-wise rows, one per turn (a failed one's reward: 0; they are dropped or masked);
@@ -141,8 +192,8 @@ class StepApiEnvironment:
 
     def _start(self, ep: Episode) -> None:
         try:
-            ep.env = self.user.new(ep.row)
-            ep.conversation = Conversation(self.tokenizer, self.user.reset(ep.env))
+            ep.env = self._timed(ep, "__init__(**row)", lambda: self.user.new(ep.row))
+            ep.conversation = Conversation(self.tokenizer, self._timed(ep, "reset()", lambda: self.user.reset(ep.env)))
         except (EpisodeError, ValueError) as err:
             return self._fail(ep, str(err))
         if len(ep.conversation.prompt_ids) > self.max_prompt_tokens:
@@ -156,7 +207,7 @@ class StepApiEnvironment:
         text = conversation.add_response(completion.token_ids, completion.logprobs, completion.finish_reason,
                                          completion.extra)
         try:
-            result = self.user.step(ep.env, text)
+            result = self._timed(ep, "step(response)", lambda: self.user.step(ep.env, text))
             ep.rewards.append(result.reward)
             if result.done or last_turn:
                 ep.end = "done" if result.done else "max_turns"

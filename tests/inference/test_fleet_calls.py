@@ -1,0 +1,90 @@
+"""An agent's call when no engine serves (``vllm_engine.Fleet.complete``), without vLLM: it waits for the
+replacement (flagging ``calls_waiting`` for the job's admission), bounded by ``rollout.start_timeout_s``, and fails
+at once when none is coming back. The replacement's "is back" line: ``VLLMEngine._admit`` (fleet tests)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_rl.inference.config import RolloutConfig
+from megatron_rl.inference.engine import Completion, SamplingSpec
+from megatron_rl.inference.server import EngineError
+from megatron_rl.inference.vllm_engine import Fleet, Slot
+
+SPEC = SamplingSpec(max_tokens=2, stop_token_ids=(0,))
+
+
+class AnsweringServer:
+    owned = False
+    log_path = None
+    url = "http://127.0.0.1:1"
+
+    def complete(self, prompt, spec, *, seed, timeout_s, versioned):
+        return Completion([7, 0], [-0.1, -0.2], "stop")
+
+    def kill(self):  # (``Fleet`` registers ``kill_all`` with atexit)
+        pass
+
+
+def fleet_of(state: str, start_timeout_s: float = 60.0) -> Fleet:
+    fleet = Fleet(RolloutConfig(engine="vllm", start_timeout_s=start_timeout_s),
+                  SimpleNamespace(work_dir=None, token="t", layout=SimpleNamespace(node=0)))
+    fleet.slots = [Slot(index=0, server=AnsweringServer(), state=state)]
+    return fleet
+
+
+@pytest.mark.parametrize("state", ["dead", "starting"])  # dead: marked down, its replacement not launched yet
+def test_an_agent_call_waits_for_the_replacement_engine(state):
+    fleet = fleet_of(state)
+
+    def replacement_serves() -> None:  # what the job's admission does once the call is flagged
+        assert fleet.calls_waiting.wait(timeout=10)
+        time.sleep(0.3)
+        fleet.slots[0].state = "serving"
+
+    threading.Thread(target=replacement_serves, daemon=True).start()
+    started = time.monotonic()
+    assert fleet.complete([1, 2], SPEC, seed=3, session="s").token_ids == [7, 0]
+    assert time.monotonic() - started >= 0.3
+
+
+def test_an_agent_call_gives_up_when_no_engine_comes_back():
+    given_up = fleet_of("dead")
+    given_up.slots[0].error = "its log says why; restarted 3 times already"
+    with pytest.raises(EngineError, match="none is coming back"):
+        given_up.complete([1, 2], SPEC, seed=3, session="s")
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"none came back within 1 s \(rollout.start_timeout_s=0.5\)"):
+        fleet_of("starting", start_timeout_s=0.5).complete([1, 2], SPEC, seed=3, session="s")
+    assert time.monotonic() - started < 5
+
+
+class HungServer(AnsweringServer):
+    """Answers ``/health`` but never took part in the sync (its receive call timed out)."""
+
+    def alive(self):
+        return True
+
+    def call(self, method, path, body=None, *, timeout_s):
+        return {}
+
+
+def test_an_engine_that_misses_the_sync_deadline_is_marked_down_and_the_sync_stands():
+    from megatron_rl.inference.server import EngineDown, EngineTimeout
+    from megatron_rl.inference.vllm_engine import VLLMEngine
+
+    fleet = fleet_of("serving", start_timeout_s=60)
+    fleet.slots.append(Slot(index=1, server=HungServer(), state="serving"))
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.fleet, engine.version, engine.config = fleet, 3, RolloutConfig(engine="vllm", sync_timeout_s=5)
+    late = EngineTimeout("POST /collective_rpc: no answer within 5 s: timed out")
+    assert engine._failures({0: [{}], 1: late}) is None  # the sync stands for engine 0
+    assert fleet.slots[1].state == "dead" and "rollout.sync_timeout_s" in fleet.slots[1].error
+    assert fleet.slots[0].state == "serving"
+    # an engine that answers but failed the sync (not a timeout) still ends the run, with its log
+    fleet.slots[1].state = "serving"
+    assert "failed during a weight sync" in engine._failures({1: EngineDown("POST /collective_rpc: HTTP 500: bad")})
