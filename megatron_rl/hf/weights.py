@@ -47,6 +47,7 @@ from megatron_rl.hf.config import (
     HF_DIR_KEY, MOE_MODEL_TYPES, describe_hf_load, load_hf_config, model_config_from_hf, rope_theta,
 )
 from megatron_rl.hf.tokenizer import resolve_pad_token_id
+from megatron_rl.model import lora
 from megatron_rl.model.optimizer import follow_new_weights
 from megatron_rl.model.policy import MegatronPolicy
 from megatron_rl.model.weights import unwrap
@@ -149,11 +150,13 @@ class _GroupedExpertNames:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         for name, param in self.chunk.named_parameters():
-            yield grouped_expert_name(name), param
+            if not lora.is_adapter_name(name):  # adapters are not HF weights (export: model/lora.py merged_adapters)
+                yield grouped_expert_name(name), param
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self._state is None:  # mbridge asks once per tensor
-            self._state = {grouped_expert_name(k): v for k, v in self.chunk.state_dict().items()}
+            self._state = {grouped_expert_name(k): v for k, v in self.chunk.state_dict().items()
+                           if not lora.is_adapter_name(k)}
         return self._state
 
 

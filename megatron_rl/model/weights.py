@@ -26,6 +26,7 @@ expert-tensor and expert-parallel groups for an MoE model.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -140,14 +141,17 @@ def full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
 
 
 @torch.no_grad()
-def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], groups: ParallelGroups) -> None:
+def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], groups: ParallelGroups, *,
+                         optional: Callable[[str], bool] | None = None) -> None:
     """Copy this rank's shard of ``full_sd`` (a ``full_state_dict`` / TP1-PP1 state dict) into ``model``.
 
-    KeyError naming the missing keys if ``full_sd`` lacks a tensor this stage needs; ValueError on a shape
-    that does not match.
+    KeyError naming the missing keys if ``full_sd`` lacks a tensor this stage needs (tensors whose name
+    ``optional`` accepts may be absent: they keep their values); ValueError on a shape that does not match.
     """
     model = unwrap(model)
     local = _local_tensors(model)
+    if optional is not None:
+        local = {n: t for n, t in local.items() if not (optional(n) and _source_name(model, n, groups) not in full_sd)}
     missing = [n for n in local if _source_name(model, n, groups) not in full_sd]
     if missing:
         raise KeyError(f"load_full_state_dict: full state dict lacks {missing[:5]} ({len(missing)} missing)")
