@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from batches import left_padded_tensors, training_batch
+from lora_helpers import randomize_adapters
 from megatron_rl.config import LoraConfig, MegatronRLConfig, ModelConfig, ParallelConfig
 from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
@@ -23,16 +24,6 @@ def groups():
     groups = initialize_distributed(ParallelConfig(), seed=3)
     yield groups
     destroy_distributed()
-
-
-def randomize_adapters(module: torch.nn.Module, seed: int) -> None:
-    """Draw every A and B from N(0, 0.3 / sqrt(r)) (B is zero at init), so that the adapters matter."""
-    from megatron_rl.model.lora import adapter_parameters
-
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, param in adapter_parameters(module):
-            param.copy_(torch.randn(param.shape, generator=g) * 0.3 / RANK**0.5)
 
 
 def _hf_row_logprobs(model, tensors, adapters: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
@@ -75,7 +66,7 @@ def test_trainer_adapters_match_transformers_with_hand_applied_adapters(groups, 
     mask = tensors["response_mask"].bool()
     assert (base - _hf_row_logprobs(hf, tensors, {}, 0.0))[mask].abs().max() < 1e-5  # step 0: B = 0
 
-    randomize_adapters(policy.module, seed=1)
+    randomize_adapters(policy.module, seed=1, rank=RANK)
     adapters = {peft_name(k): v for k, v in policy.full_state_dict().items() if is_adapter_name(k)}
     assert len(adapters) == 2 * 7 * 2  # A and B of 7 modules in 2 layers
     got = policy.forward(batch)["logprobs"]
