@@ -4,7 +4,8 @@ gradients, grad norm and updated adapters do not depend on the TP/PP/DP/CP/SP sp
 The reference is the single-process LoRA policy, in this process, with random adapters (B is zero at init,
 where A would get no gradient). The layouts run in ONE 4-rank spawn, one after the other (megatron's parallel
 state is rebuilt between them): TP2xPP2, TP2 with sequence parallelism x DP2 (plus the distributed optimizer),
-PP2xDP2 and CP2xDP2, each with two micro-batch counts. Tolerance 1e-5 relative (L2 over the adapters), as for
+PP2xDP2 (1 and 3 micro-batches) and CP2xDP2; then a LoRA checkpoint saved under TP2xPP2 resumes in place and
+under CP2xDP2. Tolerance 1e-5 relative (L2 over the adapters), as for
 full fine-tuning (tests/model/test_policy_multirank.py): fp32 sums in another order differ at ~1e-7.
 Planted bugs that fail it (checked by hand): the sequence-parallel mark on the whole factor dropped (TP2+SP:
 gradient error 0.56), the row-parallel all-reduce of ``A_r x_r`` dropped (TP2xPP2: loss 1.77 vs 2.12).
@@ -133,13 +134,61 @@ def test_step_zero_is_the_base_and_only_adapters_train(groups):
 
 LAYOUTS = {  # name: (tp, pp, cp, sequence_parallel, micro-batch counts)
     "tp2xpp2": (2, 2, 1, False, (2,)),
-    "tp2_sp_xdp2": (2, 1, 1, True, (1, 2)),
+    "tp2_sp_xdp2": (2, 1, 1, True, (2,)),
     "pp2xdp2": (1, 2, 1, False, (1, 3)),
-    "cp2xdp2": (1, 1, 2, False, (1, 2)),
+    "cp2xdp2": (1, 1, 2, False, (2,)),
 }
 
 
-def _layouts_rank(rank, world_size, tensors, full_sd):
+def _checkpoint_save(groups, batch, full_sd, save_dir) -> dict:
+    """Under the first layout: a LoRA (Adam) checkpoint after one step, the next step after it, a resume in place
+    (bitwise), and a full fine-tune's checkpoint."""
+    from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = lora_config(2, 2, optimizer="adam")
+    policy = _policy(cfg, groups, full_sd)
+    _step(policy, batch)
+    save_checkpoint(policy, f"{save_dir}/lora", {"step": 1})
+    out = {"ckpt_next": _step(policy, batch)}
+    resumed = _policy(cfg, groups, base_only(full_sd))
+    out["ckpt_state"] = load_checkpoint(resumed, f"{save_dir}/lora")
+    out["ckpt_resumed_same_layout"] = _step(resumed, batch)
+    full = _policy(lora_config(2, 2, rank=0, optimizer="adam"), groups, base_only(full_sd))
+    _step(full, batch)
+    save_checkpoint(full, f"{save_dir}/full", {"step": 1})
+    return out
+
+
+def _checkpoint_load(cfg, groups, batch, full_sd, save_dir) -> dict:
+    """Under another layout: the LoRA checkpoint resumes (resharded); mismatched resumes are one line each."""
+    from megatron_rl.checkpoint import load_checkpoint
+
+    adam = lora_config(*[getattr(cfg.parallel, f) for f in ("tensor_model_parallel_size",
+                                                            "pipeline_model_parallel_size",
+                                                            "context_parallel_size")], optimizer="adam")
+    resumed = _policy(adam, groups, base_only(full_sd))
+    load_checkpoint(resumed, f"{save_dir}/lora")
+    out = {"ckpt_resumed_other_layout": _step(resumed, batch)}
+    other_base = {k: v + 0.01 if k.endswith("linear_fc2.weight") else v for k, v in base_only(full_sd).items()}
+    full_cfg = lora_config(1, 1, 2, rank=0, optimizer="adam")
+    for case, policy_cfg, weights, path in [("full_into_lora", adam, full_sd, "full"),
+                                            ("lora_into_full", full_cfg, base_only(full_sd), "lora"),
+                                            ("other_base", adam, other_base, "lora")]:
+        try:
+            load_checkpoint(_policy(policy_cfg, groups, weights), f"{save_dir}/{path}")
+            out[case] = "no error"
+        except ValueError as err:
+            out[case] = str(err)
+    return out
+
+
+def base_only(full_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from megatron_rl.model.lora import is_adapter_name
+
+    return {k: v for k, v in full_sd.items() if not is_adapter_name(k)}
+
+
+def _layouts_rank(rank, world_size, tensors, full_sd, save_dir):
     from megatron.core import parallel_state
 
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
@@ -157,12 +206,17 @@ def _layouts_rank(rank, world_size, tensors, full_sd):
         if sp:  # the distributed optimizer over DP, adapters only
             dist_cfg = lora_config(tp, pp, cp, sequence_parallel=sp, optimizer="adam", distributed=True)
             _, out[name, "adam"] = _step(_policy(dist_cfg, groups, full_sd), batch)
+        if name == "tp2xpp2":
+            out.update(_checkpoint_save(groups, batch, full_sd, save_dir))
+        if name == "cp2xdp2":
+            out.update(_checkpoint_load(cfg, groups, batch, full_sd, save_dir))
     return out
 
 
 @pytest.fixture(scope="module")
-def layouts(reference):
-    return run_ranks(4, _layouts_rank, batch_tensors(), reference["full_sd"], timeout=600)
+def layouts(reference, tmp_path_factory):
+    save_dir = str(tmp_path_factory.mktemp("lora_ckpt"))
+    return run_ranks(4, _layouts_rank, batch_tensors(), reference["full_sd"], save_dir, timeout=600)
 
 
 @pytest.mark.multirank
@@ -179,3 +233,20 @@ def test_step_is_layout_invariant(layouts, reference):
             assert max_rel_err(rank_out[name, "sgd"], reference["sgd"]) < 1e-6, name
             if sp:
                 assert max_rel_err(rank_out[name, "adam"], reference["adam"]) < 1e-6, name
+
+
+@pytest.mark.multirank
+def test_checkpoint_resumes_adapters_and_refuses_mismatches(layouts):
+    """A LoRA checkpoint (adapters + Adam state + run state, no base) resumes bitwise in place and under another
+    layout (TP2xPP2 -> CP2xDP2); full <-> LoRA and another base are one-line errors."""
+    for rank_out in layouts:
+        assert rank_out["ckpt_state"] == {"step": 1}
+        norm, weights = rank_out["ckpt_next"]
+        assert rank_out["ckpt_resumed_same_layout"][0] == norm
+        assert all(torch.equal(weights[k], v) for k, v in rank_out["ckpt_resumed_same_layout"][1].items())
+        assert max_rel_err(rank_out["ckpt_resumed_other_layout"][1], weights) < 1e-6
+        assert rank_out["ckpt_resumed_other_layout"][0] == pytest.approx(norm, rel=TOLERANCE)
+        assert "holds a full fine-tune (model.lora.rank=0) but this run is LoRA" in rank_out["full_into_lora"]
+        assert "holds LoRA adapters (model.lora.rank=8) but this run is a full fine-tune" in rank_out["lora_into_full"]
+        assert "trained on another base model" in rank_out["other_base"]
+        assert all("\n" not in rank_out[k] for k in ("full_into_lora", "lora_into_full", "other_base"))
