@@ -124,6 +124,19 @@ class LinearAdapter(torch.nn.Module):
         return out * self.scale
 
 
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """``scale * B @ A`` of every fused HF module in this rank's weight layout: [out/tp, in] (column) or
+        [out, in/tp] (row), the shape of the linear's local weight; no collective."""
+        names = [name for name, _ in self.parts]
+        in_local = next(iter(self.pairs.values())).lora_A.shape[1]
+        some = next(iter(self.pairs.values())).lora_A
+        deltas = [(self.pairs[n].lora_B @ self.pairs[n].lora_A).t() if n in self.pairs
+                  else some.new_zeros(in_local, rows) for n, (_, rows) in zip(names, self.parts)]  # [in, rows]
+        fused = _qkv_layout(deltas, self.qkv_groups) if self.qkv_groups is not None else torch.cat(deltas, dim=-1)
+        return fused.t() * self.scale
+
+
 def _qkv_layout(deltas: list[torch.Tensor], num_groups: int) -> torch.Tensor:
     """q [.., G*Hg*D], k [.., G*D], v [.., G*D] -> megatron's fused QKV rows, per group [q_g; k_g; v_g]."""
     lead = deltas[0].shape[:-1]
@@ -218,3 +231,22 @@ def peft_name(full_name: str) -> str:
     assert match is not None, f"not an adapter of a full state dict: {full_name}"
     layer, parent, module, which = match.groups()
     return f"base_model.model.model.layers.{layer}.{_HF_PARENT[parent]}.{module}.{which}.weight"
+
+
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def merged_weight(linear: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A new tensor ``W + scale * B @ A`` (this rank's shard, megatron's TP attributes copied) for an adapted
+    linear's ``weight``; the weight itself is untouched. For export and weight sync: one tensor at a time."""
+    merged = weight.detach() + getattr(linear, ADAPTER).delta_weight().to(weight.dtype)
+    for attribute in _TP_ATTRIBUTES:
+        if hasattr(weight, attribute):
+            setattr(merged, attribute, getattr(weight, attribute))
+    return merged
+
+
+def adapted_linears(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{local name of the weight: its linear}`` for every adapted linear of this stage (empty without LoRA)."""
+    return {f"{name}.weight": linear for name, linear in module.named_modules()
+            if isinstance(getattr(linear, ADAPTER, None), LinearAdapter)}

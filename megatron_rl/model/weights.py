@@ -115,13 +115,15 @@ def _gather_tp(tensor: torch.Tensor, size: int, group: object, dim: int, gated: 
 
 
 @torch.no_grad()
-def full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, TP- and PP-unsharded, on CPU, on every rank (collective)."""
+def full_state_dict(model: torch.nn.Module, groups: ParallelGroups, *,
+                    include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, TP- and PP-unsharded, on CPU, on every rank (collective); only the tensors
+    whose local name ``include`` accepts, when given (the same on every rank: e.g. the LoRA adapters)."""
     model = unwrap(model)
     stage: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
     for name, tensor in _local_tensors(model).items():
-        if _is_tied_copy(model, name):
+        if _is_tied_copy(model, name) or (include is not None and not include(name)):
             continue
         value = tensor.detach()
         size, _, group = _tp_of(name, groups)

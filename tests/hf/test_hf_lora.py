@@ -50,7 +50,7 @@ def _hf_row_logprobs(model, tensors, adapters: dict[str, torch.Tensor], scale: f
     return torch.stack(rows)
 
 
-def test_trainer_adapters_match_transformers_with_hand_applied_adapters(groups, hf_models):
+def test_trainer_adapters_match_transformers_and_export_to_peft(groups, hf_models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.hf.weights import policy_from_hf
@@ -73,3 +73,14 @@ def test_trainer_adapters_match_transformers_with_hand_applied_adapters(groups, 
     want = _hf_row_logprobs(hf, tensors, adapters, ALPHA / RANK)
     assert (got - base)[mask].abs().max() > 0.05, "the random adapters must change the log-probs"
     assert (got - want)[mask].abs().max() < 1e-5
+
+    # Export: the merged model loads in transformers, the adapter beside it in peft; both match the trainer.
+    from megatron_rl.hf.weights import export_policy_to_hf
+
+    out = export_policy_to_hf(policy, tmp_path / "export")
+    assert not (out / "adapter_config.json").exists()  # transformers would take the export for an adapter
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert (got - _hf_row_logprobs(merged, tensors, {}, 0.0))[mask].abs().max() < 1e-5
+    peft = pytest.importorskip("peft")
+    peft_model = peft.PeftModel.from_pretrained(hf, out / "adapter").eval()
+    assert (got - _hf_row_logprobs(peft_model, tensors, {}, 0.0))[mask].abs().max() < 1e-5
