@@ -123,16 +123,13 @@ class LinearAdapter(torch.nn.Module):
         out = _qkv_layout(deltas, self.qkv_groups) if self.qkv_groups is not None else torch.cat(deltas, dim=-1)
         return out * self.scale
 
-
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """``scale * B @ A`` of every fused HF module in this rank's weight layout: [out/tp, in] (column) or
         [out, in/tp] (row), the shape of the linear's local weight; no collective."""
-        names = [name for name, _ in self.parts]
-        in_local = next(iter(self.pairs.values())).lora_A.shape[1]
-        some = next(iter(self.pairs.values())).lora_A
-        deltas = [(self.pairs[n].lora_B @ self.pairs[n].lora_A).t() if n in self.pairs
-                  else some.new_zeros(in_local, rows) for n, (_, rows) in zip(names, self.parts)]  # [in, rows]
+        a_any = next(iter(self.pairs.values())).lora_A  # [r, in_local]
+        deltas = [(self.pairs[name].lora_B @ self.pairs[name].lora_A).t() if name in self.pairs
+                  else a_any.new_zeros(a_any.shape[1], rows) for name, rows in self.parts]  # [in_local, rows]
         fused = _qkv_layout(deltas, self.qkv_groups) if self.qkv_groups is not None else torch.cat(deltas, dim=-1)
         return fused.t() * self.scale
 

@@ -50,14 +50,16 @@ def _hf_row_logprobs(model, tensors, adapters: dict[str, torch.Tensor], scale: f
     return torch.stack(rows)
 
 
-def test_trainer_adapters_match_transformers_and_export_to_peft(groups, hf_models, tmp_path):
+@pytest.mark.parametrize("targets", [None, ["v_proj", "up_proj", "o_proj"]], ids=["all", "some"])
+def test_trainer_adapters_match_transformers_and_export_to_peft(groups, hf_models, tmp_path, targets):
+    """All seven modules; some of them (the fused QKV and gate/up then carry zero updates for the others)."""
     from transformers import AutoModelForCausalLM
 
     from megatron_rl.hf.weights import policy_from_hf
     from megatron_rl.model.lora import is_adapter_name, peft_name
 
-    config = MegatronRLConfig(model=ModelConfig(attention_backend="local",
-                                                lora=LoraConfig(rank=RANK, alpha=ALPHA)))
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, **({"target_modules": targets} if targets else {}))
+    config = MegatronRLConfig(model=ModelConfig(attention_backend="local", lora=lora))
     policy = policy_from_hf(config, groups, hf_dir=hf_models["qwen3"])
     tensors = left_padded_tensors([4, 7, 2], [5, 3, 6], 256, torch.Generator().manual_seed(0))
     batch = training_batch(tensors)
@@ -68,7 +70,7 @@ def test_trainer_adapters_match_transformers_and_export_to_peft(groups, hf_model
 
     randomize_adapters(policy.module, seed=1, rank=RANK)
     adapters = {peft_name(k): v for k, v in policy.full_state_dict().items() if is_adapter_name(k)}
-    assert len(adapters) == 2 * 7 * 2  # A and B of 7 modules in 2 layers
+    assert len(adapters) == 2 * len(lora.target_modules) * 2  # A and B of each module in 2 layers
     got = policy.forward(batch)["logprobs"]
     want = _hf_row_logprobs(hf, tensors, adapters, ALPHA / RANK)
     assert (got - base)[mask].abs().max() > 0.05, "the random adapters must change the log-probs"
