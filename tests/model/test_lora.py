@@ -2,14 +2,13 @@
 gradients, grad norm and updated adapters do not depend on the TP/PP/DP/CP/SP split or the micro-batching.
 
 The reference is the single-process LoRA policy, in this process, with random adapters (B is zero at init,
-where A would get no gradient). The layouts run in ONE 4-rank spawn, one after the other (megatron's parallel
-state is rebuilt between them): TP2xPP2, TP2 with sequence parallelism x DP2 (plus the distributed optimizer),
-PP2xDP2 (1 and 3 micro-batches) and CP2xDP2; then a LoRA checkpoint saved under TP2xPP2 resumes in place and
-under CP2xDP2. Tolerance 1e-5 relative (L2 over the adapters), as for
+where A would get no gradient). The layouts run in ONE 2-rank spawn, one after the other (megatron's parallel
+state is rebuilt between them): TP2 (1 and 2 micro-batches), TP2 with sequence parallelism, PP2 (1 and 3
+micro-batches), DP2 (plus the distributed optimizer) and CP2; a LoRA checkpoint saved under TP2 resumes in place
+and under CP2. (Two ranks, not four: on the 2-core CI machine four ranks took twice as long.) Tolerance 1e-5 relative (L2 over the adapters), as for
 full fine-tuning (tests/model/test_policy_multirank.py): fp32 sums in another order differ at ~1e-7.
 Planted bugs that fail it (checked by hand): the sequence-parallel mark on the whole factor dropped (TP2+SP:
-gradient error 0.56), the row-parallel all-reduce of ``A_r x_r`` dropped (TP2xPP2: loss 1.77 vs 2.12).
-Runtime: ~60 s for the spawn on the shared 2-core machine (4 ranks, 4 layouts).
+gradient error 0.57), the row-parallel all-reduce of ``A_r x_r`` dropped (TP2: the loss is wrong).
 """
 
 from __future__ import annotations
@@ -130,13 +129,14 @@ def test_step_zero_is_the_base_and_only_adapters_train(groups):
     assert not torch.equal(policy.forward(batch)["logprobs"], base.forward(batch)["logprobs"])
 
 
-# ---------------------------------------------------------------------- the layouts (one 4-rank spawn)
+# ---------------------------------------------------------------------- the layouts (one 2-rank spawn)
 
 LAYOUTS = {  # name: (tp, pp, cp, sequence_parallel, micro-batch counts)
-    "tp2xpp2": (2, 2, 1, False, (2,)),
-    "tp2_sp_xdp2": (2, 1, 1, True, (2,)),
-    "pp2xdp2": (1, 2, 1, False, (1, 3)),
-    "cp2xdp2": (1, 1, 2, False, (2,)),
+    "tp2": (2, 1, 1, False, (1, 2)),
+    "tp2_sp": (2, 1, 1, True, (2,)),
+    "pp2": (1, 2, 1, False, (1, 3)),
+    "dp2": (1, 1, 1, False, (2,)),
+    "cp2": (1, 1, 2, False, (2,)),
 }
 
 
@@ -145,7 +145,7 @@ def _checkpoint_save(groups, batch, full_sd, save_dir) -> dict:
     (bitwise), and a full fine-tune's checkpoint."""
     from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
 
-    cfg = lora_config(2, 2, optimizer="adam")
+    cfg = lora_config(2, optimizer="adam")
     policy = _policy(cfg, groups, full_sd)
     _step(policy, batch)
     save_checkpoint(policy, f"{save_dir}/lora", {"step": 1})
@@ -153,7 +153,7 @@ def _checkpoint_save(groups, batch, full_sd, save_dir) -> dict:
     resumed = _policy(cfg, groups, base_only(full_sd))
     out["ckpt_state"] = load_checkpoint(resumed, f"{save_dir}/lora")
     out["ckpt_resumed_same_layout"] = _step(resumed, batch)
-    full = _policy(lora_config(2, 2, rank=0, optimizer="adam"), groups, base_only(full_sd))
+    full = _policy(lora_config(2, rank=0, optimizer="adam"), groups, base_only(full_sd))
     _step(full, batch)
     save_checkpoint(full, f"{save_dir}/full", {"step": 1})
     return out
@@ -203,12 +203,12 @@ def _layouts_rank(rank, world_size, tensors, full_sd, save_dir):
         for count in counts:
             out[name, "loss", count], out[name, "grads", count] = _grads(policy, batch, groups.dp_size, count)
         out[name, "grad_norm"], out[name, "sgd"] = _step(policy, batch)
-        if sp:  # the distributed optimizer over DP, adapters only
+        if name == "dp2":  # the distributed optimizer over DP, adapters only
             dist_cfg = lora_config(tp, pp, cp, sequence_parallel=sp, optimizer="adam", distributed=True)
             _, out[name, "adam"] = _step(_policy(dist_cfg, groups, full_sd), batch)
-        if name == "tp2xpp2":
+        if name == "tp2":
             out.update(_checkpoint_save(groups, batch, full_sd, save_dir))
-        if name == "cp2xdp2":
+        if name == "cp2":
             out.update(_checkpoint_load(cfg, groups, batch, full_sd, save_dir))
     return out
 
@@ -216,7 +216,7 @@ def _layouts_rank(rank, world_size, tensors, full_sd, save_dir):
 @pytest.fixture(scope="module")
 def layouts(reference, tmp_path_factory):
     save_dir = str(tmp_path_factory.mktemp("lora_ckpt"))
-    return run_ranks(4, _layouts_rank, batch_tensors(), reference["full_sd"], save_dir, timeout=600)
+    return run_ranks(2, _layouts_rank, batch_tensors(), reference["full_sd"], save_dir, timeout=600)
 
 
 @pytest.mark.multirank
@@ -231,14 +231,14 @@ def test_step_is_layout_invariant(layouts, reference):
                 assert err < TOLERANCE, f"{name}, {count} micro-batches: adapter gradient relative error {err:.2e}"
             assert rank_out[name, "grad_norm"] == pytest.approx(reference["grad_norm"], rel=TOLERANCE), name
             assert max_rel_err(rank_out[name, "sgd"], reference["sgd"]) < 1e-6, name
-            if sp:
+            if name == "dp2":
                 assert max_rel_err(rank_out[name, "adam"], reference["adam"]) < 1e-6, name
 
 
 @pytest.mark.multirank
 def test_checkpoint_resumes_adapters_and_refuses_mismatches(layouts):
     """A LoRA checkpoint (adapters + Adam state + run state, no base) resumes bitwise in place and under another
-    layout (TP2xPP2 -> CP2xDP2); full <-> LoRA and another base are one-line errors."""
+    layout (TP2 -> CP2); full <-> LoRA and another base are one-line errors."""
     for rank_out in layouts:
         assert rank_out["ckpt_state"] == {"step": 1}
         norm, weights = rank_out["ckpt_next"]
