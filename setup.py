@@ -24,7 +24,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis", "pytest-timeout"],
-        "hf": ["transformers>=5,<6", "safetensors", "mbridge==0.15.1"],
+        "hf": ["transformers>=5,<6", "safetensors", "mbridge==0.15.1", "peft"],
         "demo": ["tqdm", "tensorboard", "matplotlib", "pyarrow", "openai"],  # the main job: progress, logs, plot,
         # prompt files; openai: the client of job.agent functions (examples/tool_agent)
         "gpu": ["transformer-engine"],

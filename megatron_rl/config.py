@@ -205,6 +205,53 @@ class ParallelConfig(ConfigSection):
             )
 
 
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The Hugging Face linear modules a LoRA adapter can target (docs/LORA.md section 1)."""
+LORA_SERVABLE_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM serves (its ``max_lora_rank`` choices, ``vllm/config/lora.py`` in vllm 0.32)."""
+
+
+@dataclass(kw_only=True)
+class LoraConfig(ConfigSection):
+    """LoRA adapters on the policy's linear layers (docs/LORA.md): the base weights are frozen and only the
+    adapters train. ``delta W = (alpha / rank) * B @ A`` per targeted Hugging Face module, as in ``peft``."""
+
+    SECTION: ClassVar[str] = "model.lora"
+
+    rank: int = field(default=0, metadata=NON_NEGATIVE)
+    """Adapter rank r; 0 = no LoRA (full fine-tuning). One of the ranks vLLM serves: 1, 8, 16, 32, 64, 128, 256,
+    320, 512."""
+    alpha: float | None = field(default=None, metadata=POSITIVE)
+    """LoRA alpha (the update is scaled by alpha / rank); None = rank (scale 1)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    """Hugging Face names of the adapted linear layers (any of q_proj k_proj v_proj o_proj gate_proj up_proj
+    down_proj); the fused QKV and gate/up projections carry one adapter per name."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, the factor of B @ A (``peft``'s and vLLM's ``scaling``)."""
+        return (self.alpha if self.alpha is not None else self.rank) / self.rank
+
+    def _check_rules(self) -> None:
+        if self.rank not in (0, *LORA_SERVABLE_RANKS):
+            raise ConfigError(f"model.lora.rank={self.rank} is not a rank vLLM can serve; choose 0 (off) or one of "
+                              f"{list(LORA_SERVABLE_RANKS)}")
+        if isinstance(self.target_modules, str) or not self.target_modules:
+            raise ConfigError(f"model.lora.target_modules={self.target_modules!r} must be a non-empty list of "
+                              f"module names, e.g. [q_proj, v_proj] (any of {list(LORA_TARGET_MODULES)})")
+        unknown = [name for name in self.target_modules if name not in LORA_TARGET_MODULES]
+        if unknown:
+            raise ConfigError(f"model.lora.target_modules has unknown module {unknown[0]!r}; choose among "
+                              f"{list(LORA_TARGET_MODULES)}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ConfigError(f"model.lora.target_modules={self.target_modules!r} names a module twice; list each "
+                              "once")
+
+
 @dataclass(kw_only=True)
 class ModelConfig(ConfigSection):
     SECTION: ClassVar[str] = "model"
@@ -289,8 +336,14 @@ class ModelConfig(ConfigSection):
     """Fraction of each head's channels that RoPE rotates (HF ``partial_rotary_factor``; Qwen3.5: 0.25)."""
     layernorm_zero_centered_gamma: bool = False
     """RMSNorm scales by (1 + weight), the weight initialized to 0 (Qwen3.5's layer, q/k and final norms)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (``model.lora.*``; docs/LORA.md); off by default."""
 
     def _check_rules(self) -> None:
+        mlp_targets = [name for name in self.lora.target_modules if name in ("gate_proj", "up_proj", "down_proj")]
+        if self.lora.enabled and self.num_moe_experts is not None and mlp_targets:
+            raise ConfigError(f"model.lora.target_modules includes {mlp_targets[0]!r} but an MoE model's experts "
+                              "carry no adapters; target the attention only: [q_proj, k_proj, v_proj, o_proj]")
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ConfigError(
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
@@ -586,6 +639,10 @@ class MegatronRLConfig:
         with _reported_as_config_error():
             validate_step_wise_algorithm(self.algorithm, self.stepwise.step_wise_trajectories)
         check_critic_rules(self.critic, self.algorithm, self.batch)
+        if self.model.lora.enabled and self.critic.active(self.algorithm):
+            raise ConfigError(f"model.lora.rank={self.model.lora.rank} with a critic: the critic's value head is "
+                              "not adapted by LoRA; set model.lora.rank=0 or use an estimator without a critic "
+                              "('grpo', 'rloo')")
 
     def sections(self) -> list[ConfigSection]:
         values = [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -595,6 +652,7 @@ class MegatronRLConfig:
         """Re-run every rule, for a config mutated after construction; ``world_size`` adds the world-size rule."""
         for section in self.sections():
             section.validate()
+        self.model.lora.validate()  # a section inside a section: validated on its own construction, like them
         self._check_rules()
         if world_size is not None:
             self.parallel.check_world_size(world_size)
@@ -629,6 +687,9 @@ KEY_ALIASES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(("adv_estimator", "estimator"), ("algorithm.advantage_estimator",)),
     "loss_agg_mode": ("algorithm.loss_reduction",),
     "num_hidden_layers": ("model.num_layers",),
+    **dict.fromkeys(("lora_rank", "lora_r"), ("model.lora.rank",)),
+    "lora_alpha": ("model.lora.alpha",),
+    **dict.fromkeys(("target_modules", "lora_target_modules"), ("model.lora.target_modules",)),
     **dict.fromkeys(("ep", "ep_size", "expert_parallel_size"), ("parallel.expert_model_parallel_size",)),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), ("model.num_moe_experts",)),
     **dict.fromkeys(("num_experts_per_tok", "topk", "router_topk"), ("model.moe_router_topk",)),

@@ -168,7 +168,7 @@ def test_each_rule_runs_once_per_load(monkeypatch):
     real = config_module.check_fields
     monkeypatch.setattr(config_module, "check_fields", lambda obj, prefix: calls.append(prefix) or real(obj, prefix))
     load_config(None, ["optimizer.lr=1e-4", "optimizer.min_lr=1e-5", "batch.train_batch_size=8"])
-    assert sorted(calls) == sorted(["", "parallel.", "model.", "optimizer.", "algorithm.", "batch.", "stepwise.",
+    assert sorted(calls) == sorted(["", "parallel.", "model.", "model.lora.", "optimizer.", "algorithm.", "batch.", "stepwise.",
                                     "checkpoint.", "logging.", "critic."])
 
 

@@ -57,7 +57,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_rl.checkpoint import layout
+from megatron_rl.checkpoint import layout, lora as lora_checkpoint
 from megatron_rl.checkpoint.optimizer_state import (
     load_optimizer_state,
     optimizer_kind,
@@ -254,7 +254,8 @@ def save_parts(
         dist_checkpointing.save(_sharded_state(parts, is_loading=False), str(tmp))
         _write_side_files(tmp, parts, state_json)
         layout.fault_point("shards_written")
-        _write_manifest(tmp, parts, step)
+        _write_manifest(tmp, parts, step, lora_checkpoint.manifest_entries(parts.model_chunks, parts.config,
+                                                                           parts.groups))
         layout.fault_point("manifest_written")
         final = save_dir / layout.checkpoint_name(step)
         _publish(save_dir, tmp, final, keep_last)
@@ -285,8 +286,9 @@ def _write_side_files(tmp: Path, parts: CheckpointParts, state_json: str) -> Non
     _together(write)
 
 
-def _write_manifest(tmp: Path, parts: CheckpointParts, step: int) -> None:
-    """CRC32 + fsync of every file, split over ranks; rank 0 writes the manifest."""
+def _write_manifest(tmp: Path, parts: CheckpointParts, step: int, extra: dict[str, Any]) -> None:
+    """CRC32 + fsync of every file, split over ranks; rank 0 writes the manifest (plus ``extra``: a LoRA run's
+    base fingerprint)."""
     names = _broadcast_from_rank0(lambda: layout.list_files(tmp))
     mine = _together(lambda: {n: layout.file_record(tmp / n) for n in names[dist.get_rank() :: dist.get_world_size()]})
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
@@ -295,7 +297,7 @@ def _write_manifest(tmp: Path, parts: CheckpointParts, step: int) -> None:
     def write() -> None:
         records = {name: rec for part in gathered for name, rec in part.items()}
         assert sorted(records) == names, "every file checksummed exactly once"
-        layout.write_manifest(tmp, records, _manifest_info(parts, step))
+        layout.write_manifest(tmp, records, {**_manifest_info(parts, step), **extra})
 
     _together(write, rank0_only=True)
 
@@ -358,7 +360,10 @@ def load_parts(
     template_parts = parts if load_optimizer else dataclasses.replace(parts, optimizer=None, scheduler=None)
     loaded = dist_checkpointing.load(_sharded_state(template_parts, is_loading=True), str(ckpt))
     for key, chunk in _chunk_keys(parts.model_chunks):
-        chunk.load_state_dict(loaded[key], strict=True)
+        if parts.config.model.lora.enabled:  # the adapters only; the base came from model.hf_path
+            lora_checkpoint.load_model_state(chunk, loaded[key])
+        else:
+            chunk.load_state_dict(loaded[key], strict=True)
     if load_optimizer and parts.optimizer is not None:
         load_optimizer_state(parts.optimizer, loaded["optimizer"], manifest.get("optimizer_layout"))
     else:  # weights only: the optimizer's fp32 main copies (bf16) must follow them
@@ -386,6 +391,7 @@ def _check_compatible(manifest: dict, parts: CheckpointParts, load_optimizer: bo
     soft = [k for k in SOFT_FIELDS if saved.get(k, current[k]) != current[k]]
     if soft:
         warnings.warn(f"checkpoint {ckpt}: model settings differ from the config: {soft} (loading anyway)")
+    lora_checkpoint.check_compatible(manifest, parts.model_chunks, parts.config, parts.groups, ckpt)
     if manifest.get("num_model_chunks") != len(parts.model_chunks):
         raise ValueError(f"checkpoint {ckpt} has {manifest.get('num_model_chunks')} model chunks per rank, "
                          f"this model {len(parts.model_chunks)}; virtual pipeline sizes must match")
@@ -470,7 +476,11 @@ def _chunk_keys(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Modul
 
 
 def _sharded_state(parts: CheckpointParts, is_loading: bool) -> dict[str, Any]:
-    state: dict[str, Any] = {key: chunk.sharded_state_dict() for key, chunk in _chunk_keys(parts.model_chunks)}
+    lora = parts.config.model.lora.enabled  # a LoRA run saves its adapters, not the frozen base
+    state: dict[str, Any] = {
+        key: lora_checkpoint.model_sharded_state(chunk, parts.groups) if lora else chunk.sharded_state_dict()
+        for key, chunk in _chunk_keys(parts.model_chunks)
+    }
     if parts.optimizer is not None:
         model_state = dict(state)
         state["optimizer"] = sharded_optimizer_state(parts.optimizer, model_state, is_loading)

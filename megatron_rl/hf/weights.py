@@ -51,6 +51,7 @@ from megatron_rl.hf.config import (
 )
 from megatron_rl.hf import qwen35
 from megatron_rl.hf.tokenizer import resolve_pad_token_id
+from megatron_rl.model import lora
 from megatron_rl.model.optimizer import follow_new_weights
 from megatron_rl.model.policy import MegatronPolicy
 from megatron_rl.model.weights import unwrap
@@ -150,23 +151,31 @@ class _GroupedExpertNames:
     would treat an expert as a TP-split dense weight. Tensors are shared with the chunk (loading copies in place).
     """
 
-    def __init__(self, chunk: torch.nn.Module) -> None:
+    def __init__(self, chunk: torch.nn.Module, merge_adapters: bool = False) -> None:
         self.chunk = unwrap(chunk)
         self.decoder = getattr(self.chunk, "decoder", None)
         self._state: dict[str, torch.Tensor] | None = None
+        self._adapted = lora.adapted_linears(self.chunk) if merge_adapters else {}
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The chunk's parameters; LoRA adapters are not HF weights: skipped, and with ``merge_adapters`` (export,
+        weight sync) an adapted linear's weight is yielded merged (a new tensor, made when it is reached)."""
         for name, param in self.chunk.named_parameters():
+            if lora.is_adapter_name(name):
+                continue
+            if name in self._adapted:
+                param = lora.merged_weight(self._adapted[name], param)
             yield grouped_expert_name(name), param
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self._state is None:  # mbridge asks once per tensor
-            self._state = {grouped_expert_name(k): v for k, v in self.chunk.state_dict().items()}
+            self._state = {grouped_expert_name(k): v for k, v in self.chunk.state_dict().items()
+                           if not lora.is_adapter_name(k)}
         return self._state
 
 
-def _views(model_chunks: list[torch.nn.Module]) -> list[_GroupedExpertNames]:
-    return [_GroupedExpertNames(chunk) for chunk in model_chunks]
+def _views(model_chunks: list[torch.nn.Module], merge_adapters: bool = False) -> list[_GroupedExpertNames]:
+    return [_GroupedExpertNames(chunk, merge_adapters) for chunk in model_chunks]
 
 
 def bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups) -> Any:
@@ -286,7 +295,7 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
         return
     bridge = bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
-        for name, tensor in bridge.export_weights(_views(model_chunks)):
+        for name, tensor in bridge.export_weights(_views(model_chunks, merge_adapters=True)):
             yield name, tensor.detach().to("cpu", copy=True).contiguous()
 
 
@@ -322,7 +331,7 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
     tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
     root = _is_stream_root(groups)
     with torch.no_grad():
-        for view in _views(model_chunks):
+        for view in _views(model_chunks, merge_adapters=True):
             local_to_global = bridge._weight_name_mapping_mcore_local_to_global(view, consider_ep=False)
             for local_name, param in view.named_parameters():
                 if tied and local_name == "output_layer.weight":
@@ -508,11 +517,18 @@ def export_hf(model_chunks: list[torch.nn.Module], out_dir: str | os.PathLike, h
 
 
 def export_policy_to_hf(policy: MegatronPolicy, out_dir: str | os.PathLike, hf_dir: str | os.PathLike | None = None) -> Path:
-    """``export_hf`` of a ``MegatronPolicy`` (source directory default ``config.model.hf_path``)."""
+    """``export_hf`` of a ``MegatronPolicy`` (source directory default ``config.model.hf_path``). A LoRA policy
+    exports the merged model, and its adapters as a peft adapter in ``out_dir/adapter`` (``hf/lora.py``)."""
     hf_dir = hf_dir or policy.config.model.hf_path
     if hf_dir is None:
         raise ValueError("export needs the source HF directory (config/tokenizer): set model.hf_path")
-    return export_hf([policy.module], out_dir, hf_dir, policy.groups)
+    out_dir = export_hf([policy.module], out_dir, hf_dir, policy.groups)
+    lora_cfg = policy.config.model.lora
+    if lora_cfg.enabled:  # the merged model above; the adapter alone beside it (hf/lora.py)
+        from megatron_rl.hf.lora import ADAPTER_DIR, export_peft_adapter
+
+        export_peft_adapter(policy.module, lora_cfg, out_dir / ADAPTER_DIR, policy.groups, base_model=str(hf_dir))
+    return out_dir
 
 
 class _ShardWriter:

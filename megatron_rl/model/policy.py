@@ -57,7 +57,7 @@ from megatron_rl.data.packing import packing_alignment
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.distributed.metrics import reduce_metrics
 from megatron_rl.metrics import Metric, merge_metrics, metrics_to_host
-from megatron_rl.model import moe, router_replay, schedule
+from megatron_rl.model import lora, moe, router_replay, schedule
 from megatron_rl.model.builder import build_gpt_model
 from megatron_rl.model.kv_cache import KVCache
 from megatron_rl.model.optimizer import build_optimizer, build_scheduler, follow_new_weights, wrap_ddp
@@ -99,6 +99,8 @@ class MegatronPolicy:
         self.device = groups.device
         self.align = packing_alignment(groups.tp_size, groups.cp_size, config.parallel.sequence_parallel)
         module = self.build_module()
+        if role == "policy" and config.model.lora.enabled:  # adapters on a frozen base (model/lora.py)
+            lora.apply_lora(module, config.model, groups, seed=config.seed)
         # Grads are finalized once per optimizer step, in optim_step (module docstring).
         module.config.finalize_model_grads_func = None
         self.optimizer = self.scheduler = None
@@ -296,8 +298,9 @@ class MegatronPolicy:
         return full_state_dict(self.module, self.groups)
 
     def load_full_state_dict(self, full_sd: Mapping[str, torch.Tensor]) -> None:
-        """Load a single-process state dict into this rank's shard; the optimizer's main params follow."""
-        load_full_state_dict(self.module, full_sd, self.groups)
+        """Load a single-process state dict into this rank's shard; the optimizer's main params follow. A dict
+        without LoRA adapters (a base model's) leaves the adapters as they are."""
+        load_full_state_dict(self.module, full_sd, self.groups, optional=lora.is_adapter_name)
         follow_new_weights(self.optimizer)
 
     # ------------------------------------------------------------------ stages

@@ -28,6 +28,7 @@ expert-tensor and expert-parallel groups for an MoE model.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -134,13 +135,15 @@ def _gather_tp(tensor: torch.Tensor, size: int, group: object, dim: int, section
 
 
 @torch.no_grad()
-def full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, TP- and PP-unsharded, on CPU, on every rank (collective)."""
+def full_state_dict(model: torch.nn.Module, groups: ParallelGroups, *,
+                    include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, TP- and PP-unsharded, on CPU, on every rank (collective); only the tensors
+    whose local name ``include`` accepts, when given (the same on every rank: e.g. the LoRA adapters)."""
     model = unwrap(model)
     stage: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
     for name, tensor in _local_tensors(model).items():
-        if _is_tied_copy(model, name):
+        if _is_tied_copy(model, name) or (include is not None and not include(name)):
             continue
         value = tensor.detach()
         size, _, group = _tp_of(name, groups)
@@ -161,14 +164,17 @@ def full_state_dict(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
 
 
 @torch.no_grad()
-def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], groups: ParallelGroups) -> None:
+def load_full_state_dict(model: torch.nn.Module, full_sd: dict[str, torch.Tensor], groups: ParallelGroups, *,
+                         optional: Callable[[str], bool] | None = None) -> None:
     """Copy this rank's shard of ``full_sd`` (a ``full_state_dict`` / TP1-PP1 state dict) into ``model``.
 
-    KeyError naming the missing keys if ``full_sd`` lacks a tensor this stage needs; ValueError on a shape
-    that does not match.
+    KeyError naming the missing keys if ``full_sd`` lacks a tensor this stage needs (tensors whose name
+    ``optional`` accepts may be absent: they keep their values); ValueError on a shape that does not match.
     """
     model = unwrap(model)
     local = _local_tensors(model)
+    if optional is not None:
+        local = {n: t for n, t in local.items() if not (optional(n) and _source_name(model, n, groups) not in full_sd)}
     missing = [n for n in local if _source_name(model, n, groups) not in full_sd]
     if missing:
         raise KeyError(f"load_full_state_dict: full state dict lacks {missing[:5]} ({len(missing)} missing)")
