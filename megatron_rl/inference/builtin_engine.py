@@ -258,10 +258,12 @@ class BuiltinEngine:
     @classmethod
     def from_policy(cls, policy, pad_token_id: int, *, kv_cache: bool = True) -> BuiltinEngine:
         """The engine that samples from ``policy`` (a ``MegatronPolicy``) itself; collective. Decodes with a KV
-        cache (``kv_cache=False`` or context parallelism: full forwards). Records the routing when the policy's
-        ``model.moe_router_replay`` is "r3"."""
+        cache (``kv_cache=False``, context parallelism, or a hybrid Gated-DeltaNet model, whose linear-attention
+        layers keep a recurrent state the cache does not hold: full forwards). Records the routing when the
+        policy's ``model.moe_router_replay`` is "r3"."""
         record = getattr(policy.config.model, "moe_router_replay", "none") == "r3"
-        cached = kv_cache and policy.groups.cp_size == 1
+        hybrid = getattr(policy.config.model, "linear_attention_freq", None) is not None
+        cached = kv_cache and policy.groups.cp_size == 1 and not hybrid
         return cls(policy_next_token_logprobs(policy, pad_token_id),
                    policy_routed_experts(policy, pad_token_id) if record else None,
                    decoder=(lambda: PolicyDecoder(policy, pad_token_id)) if cached else None)
