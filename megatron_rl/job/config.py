@@ -42,6 +42,7 @@ from megatron_rl.environments.next_digit.config import NextDigitConfig
 from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
 from megatron_rl.inference.config import RolloutConfig, check_engine_model
+from megatron_rl.job.implied import with_implied
 from megatron_rl.job.paths import resolve_path_keys
 
 
@@ -58,14 +59,15 @@ class JobSection(ConfigSection):
     'single_turn' (``data.train_files`` + ``reward.function``; needs ``model.hf_path``), 'auto': single_turn
     when ``data.train_files`` is set, else next_digit; or a step-API class, ``path/to/file.py:Class`` or
     ``package.module:Class`` (``Class(**row)`` per episode, ``reset()``, ``step(response)``: docs/JOB.md; needs
-    ``model.hf_path``, ``data.train_files`` and ``stepwise.step_wise_trajectories``)."""
+    ``model.hf_path`` and ``data.train_files``; implies step-wise training with merging, ``job/implied.py``)."""
     agent: str | None = None
     """A user's OpenAI-client agent, ``path/to/file.py:function`` or ``package.module:function``: called once per
     episode as ``function(base_url=<an OpenAI-compatible /v1 URL the job serves for that episode>, **row)`` and
     returns the episode's reward (a number, or a dict with ``reward``); its chat.completions calls are sampled on
     the vLLM fleet and trained token-exact (docs/JOB.md, ``environments/agent/``). Leave ``job.environment`` at
     'auto'; needs ``model.hf_path`` (a tokenizer with a chat template), ``data.train_files`` (one row per GRPO
-    group of ``n_samples_per_prompt`` episodes), ``rollout.engine=vllm`` and ``stepwise.step_wise_trajectories``."""
+    group of ``n_samples_per_prompt`` episodes); implies ``rollout.engine=vllm`` and step-wise training with merging
+    (``job/implied.py``)."""
     max_concurrency: int = field(default=32, metadata=AT_LEAST_1)
     """Episodes of ``job.agent`` running at once (threads on global rank 0; each waits on the fleet for its
     calls)."""
@@ -221,9 +223,9 @@ def check_step_api_config(config: JobConfig) -> None:
         if not value:
             raise ConfigError(f"job.environment={env!r} (a step-API environment) needs {key}; set it (docs/JOB.md)")
     if not config.rl.stepwise.step_wise_trajectories:
-        raise ConfigError(f"job.environment={env!r} (a step-API environment) trains step-wise: set "
-                          "stepwise.step_wise_trajectories=true (and stepwise.merge_stepwise_output=true to merge "
-                          "the turns whose prompts extend into one sequence)")
+        raise ConfigError(f"job.environment={env!r} (a step-API environment) trains step-wise, one step per turn: "
+                          "stepwise.step_wise_trajectories=false is the one value it cannot take; remove it (true "
+                          "is implied)")
 
 
 def check_agent_config(config: JobConfig) -> None:
@@ -242,11 +244,12 @@ def check_agent_config(config: JobConfig) -> None:
             raise ConfigError(f"job.agent={agent!r} needs {key}; set it (docs/JOB.md)")
     if config.rollout.engine != "vllm":
         raise ConfigError(f"job.agent={agent!r} samples its calls on the vLLM fleet, but rollout.engine="
-                          f"{config.rollout.engine!r}; set rollout.engine=vllm (bash scripts/setup_engine.sh)")
+                          f"{config.rollout.engine!r}; remove it (vllm is implied; bash scripts/setup_engine.sh "
+                          "installs the engine)")
     if not config.rl.stepwise.step_wise_trajectories:
-        raise ConfigError(f"job.agent={agent!r} trains step-wise (one step per call): set "
-                          "stepwise.step_wise_trajectories=true (and stepwise.merge_stepwise_output=true to merge "
-                          "the calls whose prompts extend into one sequence)")
+        raise ConfigError(f"job.agent={agent!r} trains step-wise, one step per call: "
+                          "stepwise.step_wise_trajectories=false is the one value it cannot take; remove it (true "
+                          "is implied)")
     if config.rollout.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"rollout.tool_call_parser={config.rollout.tool_call_parser!r} is not one of "
                           f"{sorted(TOOL_CALL_PARSERS)}")
@@ -322,12 +325,14 @@ def job_schema() -> Schema:
 def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobConfig:
     """Defaults <- YAML at ``path`` <- dotted overrides, for the library sections and the job's; validated once.
 
-    Relative paths (``model.hf_path``, ``data.*_files``, ``reward.function``'s file, ``logging.output_dir``, ...)
+    Settings the task allows one value for are derived where unset (``job/implied.py``: a step-API class or an
+    agent trains step-wise). Relative paths (``model.hf_path``, ``data.*_files``, ``reward.function``'s file, ``logging.output_dir``, ...)
     are made absolute against the caller's directory (``job/paths.py``). Raises ``ConfigError`` naming the key
     (unknown keys get a suggestion). The world size is checked later, by ``initialize_distributed`` (and the
     pre-flight).
     """
     flat = resolve_path_keys(read_overrides(path, overrides, renames=MOVED_KEYS))  # from where the user stands
+    flat = with_implied(flat)  # settings with one valid value given the task (job/implied.py)
     check_keys(flat, job_schema(), {**KEY_ALIASES, **JOB_KEY_ALIASES})
     sections = {name: build_config(JobConfig.__dataclass_fields__[name].default_factory, flat, f"{name}.")  # type: ignore
                 for name in JobConfig.SECTIONS}

@@ -2,7 +2,7 @@
 
 Place in the data flow: the very first step of a launch. ``run_megatron.sh`` records the caller's directory in
 ``$MEGATRON_RL_CALLER_CWD`` before it changes into the repository, then runs
-``python -m megatron_rl.job.paths "$@"`` (stdlib only, ~0.05 s), which prints the base config to read; every
+``python -m megatron_rl.job.paths "$@"`` (stdlib and pyyaml only, ~0.06 s), which prints the base config to read; every
 rank and the pre-flight load the config with ``job/config.py: load_job_config``, which resolves the path keys
 with ``resolve_path_keys``.
 
@@ -110,16 +110,30 @@ def resolve_path_keys(flat: Mapping[str, Any], base: Path | None = None) -> dict
     return out
 
 
+def implied_note(path: Path, overrides: Sequence[str]) -> str:
+    """What the config at ``path`` with ``overrides`` implies (``job/implied.py``), for the first line; '' when
+    nothing, or when the config cannot be read (the pre-flight then names the mistake)."""
+    from megatron_rl.config_files import ConfigError, read_overrides
+    from megatron_rl.job.implied import describe, implied_settings
+
+    try:
+        return describe(implied_settings(read_overrides(path, overrides)))
+    except ConfigError:
+        return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m megatron_rl.job.paths [key=value ...]`` (``$CONFIG`` from the environment): prints the base
-    config's path on stdout, and ``base config: <path> (<why>)`` on stderr; exit 2 when it does not exist."""
+    config's path on stdout, and ``base config: <path> (<why>)[; implied (<why>): key=value, ...]`` on stderr (the
+    launch's first line: ``job/implied.py`` says what the task implies); exit 2 when it does not exist."""
     overrides = list(sys.argv[1:] if argv is None else argv)
     path, why = base_config(os.environ.get("CONFIG") or None, overrides)
     if not path.is_file():
         print(f"run_megatron.sh: CONFIG={os.environ.get('CONFIG')!r} is not a file (looked in {caller_cwd()} and "
               f"the repository {REPO_ROOT}); give the path of a YAML config", file=sys.stderr)
         return 2
-    print(f"base config: {path} ({why})", file=sys.stderr, flush=True)
+    implied = implied_note(path, overrides)
+    print(f"base config: {path} ({why})" + (f"; {implied}" if implied else ""), file=sys.stderr, flush=True)
     print(path)
     return 0
 

@@ -266,14 +266,16 @@ def test_a_call_past_the_prompt_limit_is_refused_and_the_episode_keeps_its_calls
     assert rollouts.metrics["episode/ended_context"] == 1
 
 
-def test_the_config_names_the_fix_for_an_agent_without_the_vllm_fleet(tmp_path):
+def test_an_agent_implies_the_vllm_fleet_and_step_wise_training_and_refuses_the_builtin_engine(tmp_path):
     from megatron_rl.job.config import load_job_config
 
-    base = [f"model.hf_path={tmp_path}", "data.train_files=rows.jsonl", "job.agent=agent.py:agent",
-            "stepwise.step_wise_trajectories=true"]
-    with pytest.raises(ConfigError, match="rollout.engine='builtin'; set rollout.engine=vllm"):
-        load_job_config(None, base)
+    base = [f"model.hf_path={tmp_path}", "data.train_files=rows.jsonl", "job.agent=agent.py:agent"]
+    config = load_job_config(None, base)  # the generic command of docs/JOB.md: nothing else to set
+    assert config.rollout.engine == "vllm" and config.rl.stepwise.step_wise_trajectories
+    assert config.rl.stepwise.merge_stepwise_output
+    with pytest.raises(ConfigError, match="rollout.engine='builtin'; remove it"):
+        load_job_config(None, [*base, "rollout.engine=builtin"])
     with pytest.raises(ConfigError, match=r"rollout.tool_call_parser='qwen9' is not one of \['hermes', 'none'\]"):
-        load_job_config(None, [*base, "rollout.engine=vllm", "rollout.tool_call_parser=qwen9"])
+        load_job_config(None, [*base, "rollout.tool_call_parser=qwen9"])
     with pytest.raises(ConfigError, match="an agent is its own environment"):
-        load_job_config(None, [*base, "rollout.engine=vllm", "job.environment=single_turn"])
+        load_job_config(None, [*base, "job.environment=single_turn"])
