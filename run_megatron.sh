@@ -16,6 +16,7 @@
 # the ranks start); 1 for a full or read-only disk during a save; otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
 export MEGATRON_RL_CALLER_CWD=$PWD  # relative paths are the caller's (megatron_rl/job/paths.py)
+export MEGATRON_RL_LAUNCH_TIME=${EPOCHREALTIME:-$(date +%s)}  # the summary's start-up time (job/reporting.py)
 cd "$(dirname "$0")"
 PY=${PY:-$(bash scripts/setup.sh --venv)/bin/python}
 command -v "$PY" >/dev/null || {

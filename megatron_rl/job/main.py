@@ -55,7 +55,7 @@ from megatron_rl.inference.server import EngineError, EngineStartError
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
 from megatron_rl.job.paths import base_config
 from megatron_rl.job.pipeline import RolloutPipeline
-from megatron_rl.job.reporting import RunReporter
+from megatron_rl.job.reporting import RunReporter, WallTimes, launch_time
 from megatron_rl.metrics import Metric
 
 if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are imported where the job starts
@@ -281,7 +281,7 @@ def run(job: Job) -> int:
             reporter.close()
         raise
     if reporter is not None:
-        summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
+        summary = reporter.finish(baseline=baseline, times=WallTimes.since(launch_time(), started))
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
               f"summary.txt); checkpoints: {job.save_dir}", flush=True)
     return 0
