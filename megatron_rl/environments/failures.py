@@ -32,8 +32,12 @@ loss tokens, so placeholders do not pull ``reward/mean`` down.
 
 from __future__ import annotations
 
+import os
+import sysconfig
+import traceback
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_rl.data.generator_output import PER_SEQUENCE_FIELDS, GeneratorOutput, is_scalar_reward
 
@@ -53,20 +57,49 @@ class SampleFailure:
     """The data row it came from (e.g. its prompt's row in ``data.train_files``), None when there is none."""
     error: str
     """``ExceptionType: message``, one line."""
+    where: str | None = None
+    """``file.py:line`` of the user's code that raised (the innermost frame outside megatron_rl, the standard
+    library and site-packages), None when it is not known."""
+    traceback: str | None = None
+    """The whole traceback (the job writes the run's first one to its folder: ``RunReporter.note_failures``)."""
 
     def line(self, what: str) -> str:
         where = f"row {self.row}" if self.row is not None else f"sample {self.index}"
-        return f"{what} failed on {where}: {self.error}"
+        return f"{what} failed on {where}: {self.error}" + (f" (at {self.where})" if self.where else "")
 
 
-def failure(index: int, row: int | None, err: BaseException | str) -> SampleFailure:
+def failure(index: int, row: int | None, err: BaseException | str, *,
+            raised: BaseException | None = None) -> SampleFailure:
     """A ``SampleFailure`` from a caught exception, or a message that already says what raised (on one line, at
-    most 300 characters)."""
+    most 300 characters); ``raised``: the exception behind such a message, whose traceback is kept."""
     message = " ".join(str(err).split())
     message = message if len(message) <= 300 else message[:297] + "..."
     if isinstance(err, BaseException):
         message = f"{type(err).__name__}: {message}" if message else type(err).__name__
-    return SampleFailure(index, row, message)
+    source = err if isinstance(err, BaseException) else raised
+    where, text = raised_at(source) if source is not None else (None, None)
+    return SampleFailure(index, row, message, where, text)
+
+
+def raised_at(err: BaseException) -> tuple[str | None, str]:
+    """``(file.py:line, traceback text)`` of the exception at the root of ``err``'s chain (``raise ... from``:
+    a wrapper such as the step API's ``EpisodeError`` names the call, its cause holds the user's frames)."""
+    root = err
+    while root.__cause__ is not None:
+        root = root.__cause__
+    frames = traceback.extract_tb(root.__traceback__)
+    ours = tuple(str(p) for p in (Path(__file__).resolve().parents[1], *_library_paths()))
+    user = [f for f in frames if not f.filename.startswith(ours) and not f.filename.startswith("<")]
+    frame = user[-1] if user else (frames[-1] if frames else None)
+    where = f"{frame.filename}:{frame.lineno}" if frame is not None else None
+    return where, "".join(traceback.format_exception(err))
+
+
+def _library_paths() -> set[str]:
+    """The standard library's and the installed packages' folders (not the user's code)."""
+    paths = sysconfig.get_paths()
+    found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    return found | {os.path.realpath(path) for path in found}  # a venv reached through a symbolic link
 
 
 class AllSamplesFailed(Exception):

@@ -11,6 +11,7 @@ of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
                          JSON object each: {"step", "split": "train"|"eval", "row", "prompt", "response",
                          "reward", "error"} (reward null and error set where the reward function raised); the
                          same records as TensorBoard text (tag samples/<split>)
+    first_failure.txt    the traceback of the run's first failed sample (the one line printed names file:line)
     summary.txt          one paragraph: wall time (start-up, loop, total), start and end reward (or: too short to
                          judge), random baseline (if any), first and last eval, failed samples, and a warning when
                          most steps had no learning signal (rollout/zero_advantage_groups = 1) or the reward never
@@ -42,6 +43,8 @@ from megatron_rl.environments.failures import FAILED_SAMPLES as FAILED_KEY, Samp
 REWARD_KEY = "reward/mean"
 ZERO_ADVANTAGE_KEY = "rollout/zero_advantage_groups"
 """Share of the step's groups whose rewards are all equal (``trainer.py: zero_advantage_metrics``)."""
+FAILURE_FILE = "first_failure.txt"
+"""The traceback of the run's first failed sample (a reward function, environment or agent that raised)."""
 SUMMARY_SAMPLES = 3
 """Samples quoted at the end of ``summary.txt`` (the last ones logged)."""
 LOSS_KEY = "policy/loss"
@@ -342,11 +345,18 @@ class RunReporter:
             self._tb.flush()
 
     def note_failures(self, failures: Sequence[SampleFailure], what: str) -> None:
-        """Print the run's first failed sample, once, in one line (the count goes to every metrics row)."""
+        """Print the run's first failed sample, once, in one line (the count goes to every metrics row); its
+        traceback, when known, goes to ``FAILURE_FILE`` in the output directory, once."""
         if failures and not self._failure_shown:
             self._failure_shown = True
-            self.write(f"megatron_rl: {failures[0].line(what)}; the sample is left out of training and the run goes "
-                       f"on (each step counts them in {FAILED_KEY}; this message is shown once)")
+            first = failures[0]
+            kept = ""
+            if first.traceback:
+                path = self.output_dir / FAILURE_FILE
+                atomic_write_text(path, f"{first.line(what)}\n\n{first.traceback}")
+                kept = f"; its traceback is in {path}"
+            self.write(f"megatron_rl: {first.line(what)}; the sample is left out of training and the run goes "
+                       f"on (each step counts them in {FAILED_KEY}; this message is shown once{kept})")
 
     def write(self, message: str) -> None:
         """Print without breaking the progress bar."""

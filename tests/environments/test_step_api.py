@@ -143,8 +143,11 @@ def test_failed_episodes_leave_their_group_and_a_lonely_group_stays_masked(tmp_p
     assert out.output["rewards"][4:] == [0.0] * 3 and out.output["prompt_token_ids"][6] == [env.pad_token_id]
     first = out.failures[0]
     assert (first.row, first.error) == (1, "Game.step(response) raised RuntimeError: this row breaks")
-    assert out.failures[2].line("the environment") == ("the environment failed on row 2: Game.reset() raised "
-                                                       "RuntimeError: this row cannot start")
+    raise_line = GAME.splitlines().index('            raise RuntimeError("this row breaks")') + 1
+    assert first.where == f"{tmp_path / 'game.py'}:{raise_line}"  # the user's line, not the wrapper's
+    assert first.line("the environment").endswith(f"(at {first.where})") and "this row breaks" in first.traceback
+    assert out.failures[2].line("the environment").startswith("the environment failed on row 2: Game.reset() raised "
+                                                              "RuntimeError: this row cannot start (at ")
 
 
 def test_a_step_where_every_episode_failed_raises_all_samples_failed(tmp_path):
@@ -223,6 +226,17 @@ def test_the_example_of_docs_job_md_runs(tmp_path):
     out = rollout(env, ScriptedEngine(tok, lambda prompt: "2 <|im_end|>"))
     assert out.metrics["episode/ended_done"] == 2 and out.metrics["episode/ended_max_turns"] == 2
     assert out.output["rewards"][-1] == 1.0 and out.metrics["episode/new_steps_mean"] == 0
+
+
+def test_a_class_imports_the_module_beside_it(tmp_path, monkeypatch):
+    """``from guess_rules import ...`` in the user's file works without PYTHONPATH: its folder is on the path."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # undone after the test
+    (tmp_path / "sibling_rules_for_step_api.py").write_text("def next_digit(d):\n    return (d + 1) % 10\n")
+    source = GAME.replace("class Game:", "from sibling_rules_for_step_api import next_digit\n\n\nclass Game:", 1)
+    env, tok = make(tmp_path, source=source)
+    assert str(tmp_path) == sys.path[0] and env.user.name == "Game"
 
 
 def test_a_module_on_the_path_names_the_class_too(tmp_path, monkeypatch):

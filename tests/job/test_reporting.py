@@ -63,3 +63,28 @@ def test_the_launch_time_comes_from_the_launcher(monkeypatch):
     assert (times.startup_s, times.loop_s, times.total_s) == (60.0, 30.0, 90.0)
     monkeypatch.delenv("MEGATRON_RL_LAUNCH_TIME")
     assert 0 < launch_time() <= __import__("time").time()  # this process's start
+
+
+def test_the_first_failure_names_file_and_line_and_its_traceback_is_kept_once(tmp_path, capsys):
+    from megatron_rl.environments.failures import failure
+    from megatron_rl.job.reporting import FAILURE_FILE, RunReporter
+
+    def user_code(row):
+        return {"a": 1}[row]  # the line the failure names
+
+    failures = []
+    for row in ("b", "c"):
+        try:
+            user_code(row)
+        except KeyError as err:
+            failures.append(failure(len(failures), 3, err))
+    reporter = RunReporter(tmp_path, total_steps=2, tensorboard=False, progress_bar=False)
+    reporter.note_failures(failures, "reward.function")
+    reporter.note_failures(failures[1:], "reward.function")
+    reporter.close()
+    out = capsys.readouterr().out.strip().splitlines()
+    line = user_code.__code__.co_firstlineno + 1
+    assert len(out) == 1 and f"reward.function failed on row 3: KeyError: 'b' (at {__file__}:{line})" in out[0]
+    assert f"its traceback is in {tmp_path / FAILURE_FILE}" in out[0]
+    kept = (tmp_path / FAILURE_FILE).read_text()
+    assert "Traceback (most recent call last)" in kept and "KeyError: 'b'" in kept and "'c'" not in kept

@@ -63,6 +63,8 @@ class Episode:
     error: str | None = None
     """Why the episode failed, one line after ``function(base_url, **row)`` ("raised KeyError: ..."); None when
     it did not."""
+    raised: BaseException | None = None
+    """The exception behind ``error`` (its traceback: ``failures.py: raised_at``)."""
 
 
 def call_seed(seed: int, row: int, sample: int, call: int) -> int:
@@ -184,7 +186,7 @@ class AgentEnvironment:
         try:
             result = self.function(base_url=base_url, **ep.row)
         except Exception as err:  # noqa: BLE001 - the user's code: the episode fails, the run goes on
-            ep.error = f"raised {failure(0, None, err).error}"
+            ep.error, ep.raised = f"raised {failure(0, None, err).error}", err
             return
         finally:
             self.endpoint.close_session(base_url)
@@ -204,7 +206,7 @@ class AgentEnvironment:
         return Turn([self.pad_token_id], [self.stop_token_ids[0]], [0.0], "stop", extends=False)
 
     def _failures(self, episodes: list[Episode]) -> list[SampleFailure]:
-        return [SampleFailure(i, ep.index, f"{self.name}(base_url, **row) {ep.error}")
+        return [failure(i, ep.index, f"{self.name}(base_url, **row) {ep.error}", raised=ep.raised)
                 for i, ep in enumerate(episodes) if ep.error is not None]
 
     def _samples(self, episodes: list[Episode]) -> list[Sample]:

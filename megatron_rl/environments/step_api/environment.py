@@ -58,6 +58,8 @@ class Episode:
     """Why it ended: one of ``END_REASONS``, or 'failed'; None while it runs."""
     error: str | None = None
     """Why it failed (one line naming the class and the call)."""
+    raised: BaseException | None = None
+    """The exception behind ``error`` (its traceback: ``failures.py: raised_at``)."""
 
 
 class StepApiEnvironment:
@@ -144,7 +146,7 @@ class StepApiEnvironment:
             ep.env = self.user.new(ep.row)
             ep.conversation = Conversation(self.tokenizer, self.user.reset(ep.env))
         except (EpisodeError, ValueError) as err:
-            return self._fail(ep, str(err))
+            return self._fail(ep, str(err), err)
         if len(ep.conversation.prompt_ids) > self.max_prompt_tokens:
             self._fail(ep, f"{self.user.name}.reset(): the first prompt has {len(ep.conversation.prompt_ids)} "
                            f"tokens, more than {self.max_prompt_tokens} (data.max_prompt_tokens, else the model's "
@@ -163,15 +165,15 @@ class StepApiEnvironment:
                 return
             conversation.add_observation(result.observation)
         except EpisodeError as err:
-            return self._fail(ep, str(err))
+            return self._fail(ep, str(err), err)
         except ValueError as err:  # messages without a chat template
             return self._fail(ep, f"{self.user.name}.step(response) returned an observation that cannot be "
-                                  f"rendered: {err}")
+                                  f"rendered: {err}", err)
         if len(conversation.prompt_ids) > self.max_prompt_tokens:
             ep.end = "context"
 
-    def _fail(self, ep: Episode, message: str) -> None:
-        ep.end, ep.error = "failed", message
+    def _fail(self, ep: Episode, message: str, raised: BaseException | None = None) -> None:
+        ep.end, ep.error, ep.raised = "failed", message, raised
 
     def random_baseline(self, seed: int) -> float | None:
         return None
@@ -204,7 +206,7 @@ def routing_shape(played: list[list[dict]]) -> tuple[int, ...] | None:
 
 def episode_failures(episodes: list[Episode]) -> list[SampleFailure]:
     """The failed episodes, for the job's one line (``environments/failures.py``)."""
-    return [failure(i, ep.index, ep.error) for i, ep in enumerate(episodes) if ep.end == "failed"]
+    return [failure(i, ep.index, ep.error, raised=ep.raised) for i, ep in enumerate(episodes) if ep.end == "failed"]
 
 
 def episode_metrics(finished: list[Episode]) -> dict[str, float]:
