@@ -763,12 +763,13 @@ def build_config(cls: type[T], flat: Mapping[str, Any], prefix: str = "") -> T:
 
 
 def load_config(
-    path: str | Path | None = None,
+    path: str | Path | Sequence[str | Path] | None = None,
     overrides: Sequence[str] = (),
     *,
     world_size: int | None = None,
 ) -> MegatronRLConfig:
-    """Defaults <- YAML overrides at ``path`` <- dotted ``key=value`` overrides, validated once.
+    """Defaults <- YAML overrides at ``path`` (several files: each over the ones before) <- dotted ``key=value``
+    overrides, validated once.
 
     ``world_size`` (optional) adds the world-size rule, which ``initialize_distributed`` checks anyway.
     Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming the key.

@@ -19,7 +19,8 @@ class ConfigError(ValueError):
     """A mistake in the user's configuration; the message names the key, the value and the fix."""
 
 
-def _read_yaml(path: str | Path) -> dict:
+def read_yaml(path: str | Path) -> dict:
+    """The mapping a YAML config file holds ({} for an empty file); ConfigError naming the file otherwise."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -62,15 +63,24 @@ def _parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(err, 'problem', err)})") from None
 
 
-def read_overrides(path: str | Path | None, overrides: Sequence[str] = (), *,
+def config_paths(path: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    """The YAML files of ``path`` (one, several, or none), in the order they apply."""
+    if path is None:
+        return []
+    return [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+
+
+def read_overrides(path: str | Path | Sequence[str | Path] | None, overrides: Sequence[str] = (), *,
                    renames: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``{dotted key: raw value}`` from the YAML at ``path``, then the dotted ``overrides`` (later wins).
+    """``{dotted key: raw value}`` from the YAML file(s) at ``path`` (several: each one over the ones before),
+    then the dotted ``overrides`` (later wins).
 
     ``renames`` maps keys that moved to their new place (read from either spelling).
     """
     flat: dict[str, Any] = {}
-    for name, value in (_read_yaml(path) if path is not None else {}).items():
-        put_dotted(flat, str(name), value, renames or {})
+    for file in config_paths(path):
+        for name, value in read_yaml(file).items():
+            put_dotted(flat, str(name), value, renames or {})
     for item in overrides:
         put_dotted(flat, *_parse_override(item), renames or {})
     return flat

@@ -43,7 +43,7 @@ from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
 from megatron_rl.inference.config import RolloutConfig, check_engine_model
 from megatron_rl.job.implied import with_implied
-from megatron_rl.job.paths import resolve_path_keys
+from megatron_rl.job.paths import BASE_KEY, resolve_path_keys
 
 
 @dataclass(kw_only=True)
@@ -322,8 +322,10 @@ def job_schema() -> Schema:
     return schema
 
 
-def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Defaults <- YAML at ``path`` <- dotted overrides, for the library sections and the job's; validated once.
+def load_job_config(path: str | Path | Sequence[str | Path] | None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Defaults <- YAML at ``path`` (several: the layers of ``job/paths.py: config_layers``, each over the ones
+    before; a user's top-level ``base:`` key is theirs, not a setting) <- dotted overrides, for the library
+    sections and the job's; validated once.
 
     Settings the task allows one value for are derived where unset (``job/implied.py``: a step-API class or an
     agent trains step-wise). Relative paths (``model.hf_path``, ``data.*_files``, ``reward.function``'s file, ``logging.output_dir``, ...)
@@ -331,7 +333,9 @@ def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> J
     (unknown keys get a suggestion). The world size is checked later, by ``initialize_distributed`` (and the
     pre-flight).
     """
-    flat = resolve_path_keys(read_overrides(path, overrides, renames=MOVED_KEYS))  # from where the user stands
+    flat = read_overrides(path, overrides, renames=MOVED_KEYS)
+    flat.pop(BASE_KEY, None)  # what a user's YAML builds on: read by config_layers
+    flat = resolve_path_keys(flat)  # from where the user stands
     flat = with_implied(flat)  # settings with one valid value given the task (job/implied.py)
     check_keys(flat, job_schema(), {**KEY_ALIASES, **JOB_KEY_ALIASES})
     sections = {name: build_config(JobConfig.__dataclass_fields__[name].default_factory, flat, f"{name}.")  # type: ignore

@@ -32,6 +32,26 @@ def test_the_base_config_follows_the_task():
         ROOT / "configs" / "demo_gpu.yaml"  # CONFIG wins; a shipped one is found from anywhere
 
 
+def test_a_users_yaml_builds_on_the_base_the_command_would_pick_unless_it_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.CALLER_CWD_ENV, str(tmp_path))
+    task = ["data.train_files=p.jsonl", "reward.function=r.py:f", "model.hf_path=m"]
+    user_job = ROOT / "configs" / "user_job.yaml"
+    (tmp_path / "my.yaml").write_text("job:\n  num_steps: 3\n")
+    layers, why = paths.config_layers("my.yaml", task)
+    assert layers == [user_job, tmp_path / "my.yaml"] and "data.train_files is set" in why
+    config = load_job_config(layers, task)
+    assert config.job.num_steps == 3 and config.rl.checkpoint.save_interval == 25  # the base's, not the default 0
+    (tmp_path / "task.yaml").write_text("data:\n  train_files: p.jsonl\n")  # its own task key picks the base
+    assert paths.config_layers("task.yaml", [])[0] == [user_job, tmp_path / "task.yaml"]
+    (tmp_path / "alone.yaml").write_text("base: null\njob:\n  num_steps: 3\n")  # says otherwise: the defaults
+    layers, _ = paths.config_layers("alone.yaml", task)
+    assert layers == [tmp_path / "alone.yaml"] and load_job_config(layers, task).rl.checkpoint.save_interval == 0
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "on.yaml").write_text("base: ../my.yaml\n")  # or names its base, next to itself
+    assert paths.config_layers("sub/on.yaml", task)[0] == [tmp_path / "sub" / ".." / "my.yaml", tmp_path / "sub" / "on.yaml"]
+    assert paths.config_layers("configs/demo_gpu.yaml", task)[0] == [ROOT / "configs" / "demo_gpu.yaml"]  # complete
+
+
 def test_the_user_job_base_fits_a_pretrained_model():
     config = load_job_config(ROOT / "configs" / "user_job.yaml",
                              ["data.train_files=p.jsonl", "reward.function=r.py:f", "model.hf_path=m"])
@@ -49,7 +69,9 @@ def test_the_launcher_names_the_base_config_first(tmp_path):
     (tmp_path / "mine.yaml").write_text("job:\n  num_steps: 3\n")
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths"], cwd=ROOT, capture_output=True,
                           text=True, env={**env, "CONFIG": "mine.yaml"})
-    assert proc.stdout.strip() == str(tmp_path / "mine.yaml")  # CONFIG from where the user stands
+    demo = ROOT / "configs" / "demo_cpu.yaml"  # CONFIG from where the user stands, on the base the command picks
+    assert proc.stdout.splitlines() == [str(demo), str(tmp_path / "mine.yaml")]
+    assert proc.stderr.startswith(f"base config: {demo}, then {tmp_path / 'mine.yaml'} (your CONFIG on the base")
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths"], cwd=ROOT, capture_output=True,
                           text=True, env={**env, "CONFIG": "nope.yaml"})
     assert proc.returncode == 2 and "CONFIG='nope.yaml' is not a file" in proc.stderr
