@@ -72,16 +72,9 @@ def check_moe_layout(config: MegatronRLConfig) -> None:
     parallelism, the expert FFN divisible by the expert-TP size, expert TP 1 on CPU). Imports megatron-core only for an MoE model or EP > 1."""
     if config.model.num_moe_experts is None and config.parallel.expert_model_parallel_size == 1:
         return
-    import logging
-
-    cpp_extension = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found" on CPU machines
-    level = cpp_extension.level
-    cpp_extension.setLevel(logging.ERROR)
-    try:
-        from megatron_rl.model.moe import validate
-    finally:
-        cpp_extension.setLevel(level)
     import torch
+
+    from megatron_rl.model.moe import validate  # "No CUDA runtime is found": warnings_filter.CPU_LOG_PREFIXES
 
     device = config.parallel.device
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())

@@ -209,10 +209,25 @@ def check_job_config(config: JobConfig) -> None:
             if not value:
                 raise ConfigError(f"job.environment=single_turn needs {key}; set it (README: 'Your model, your "
                                   "prompts, your reward')")
+    check_warmup(config)
     reads_rows = env in ("single_turn", "agent") or is_class_spec(env)
     if config.eval.interval > 0 and reads_rows and not config.data.val_files:
         raise ConfigError(f"eval.interval={config.eval.interval} but data.val_files is not set; set it to a "
                           "held-out prompt file, or eval.interval=0")
+
+
+def check_warmup(config: JobConfig) -> None:
+    """``optimizer.lr_warmup_steps`` below the LR horizon (``optimizer.lr_decay_steps``, else the run's optimizer
+    steps): the rule ``model/optimizer.py: build_scheduler`` applies in every rank, found at load (the pre-flight)."""
+    opt = config.rl.optimizer
+    total = config.job.num_steps * config.optim_steps_per_rl_step
+    horizon = opt.lr_decay_steps if opt.lr_decay_steps is not None else total
+    if opt.lr_warmup_steps >= horizon:
+        what = (f"optimizer.lr_decay_steps={horizon}" if opt.lr_decay_steps is not None else
+                f"the run's {total} optimizer steps (job.num_steps={config.job.num_steps} x "
+                f"{config.optim_steps_per_rl_step} per RL step)")
+        raise ConfigError(f"optimizer.lr_warmup_steps={opt.lr_warmup_steps} is not below {what}: the learning rate "
+                          "would never reach optimizer.lr; lower the warm-up (0 = none) or raise job.num_steps")
 
 
 def check_step_api_config(config: JobConfig) -> None:

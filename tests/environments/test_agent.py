@@ -279,3 +279,15 @@ def test_an_agent_implies_the_vllm_fleet_and_step_wise_training_and_refuses_the_
         load_job_config(None, [*base, "rollout.tool_call_parser=qwen9"])
     with pytest.raises(ConfigError, match="an agent is its own environment"):
         load_job_config(None, [*base, "job.environment=single_turn"])
+
+
+def test_an_agent_asking_for_its_own_temperature_is_told_once_that_the_jobs_is_used(monkeypatch, capsys):
+    from megatron_rl.environments.agent import endpoint
+
+    monkeypatch.setattr(endpoint, "_sampling_noted", __import__("threading").Event())
+    spec = SamplingSpec(max_tokens=8, temperature=1.0, top_p=1.0)
+    assert endpoint.note_sampling_request({"temperature": 1, "top_p": 1.0}, spec) is None  # the job's own values
+    line = endpoint.note_sampling_request({"temperature": 0.2, "top_p": 1.0}, spec)
+    assert line is not None and "asked for temperature=0.2; every call is sampled with the job's temperature=1" in line
+    assert endpoint.note_sampling_request({"temperature": 0.3}, spec) is None  # once per process
+    assert capsys.readouterr().err.count("asked for") == 1

@@ -86,3 +86,13 @@ def test_a_step_api_class_or_an_agent_implies_step_wise_training_unless_merging_
     for shipped in ("digit_game_cpu.yaml", "tool_agent_cpu.yaml"):  # they leave it implied too
         stepwise = load_job_config(ROOT / "configs" / shipped).rl.stepwise
         assert stepwise.step_wise_trajectories and stepwise.merge_stepwise_output, shipped
+
+
+def test_a_warm_up_as_long_as_the_run_is_refused_at_load():
+    """The rule the ranks' LR scheduler applies (model/optimizer.py), found by the pre-flight: one line."""
+    assert load_job_config(CPU, ["job.num_steps=1", "optimizer.lr_warmup_steps=7"])  # 8 optimizer steps
+    with pytest.raises(ConfigError, match=r"optimizer.lr_warmup_steps=8 is not below the run's 8 optimizer steps "
+                                          r"\(job.num_steps=1 x 8 per RL step\)"):
+        load_job_config(CPU, ["job.num_steps=1", "optimizer.lr_warmup_steps=8"])
+    with pytest.raises(ConfigError, match="is not below optimizer.lr_decay_steps=6"):
+        load_job_config(CPU, ["optimizer.lr_decay_steps=6", "optimizer.lr_warmup_steps=6"])
