@@ -9,8 +9,10 @@ of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
                          a third panel with the router losses (moe/*) for a mixture-of-experts model
     samples.jsonl        every logging.sample_interval steps and at every evaluation, a few decoded samples, one
                          JSON object each: {"step", "split": "train"|"eval", "row", "prompt", "response",
-                         "reward", "error"} (reward null and error set where the reward function raised); the
-                         same records as TensorBoard text (tag samples/<split>)
+                         "reward", "error"} (reward null and error set where the reward function raised); a
+                         multi-turn episode (step API, agent) adds "turns" (each turn's new prompt text, reply,
+                         an agent's tool calls; special tokens kept) and "end"; the same records as TensorBoard
+                         text (tag samples/<split>)
     first_failure.txt    the traceback of the run's first failed sample (the one line printed names file:line)
     summary.txt          one paragraph: wall time (start-up, loop, total), start and end reward (or: too short to
                          judge), random baseline (if any), first and last eval, failed samples, and a warning when
@@ -266,11 +268,27 @@ def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, t
 
 
 def format_sample(record: Mapping) -> str:
-    """One sample record as a few readable lines (the summary, TensorBoard text)."""
+    """One sample record as a few readable lines (the summary, TensorBoard text); a multi-turn episode turn by
+    turn (each turn's new prompt text, reply and tool calls) with why it ended."""
     reward = f"reward {record['reward']:.3f}" if record.get("reward") is not None else f"failed: {record.get('error')}"
     row = f", row {record['row']}" if record.get("row") is not None else ""
-    return (f"[step {record['step']} {record['split']}{row}] {reward}\n  prompt:   {_clip(record['prompt'])}\n"
-            f"  response: {_clip(record['response'])}")
+    turns = record.get("turns")
+    if turns is None:
+        return (f"[step {record['step']} {record['split']}{row}] {reward}\n  prompt:   {_clip(record['prompt'])}\n"
+                f"  response: {_clip(record['response'])}")
+    lines = [f"[step {record['step']} {record['split']}{row}] {reward}, {len(turns)} turn(s), ended: {record.get('end')}"]
+    for t, turn in enumerate(turns, start=1):
+        lines.append(f"  turn {t} prompt{' (new step)' if turn.get('new_step') else ''}: {_clip(turn['prompt'])}")
+        lines.append(f"  turn {t} response: {_clip(turn['response'])}")
+        if turn.get("tool_calls"):
+            calls = ", ".join(f"{c['name']}({c['arguments']})" for c in turn["tool_calls"])
+            lines.append(f"  turn {t} tool calls: {_clip(calls)}")
+    return "\n".join(lines)
+
+
+def sample_record(sample: Sample) -> dict:
+    """A sample's fields for samples.jsonl; ``turns`` and ``end`` only for a multi-turn episode."""
+    return {k: v for k, v in dataclasses.asdict(sample).items() if v is not None or k not in ("turns", "end")}
 
 
 def _clip(text: str, limit: int = 300) -> str:
@@ -336,11 +354,12 @@ class RunReporter:
         """Append decoded samples to ``samples.jsonl`` (one whole line each) and TensorBoard text."""
         if not samples:
             return
-        records = [{"step": step, "split": split, **dataclasses.asdict(sample)} for sample in samples]
+        records = [{"step": step, "split": split, **sample_record(sample)} for sample in samples]
         with self.samples_path.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records))
-        if self._tb is not None:
-            text = "\n\n".join(format_sample(r).replace("\n", "  \n") for r in records)  # markdown line breaks
+        if self._tb is not None:  # markdown: line breaks, and the template's <markers> shown, not taken as HTML
+            text = "\n\n".join(format_sample(r).replace("<", "&lt;").replace(">", "&gt;").replace("\n", "  \n")
+                                for r in records)
             self._tb.add_text(f"samples/{split}", text, step)
             self._tb.flush()
 

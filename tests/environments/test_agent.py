@@ -132,6 +132,12 @@ def test_tool_calls_are_answered_as_openai_tool_calls(tokenizer):
     answer = session.chat({"messages": [{"role": "user", "content": "1 ?"}], "tools": [{"type": "function"}]})
     message = answer["choices"][0]["message"]
     assert answer["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
+    from megatron_rl.environments.conversation import readable_turns
+
+    parse = lambda ids: [{"name": c.name, "arguments": c.arguments}  # noqa: E731 - as AgentEnvironment._tool_calls
+                         for c in parse_hermes(session.tokenizer.decode(ids)).tool_calls]
+    assert readable_turns(session.turns, session.tokenizer, tool_calls=parse)[0]["tool_calls"] == [
+        {"name": "add", "arguments": '{"a": 2}'}]  # the sample shows the call the agent got
     assert message["tool_calls"][0]["type"] == "function"
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
     from openai.types.chat import ChatCompletion
@@ -224,6 +230,17 @@ def test_an_episodes_calls_become_step_wise_rows_of_the_sampled_ids(tmp_path):
     evaluation = env.evaluate(FakeEngine(fleet), SPEC, seed=5, num_prompts=None, pass_threshold=1.0)
     assert evaluation.metrics == {"eval/reward_mean": 1.0, "eval/pass_rate": 1.0, "eval/failed_samples": 1.0}
     assert [s.row for s in evaluation.samples] == [0, 1, 2] and evaluation.failures[0].row == 1
+    assert [len(s.turns) for s in evaluation.samples] == [2, 0, 1]
+
+    # a sample is the whole episode: every call's new prompt (the agent's next message), reply, tool calls
+    sample, failed, single = rollouts.samples
+    assert [t["prompt"].split("<|im_start|> user ")[-1] for t in sample.turns] == [
+        "1 ? <|im_end|> <|im_start|> assistant", "2 ? <|im_end|> <|im_start|> assistant"]
+    # the template's markers (the word-level test vocabulary has no "system": <unk>)
+    assert sample.turns[0]["prompt"].startswith("<|im_start|> <unk> + <|im_end|>")
+    assert [t["response"] for t in sample.turns] == ["2 <|im_end|>", "3 <|im_end|>"]  # special tokens kept
+    assert [t["tool_calls"] for t in sample.turns] == [[], []] and (sample.end, sample.reward) == ("done", 1.0)
+    assert (failed.end, failed.reward, failed.turns) == ("failed", None, []) and len(single.turns) == 1
 
 
 def test_a_template_that_rewrites_history_starts_a_new_step(tmp_path):

@@ -228,6 +228,23 @@ def test_the_example_of_docs_job_md_runs(tmp_path):
     assert out.output["rewards"][-1] == 1.0 and out.metrics["episode/new_steps_mean"] == 0
 
 
+def test_a_sample_is_the_whole_episode_every_turn_with_its_markers(tmp_path):
+    """samples.jsonl's record of an episode: each turn's new prompt text (the observation, the template's markers
+    kept), the reply, the reward, why it ended; the same for evaluation and for a failed episode."""
+    rows = [{"digits": [0, 3, 5]}, {"digits": [1, 2], "fail_at": 1}]
+    env, tok = make(tmp_path, rows=rows, val=rows)
+    out = rollout(env, ScriptedEngine(tok, answer))
+    first, failed = out.samples  # one per row: the first episode of each group
+    assert [t["prompt"] for t in first.turns] == [f"<|im_start|> user {q} <|im_end|> <|im_start|> assistant"
+                                                  for q in ("0 ?", "+ 3 ?", "+ 5 ?")]
+    assert [t["response"] for t in first.turns] == ["1 <|im_end|>", "4 <|im_end|>", "6 <|im_end|>"]
+    assert (first.reward, first.end, first.row, first.prompt, first.response) == (
+        1.0, "done", 0, first.turns[0]["prompt"], "6 <|im_end|>")
+    assert (failed.reward, failed.end, len(failed.turns)) == (None, "failed", 2) and "this row breaks" in failed.error
+    evaluation = env.evaluate(ScriptedEngine(tok, answer), SPEC, seed=0, num_prompts=None, pass_threshold=1.0)
+    assert [len(s.turns) for s in evaluation.samples] == [3, 2]
+
+
 def test_a_class_imports_the_module_beside_it(tmp_path, monkeypatch):
     """``from guess_rules import ...`` in the user's file works without PYTHONPATH: its folder is on the path."""
     import sys

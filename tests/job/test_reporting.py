@@ -88,3 +88,25 @@ def test_the_first_failure_names_file_and_line_and_its_traceback_is_kept_once(tm
     assert f"its traceback is in {tmp_path / FAILURE_FILE}" in out[0]
     kept = (tmp_path / FAILURE_FILE).read_text()
     assert "Traceback (most recent call last)" in kept and "KeyError: 'b'" in kept and "'c'" not in kept
+
+
+def test_a_multi_turn_sample_shows_every_turn_in_samples_jsonl_the_summary_and_tensorboard(tmp_path):
+    from megatron_rl.environments.base import Sample
+    from megatron_rl.job.reporting import RunReporter, format_sample, read_metrics
+
+    turns = [{"prompt": "<|im_start|>user 3 + 4?<|im_end|>", "response": '<tool_call>{"name": "add"}</tool_call>',
+              "tool_calls": [{"name": "add", "arguments": '{"a": 3, "b": 4}'}]},
+             {"prompt": "<|im_start|>tool 7<|im_end|>", "response": "7<|im_end|>", "tool_calls": []}]
+    reporter = RunReporter(tmp_path, total_steps=1, tensorboard=True, progress_bar=False)
+    reporter.log_samples(1, "train", [Sample(turns[0]["prompt"], "7<|im_end|>", 1.0, row=2, turns=turns, end="done")])
+    reporter.close()
+    record = read_metrics(tmp_path / "samples.jsonl")[0]
+    assert record["turns"] == turns and record["end"] == "done" and record["reward"] == 1.0
+    text = format_sample(record)
+    assert text.splitlines()[0] == "[step 1 train, row 2] reward 1.000, 2 turn(s), ended: done"
+    assert "turn 2 prompt: <|im_start|>tool 7<|im_end|>" in text and 'turn 1 tool calls: add({"a": 3, "b": 4})' in text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    shown = events.Tensors("samples/train/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "&lt;|im_start|&gt;tool 7" in shown  # the markers escaped, so markdown shows them

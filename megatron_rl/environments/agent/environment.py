@@ -41,7 +41,7 @@ from megatron_rl.config import ConfigError
 from megatron_rl.environments.agent.endpoint import AgentEndpoint, Session
 from megatron_rl.environments.agent.tool_parsers import tool_call_parser
 from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
-from megatron_rl.environments.conversation import Turn, trajectory_rows, weight_versions
+from megatron_rl.environments.conversation import Turn, episode_sample, trajectory_rows, weight_versions
 from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
@@ -210,15 +210,17 @@ class AgentEnvironment:
                 for i, ep in enumerate(episodes) if ep.error is not None]
 
     def _samples(self, episodes: list[Episode]) -> list[Sample]:
-        """Per episode: the first call's prompt and the last call's reply, decoded."""
-        samples = []
-        for ep in episodes:
-            turns = ep.session.turns if ep.session is not None else []
-            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-            samples.append(Sample(decode(turns[0].prompt_ids) if turns else "",
-                                  decode(turns[-1].response_ids) if turns else "",
-                                  None if ep.error else ep.reward, row=ep.index, error=ep.error))
-        return samples
+        """Each episode whole: every call's new prompt text (the agent's messages, tool results), reply and parsed
+        tool calls, the reward, why it ended (``conversation.py: episode_sample``; special tokens kept)."""
+        return [episode_sample(ep.session.turns if ep.session is not None else [], self.tokenizer,
+                               reward=None if ep.error else ep.reward, row=ep.index, error=ep.error,
+                               end=episode_end(ep), tool_calls=self._tool_calls) for ep in episodes]
+
+    def _tool_calls(self, response_ids: list[int]) -> list[dict]:
+        """The tool calls the endpoint answered for a reply (the parser again, on the same text: it is pure)."""
+        ids = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_token_ids else response_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return [{"name": call.name, "arguments": call.arguments} for call in self.parse(text).tool_calls]
 
     def random_baseline(self, seed: int) -> float | None:
         return None
@@ -228,6 +230,14 @@ class AgentEnvironment:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.order.consumed = int(state.get("consumed", 0))
+
+
+def episode_end(ep: Episode) -> str:
+    """Why an agent's episode ended: 'failed', 'context' (a call was refused for length), else 'done' (the
+    function returned)."""
+    if ep.error is not None:
+        return "failed"
+    return "context" if ep.session is not None and ep.session.context_error else "done"
 
 
 def load_agent(spec: str) -> Any:

@@ -32,8 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from megatron_rl.environments.base import Evaluation, Rollouts, pass_metrics
-from megatron_rl.environments.conversation import Conversation, has_chat_template, trajectory_rows, weight_versions
+from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
+from megatron_rl.environments.conversation import (
+    Conversation,
+    episode_sample,
+    has_chat_template,
+    trajectory_rows,
+    weight_versions,
+)
 from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
@@ -107,7 +113,8 @@ class StepApiEnvironment:
         metrics = episode_metrics(finished) | failure_metrics | weight_versions(  # partial rollouts; its tokens:
             [ep.conversation.turns for ep in finished])[0]  # counted by the engine's generate
         metrics["data/epoch"] = float(self.order.epoch)
-        return Rollouts(output, metrics, failures=failures)  # type: ignore[arg-type]
+        samples = [self._sample(ep) for ep in episodes[::n_samples_per_prompt]]  # the first episode of each row
+        return Rollouts(output, metrics, samples=samples, failures=failures)  # type: ignore[arg-type]
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
                  pass_threshold: float) -> Evaluation:
@@ -117,7 +124,8 @@ class StepApiEnvironment:
         episodes = [Episode(row, i, i, 0) for i, row in enumerate(rows)]
         self.play(episodes, engine, spec, seed)
         rewards = [None if ep.end == "failed" else sum(ep.rewards) for ep in episodes]
-        return Evaluation(pass_metrics(rewards, pass_threshold), failures=episode_failures(episodes))
+        return Evaluation(pass_metrics(rewards, pass_threshold), [self._sample(ep) for ep in episodes],
+                          episode_failures(episodes))
 
     def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
         """Run ``episodes`` to their end, turn by turn, one ``engine.generate`` call per turn over the running ones
@@ -131,6 +139,13 @@ class StepApiEnvironment:
             completions = engine.generate([ep.conversation.prompt_ids for ep in running], spec, seed=seed)
             for ep, completion in zip(running, completions):
                 self._advance(ep, completion, last_turn=turn == self.max_turns - 1)
+
+    def _sample(self, ep: Episode) -> Sample:
+        """The episode whole, for samples.jsonl and TensorBoard (``conversation.py: episode_sample``)."""
+        conversation = ep.conversation
+        return episode_sample(conversation.turns if conversation else [], self.tokenizer,
+                              reward=None if ep.end == "failed" else sum(ep.rewards), row=ep.index, error=ep.error,
+                              end=ep.end, first_prompt_ids=conversation.prompt_ids if conversation else ())
 
     def _rows(self, ep: Episode) -> list[dict]:
         """The episode's step-wise rows, one per turn (a failed one's reward: 0; they are dropped or masked);
