@@ -264,15 +264,3 @@ def test_a_module_on_the_path_names_the_class_too(tmp_path, monkeypatch):
     assert UserClass("my_step_env_module:Game").name == "Game"
     with pytest.raises(ConfigError, match="cannot import 'no_such_step_module'"):
         UserClass("no_such_step_module:Game")
-
-
-def test_a_placeholder_row_carries_zero_routing_when_the_played_rows_do():
-    """MoE routing replay R3 needs ``routed_experts`` on every row; a placeholder's are zeros of the same (L, k)."""
-    import numpy as np
-
-    from megatron_rl.environments.step_api.environment import Episode, placeholder_row, routing_shape
-
-    played = [[], [{"routed_experts": np.ones((5, 3, 2), dtype=np.int64)}]]
-    row = placeholder_row(Episode({}, 0, 0, 0), 7, 2, routing_shape(played))
-    assert row["routed_experts"].shape == (2, 3, 2) and not row["routed_experts"].any()
-    assert "routed_experts" not in placeholder_row(Episode({}, 0, 0, 0), 7, 2, routing_shape([[], [{}]]))

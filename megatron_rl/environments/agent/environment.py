@@ -41,8 +41,8 @@ from megatron_rl.config import ConfigError
 from megatron_rl.environments.agent.endpoint import AgentEndpoint, Session
 from megatron_rl.environments.agent.tool_parsers import tool_call_parser
 from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
-from megatron_rl.environments.conversation import Turn, episode_sample, trajectory_rows, weight_versions
-from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
+from megatron_rl.environments.conversation import episode_sample, trajectory_rows, weight_versions
+from megatron_rl.environments.failures import EpisodeRows, SampleFailure, assemble_episodes, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
 from megatron_rl.environments.user_code import load_object
@@ -117,19 +117,13 @@ class AgentEnvironment:
 
         def play() -> Rollouts:
             self.play(episodes, engine, spec, seed)
-            out_rows, failed = [], []
-            for ep in episodes:
-                rows = trajectory_rows(ep.session.turns or [self._placeholder_turn()], reward=ep.reward,
-                                       uid=ep.uid, trajectory_id=(ep.uid, ep.sample))
-                out_rows += rows
-                failed += [ep.error is not None] * len(rows)
-            output = {name: [row[name] for row in out_rows] for name in out_rows[0]}
             failures = self._failures(episodes)
-            try:
-                output, metrics = drop_failed_samples(output, failed)
-            except AllSamplesFailed as err:
-                raise AllSamplesFailed(f"{err}: every episode of {KEY}={self.spec!r} failed; first: "
-                                       f"{failures[0].line(self.name)}") from None
+            output, metrics = assemble_episodes(
+                [EpisodeRows(trajectory_rows(ep.session.turns, reward=ep.reward, uid=ep.uid,
+                                             trajectory_id=(ep.uid, ep.sample)),
+                             ep.uid, (ep.uid, ep.sample), ep.error is not None) for ep in episodes],
+                pad_token_id=self.pad_token_id, eos_token_id=self.stop_token_ids[0], what=f"{KEY}={self.spec!r}",
+                first_failure=failures[0].line(self.name) if failures else None)
             finished = [ep for ep in episodes if ep.error is None]
             metrics.update(episode_metrics(finished))
             versions, tokens = weight_versions([ep.session.turns for ep in finished])  # partial rollouts
@@ -200,10 +194,6 @@ class AgentEnvironment:
                         + (f" ({session.context_error})" if session.context_error else ""))
         else:
             ep.reward = reward
-
-    def _placeholder_turn(self) -> Turn:
-        """The row of a failed episode that made no call (``failures.py`` needs one per sample; never trained)."""
-        return Turn([self.pad_token_id], [self.stop_token_ids[0]], [0.0], "stop", extends=False)
 
     def _failures(self, episodes: list[Episode]) -> list[SampleFailure]:
         return [failure(i, ep.index, f"{self.name}(base_url, **row) {ep.error}", raised=ep.raised)
