@@ -3,8 +3,9 @@
 #   NPROC        processes per node (default 2); with CUDA, at most one per visible GPU (else parallel.device=cpu)
 #   CONFIG       YAML of config overrides (default: configs/user_job.yaml when data.train_files (or
 #                job.environment / job.agent) is given, else configs/demo_cpu.yaml, the digit game;
-#                configs/demo_gpu.yaml: one GPU). Relative paths, here and in every path key, are taken from
-#                the directory you run this script from (megatron_rl/job/paths.py).
+#                configs/demo_gpu.yaml: one GPU). A YAML of yours (outside configs/) builds on that default
+#                unless it has a top-level `base: <path>` or `base: null`. Relative paths, here and in every
+#                path key, are taken from the directory you run this script from (megatron_rl/job/paths.py).
 #   PY           the Python to run (a path or a command on PATH, e.g. PY=python3; default: the venv that
 #                scripts/setup.sh --venv names)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   torchrun's multi-node settings (defaults: one node, a free port)
@@ -16,6 +17,7 @@
 # the ranks start); 1 for a full or read-only disk during a save; otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
 export MEGATRON_RL_CALLER_CWD=$PWD  # relative paths are the caller's (megatron_rl/job/paths.py)
+export MEGATRON_RL_LAUNCH_TIME=${EPOCHREALTIME:-$(date +%s)}  # the summary's start-up time (job/reporting.py)
 cd "$(dirname "$0")"
 PY=${PY:-$(bash scripts/setup.sh --venv)/bin/python}
 command -v "$PY" >/dev/null || {
@@ -23,12 +25,15 @@ command -v "$PY" >/dev/null || {
   exit 1
 }
 NPROC=${NPROC:-2}
-# The base config, printed first ("base config: <path> (<why>)"): $CONFIG, else chosen from the overrides.
-CONFIG=$(CONFIG=${CONFIG:-} "$PY" -m megatron_rl.job.paths "$@") || exit 2
+# The config files, printed first ("base config: <path>[, then <path>] (<why>)"): $CONFIG (a user's YAML on the
+# base the command would pick, unless it says `base: ...`), else the base chosen from the overrides; one per line.
+layers=$(CONFIG=${CONFIG:-} "$PY" -m megatron_rl.job.paths "$@") || exit 2
+configs=(); config_args=()
+while IFS= read -r c; do configs+=("$c"); config_args+=(--config "$c"); done <<< "$layers"
 # parallel.device (docs/DESIGN.md section 11): the last override wins, else the config's `device:` line (only
 # the parallel section has one). bootstrap.py applies and checks it in every rank; this is the early, friendly
 # stop: cpu hides the GPUs from the ranks, otherwise NCCL needs one visible GPU per rank.
-device=$(sed -n 's/^[[:space:]]*device:[[:space:]]*\([a-z]*\).*/\1/p' "$CONFIG" 2>/dev/null | tail -n 1 || true)
+device=$(sed -n 's/^[[:space:]]*device:[[:space:]]*\([a-z]*\).*/\1/p' "${configs[@]}" 2>/dev/null | tail -n 1 || true)
 for arg in "$@"; do case $arg in parallel.device=*) device=${arg#parallel.device=} ;; esac; done
 if [ "${device:-auto}" = cpu ]; then
   export CUDA_VISIBLE_DEVICES=""
@@ -64,13 +69,13 @@ else
   launch=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), config $CONFIG${*:+, overrides: $*}"
+echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), config ${configs[*]}${*:+, overrides: $*}"
 # Pre-flight on this node (no model, no process group): config valid for this world size, output and checkpoint
 # directories writable, free space, a resume target of this model and algorithm; it prints the output and
 # checkpoint directories of the config as resolved (overrides included). A failure is one line on stderr and
 # exit code 2, before any rank starts.
 world=(); [[ "$NPROC$NNODES" =~ ^[0-9]+$ ]] && world=(--world-size "$((NPROC * NNODES))")  # elastic MIN:MAX: skip
-"$PY" -m megatron_rl.job.preflight --config "$CONFIG" "${world[@]}" "$@" || exit $?
+"$PY" -m megatron_rl.job.preflight "${config_args[@]}" "${world[@]}" "$@" || exit $?
 # torchrun through megatron_rl.distributed.launch: an error the ranks report (a config or checkpoint mistake) is
 # one line and its exit code instead of torchrun's failure report.
-exec "$PY" -m megatron_rl.distributed.launch --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.job.main --config "$CONFIG" "$@"
+exec "$PY" -m megatron_rl.distributed.launch --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.job.main "${config_args[@]}" "$@"

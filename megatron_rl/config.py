@@ -39,11 +39,8 @@ from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence, TypeVar
 import yaml
 
 from megatron_rl.algorithms.validation import validate_algorithm_settings, validate_step_wise_algorithm
+from megatron_rl.config_files import ConfigError, put_dotted, read_overrides
 from megatron_rl.data.microbatch import check_microbatch_rule
-
-
-class ConfigError(ValueError):
-    """A mistake in the user's configuration; the message names the key, the value and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -796,63 +793,6 @@ def check_keys(flat: Mapping[str, Any], schema: Schema, aliases: Mapping[str, tu
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _read_yaml(path: str | Path) -> dict:
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist; pass the path of a YAML file (e.g. "
-                          "configs/demo_cpu.yaml)") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"config file {path} cannot be read ({err}); pass a readable YAML file") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"config file {path}: invalid YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-def _put(flat: dict[str, Any], key: str, value: Any, renames: Mapping[str, str]) -> None:
-    """Set ``key`` (nested mappings become dotted keys); the latest value of a key wins."""
-    if isinstance(value, dict):
-        for name, sub in value.items():
-            _put(flat, f"{key}.{name}", sub, renames)
-        return
-    key = renames.get(key, key)
-    flat.pop(key, None)
-    flat[key] = value
-
-
-def _parse_override(item: str) -> tuple[str, Any]:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. optimizer.lr=1e-5)")
-    key, raw = item.split("=", 1)
-    try:
-        return key.strip(), yaml.safe_load(raw) if raw != "" else None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(err, 'problem', err)})") from None
-
-
-def read_overrides(path: str | Path | None, overrides: Sequence[str] = (), *,
-                   renames: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``{dotted key: raw value}`` from the YAML at ``path``, then the dotted ``overrides`` (later wins).
-
-    ``renames`` maps keys that moved to their new place (read from either spelling).
-    """
-    flat: dict[str, Any] = {}
-    for name, value in (_read_yaml(path) if path is not None else {}).items():
-        _put(flat, str(name), value, renames or {})
-    for item in overrides:
-        _put(flat, *_parse_override(item), renames or {})
-    return flat
-
-
 def _coerce(key: str, value: Any, annotation: Any) -> Any:
     """Check ``value`` against a field annotation (after YAML parsing); int -> float is allowed.
 
@@ -914,12 +854,13 @@ def build_config(cls: type[T], flat: Mapping[str, Any], prefix: str = "") -> T:
 
 
 def load_config(
-    path: str | Path | None = None,
+    path: str | Path | Sequence[str | Path] | None = None,
     overrides: Sequence[str] = (),
     *,
     world_size: int | None = None,
 ) -> MegatronRLConfig:
-    """Defaults <- YAML overrides at ``path`` <- dotted ``key=value`` overrides, validated once.
+    """Defaults <- YAML overrides at ``path`` (several files: each over the ones before) <- dotted ``key=value``
+    overrides, validated once.
 
     ``world_size`` (optional) adds the world-size rule, which ``initialize_distributed`` checks anyway.
     Unknown keys, wrong types and out-of-range values raise ``ConfigError`` naming the key.
@@ -941,7 +882,7 @@ def config_from_dict(data: Mapping[str, Any]) -> MegatronRLConfig:
     """Inverse of ``config_to_dict`` (validated)."""
     flat: dict[str, Any] = {}
     for name, value in data.items():
-        _put(flat, name, value, {})
+        put_dotted(flat, name, value, {})
     check_keys(flat, Schema.of(MegatronRLConfig))
     return build_config(MegatronRLConfig, flat)
 

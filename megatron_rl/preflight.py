@@ -72,16 +72,9 @@ def check_moe_layout(config: MegatronRLConfig) -> None:
     parallelism, the expert FFN divisible by the expert-TP size, expert TP 1 on CPU). Imports megatron-core only for an MoE model or EP > 1."""
     if config.model.num_moe_experts is None and config.parallel.expert_model_parallel_size == 1:
         return
-    import logging
-
-    cpp_extension = logging.getLogger("torch.utils.cpp_extension")  # "No CUDA runtime is found" on CPU machines
-    level = cpp_extension.level
-    cpp_extension.setLevel(logging.ERROR)
-    try:
-        from megatron_rl.model.moe import validate
-    finally:
-        cpp_extension.setLevel(level)
     import torch
+
+    from megatron_rl.model.moe import validate  # "No CUDA runtime is found": warnings_filter.CPU_LOG_PREFIXES
 
     device = config.parallel.device
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
@@ -212,13 +205,14 @@ def check_run(config: MegatronRLConfig, world_size: int | None = None) -> list[s
 
 
 def main(argv: Sequence[str] | None = None,
-         load: Callable[[str, Sequence[str]], MegatronRLConfig] = load_config) -> int:
+         load: Callable[[str | list[str], Sequence[str]], MegatronRLConfig] = load_config) -> int:
     """``python -m megatron_rl.preflight --config X [--world-size N] [key=value ...]``: 0 when the run can start
     (one line on stdout naming the output and checkpoint directories of the config as resolved, overrides
     included), 2 (after one line on stderr, no traceback) when it cannot. ``load`` reads an application's config (the
     main job passes its own, ``megatron_rl/job/preflight.py``)."""
     parser = argparse.ArgumentParser(description="megatron_rl pre-flight checks (no model, no process group)")
-    parser.add_argument("--config", required=True, help="YAML of config overrides")
+    parser.add_argument("--config", required=True, action="append", help="YAML of config overrides; repeated: "
+                        "layers, each over the ones before")
     parser.add_argument("--world-size", type=int, default=None, help="total number of ranks (NPROC x NNODES)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-3")
     args = parser.parse_args(argv)
@@ -228,7 +222,7 @@ def main(argv: Sequence[str] | None = None,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # warnings are printed below, once, in one line each
-            config = load(args.config, args.overrides)
+            config = load(args.config[0] if len(args.config) == 1 else args.config, args.overrides)
             found = check_run(config, args.world_size)
     except ConfigError as err:
         print(f"megatron_rl pre-flight: config error: {err}", file=sys.stderr, flush=True)

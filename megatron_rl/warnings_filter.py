@@ -69,6 +69,12 @@ MEGATRON_CORE_CALL_WARNINGS: frozenset[tuple[type[Warning], str]] = frozenset({
 })  # fmt: skip
 """(category, exact text) of warnings raised inside megatron-core 0.16.1 / 0.19.2's own calls (W17): dropped."""
 
+CPU_LOG_PREFIXES: tuple[str, ...] = ("No CUDA runtime is found, using CUDA_HOME=",)
+"""Start of a ``torch.utils.cpp_extension`` log record (``logging.WARNING``) that torch 2.13 emits at import on a
+machine with ``CUDA_HOME`` set but no CUDA runtime (megatron-core's ``nccl_allocator`` imports it in every rank,
+and the MoE pre-flight once): nothing a CPU run can act on. Only this text of that logger is dropped, unless
+``MEGATRON_RL_DEBUG=1``; removal condition: torch stops logging it at import."""
+
 CPU_ONLY_WARNINGS: frozenset[str] = frozenset({
     "When using async grad allreduce it is recommended to set the environment variable "
     "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
@@ -98,8 +104,12 @@ def is_known_fallback(message: Warning | str, category: type[Warning]) -> bool:
 
 
 class _KnownLogFilter(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(KNOWN_LOG_PREFIXES)
+        return not record.getMessage().startswith(self.prefixes)
 
 
 def _rank() -> int:
@@ -128,4 +138,6 @@ def install() -> None:
 
     warnings.showwarning = showwarning
     for name in ("megatron.core.models.gpt.gpt_model", "megatron.core.dist_checkpointing.strategies.torch"):
-        logging.getLogger(name).addFilter(_KnownLogFilter())  # the emitting loggers: filters do not inherit
+        logging.getLogger(name).addFilter(_KnownLogFilter(KNOWN_LOG_PREFIXES))  # the emitting loggers: filters
+        # do not inherit
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_KnownLogFilter(CPU_LOG_PREFIXES))

@@ -43,6 +43,19 @@ def test_megatron_core_call_warnings_print_nothing_other_warnings_do() -> None:
     assert all(text in _stderr_of(code, debug=True) for text in TEXTS)  # MEGATRON_RL_DEBUG=1 shows them
 
 
+def test_the_no_cuda_runtime_log_of_torch_cpp_extension_prints_nothing_other_logs_do() -> None:
+    code = """
+        import logging
+        import megatron_rl
+        log = logging.getLogger("torch.utils.cpp_extension")  # what torch.utils.cpp_extension logs at import
+        log.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local/cuda")
+        log.warning("another cpp_extension warning")
+    """
+    output = _stderr_of(code)
+    assert "No CUDA runtime is found" not in output and "another cpp_extension warning" in output
+    assert "No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'" in _stderr_of(code, debug=True)
+
+
 @pytest.mark.slow
 def test_a_library_train_step_and_a_resume_print_none_of_them(tmp_path: Path) -> None:
     """One process: a Trainer.train_step (deprecation warnings shown: ``-W always``), a save, and a resume."""

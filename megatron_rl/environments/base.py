@@ -36,6 +36,12 @@ class Sample:
     row: int | None = None
     """The data row of its prompt, when there is one."""
     error: str | None = None
+    turns: list[dict[str, Any]] | None = None
+    """A multi-turn episode, whole: per turn the prompt text new to it (observation, tool result), the reply and,
+    for an agent, its parsed tool calls (``conversation.py: readable_turns``; special tokens kept); ``prompt``
+    is then the first prompt and ``response`` the last reply. None for one turn."""
+    end: str | None = None
+    """Why a multi-turn episode ended (``done``, ``max_turns``, ``context``, ``failed``); None for one turn."""
 
 
 @dataclass

@@ -32,9 +32,11 @@ per conversation and one that rewrites it gives one per new step.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from megatron_rl.environments.base import Sample
 
 Message = dict[str, Any]
 """A chat message: ``{"role": ..., "content": ...}`` (other keys, e.g. ``tool_calls``, go to the template)."""
@@ -71,6 +73,39 @@ def weight_versions(episodes: Sequence[Sequence[Turn]]) -> tuple[dict[str, float
         for v in versions:
             tokens[v] = tokens.get(v, 0) + 1
     return ({"episode/mixed_versions": mixed / labelled} if labelled else {}), tokens
+
+
+def readable_turns(turns: Sequence[Turn], tokenizer: Any, *,
+                   tool_calls: Callable[[list[int]], list[dict]] | None = None) -> list[dict[str, Any]]:
+    """An episode's turns for people to read (``samples.jsonl``): per turn the prompt text new to it (the whole
+    first prompt; after it, what follows the previous reply: the observation or tool result and the template's
+    markers, or the whole fresh rendering of a new step, ``"new_step": true``), the reply, and with
+    ``tool_calls`` (an agent's parser, on the reply's ids) its parsed tool calls. Decoded with the special
+    tokens kept, so the chat template's markers stay visible."""
+    def decode(ids: Sequence[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    readable: list[dict[str, Any]] = []
+    for i, turn in enumerate(turns):
+        seen = len(turns[i - 1].prompt_ids) + len(turns[i - 1].response_ids) if i and turn.extends else 0
+        record: dict[str, Any] = {"prompt": decode(turn.prompt_ids[seen:]), "response": decode(turn.response_ids)}
+        if i and not turn.extends:
+            record["new_step"] = True
+        if tool_calls is not None:
+            record["tool_calls"] = tool_calls(turn.response_ids)
+        readable.append(record)
+    return readable
+
+
+def episode_sample(turns: Sequence[Turn], tokenizer: Any, *, reward: float | None, row: int | None,
+                   error: str | None, end: str | None, first_prompt_ids: Sequence[int] = (),
+                   tool_calls: Callable[[list[int]], list[dict]] | None = None) -> Sample:
+    """A multi-turn episode as one ``Sample``: every turn (``readable_turns``), the reward, why it ended;
+    ``prompt`` the first prompt (``first_prompt_ids`` when it played no turn), ``response`` the last reply."""
+    readable = readable_turns(turns, tokenizer, tool_calls=tool_calls)
+    prompt = readable[0]["prompt"] if readable else tokenizer.decode(list(first_prompt_ids), skip_special_tokens=False)
+    return Sample(prompt, readable[-1]["response"] if readable else "", reward, row=row, error=error,
+                  turns=readable, end=end)
 
 
 def has_chat_template(tokenizer: Any) -> bool:

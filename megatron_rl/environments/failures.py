@@ -7,7 +7,8 @@ Place in the data flow: inside an environment's ``rollout``, between scoring and
       ->  Rollouts(output, metrics | failure metrics, failures)  ->  job/main.py prints the first failure once
                                                                     ->  Trainer.train_step
 
-Interface for an environment (``single_turn`` and ``step_api`` use it; an agent environment does the same):
+Interface for an environment (``single_turn`` uses it directly; the multi-turn ones, ``step_api`` and ``agent``,
+through ``assemble_episodes``, which does steps 1-3 for episodes of step-wise rows):
 
 1. build the step's ``GeneratorOutput`` as usual, giving a failed sample any finite reward (0.0) and at least
    one row (the turns it played before failing): a group whose samples all failed stays in the batch as one
@@ -32,8 +33,14 @@ loss tokens, so placeholders do not pull ``reward/mean`` down.
 
 from __future__ import annotations
 
+import os
+import sysconfig
+import traceback
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 
 from megatron_rl.data.generator_output import PER_SEQUENCE_FIELDS, GeneratorOutput, is_scalar_reward
 
@@ -53,20 +60,49 @@ class SampleFailure:
     """The data row it came from (e.g. its prompt's row in ``data.train_files``), None when there is none."""
     error: str
     """``ExceptionType: message``, one line."""
+    where: str | None = None
+    """``file.py:line`` of the user's code that raised (the innermost frame outside megatron_rl, the standard
+    library and site-packages), None when it is not known."""
+    traceback: str | None = None
+    """The whole traceback (the job writes the run's first one to its folder: ``RunReporter.note_failures``)."""
 
     def line(self, what: str) -> str:
         where = f"row {self.row}" if self.row is not None else f"sample {self.index}"
-        return f"{what} failed on {where}: {self.error}"
+        return f"{what} failed on {where}: {self.error}" + (f" (at {self.where})" if self.where else "")
 
 
-def failure(index: int, row: int | None, err: BaseException | str) -> SampleFailure:
+def failure(index: int, row: int | None, err: BaseException | str, *,
+            raised: BaseException | None = None) -> SampleFailure:
     """A ``SampleFailure`` from a caught exception, or a message that already says what raised (on one line, at
-    most 300 characters)."""
+    most 300 characters); ``raised``: the exception behind such a message, whose traceback is kept."""
     message = " ".join(str(err).split())
     message = message if len(message) <= 300 else message[:297] + "..."
     if isinstance(err, BaseException):
         message = f"{type(err).__name__}: {message}" if message else type(err).__name__
-    return SampleFailure(index, row, message)
+    source = err if isinstance(err, BaseException) else raised
+    where, text = raised_at(source) if source is not None else (None, None)
+    return SampleFailure(index, row, message, where, text)
+
+
+def raised_at(err: BaseException) -> tuple[str | None, str]:
+    """``(file.py:line, traceback text)`` of the exception at the root of ``err``'s chain (``raise ... from``:
+    a wrapper such as the step API's ``EpisodeError`` names the call, its cause holds the user's frames)."""
+    root = err
+    while root.__cause__ is not None:
+        root = root.__cause__
+    frames = traceback.extract_tb(root.__traceback__)
+    ours = tuple(str(p) for p in (Path(__file__).resolve().parents[1], *_library_paths()))
+    user = [f for f in frames if not f.filename.startswith(ours) and not f.filename.startswith("<")]
+    frame = user[-1] if user else (frames[-1] if frames else None)
+    where = f"{frame.filename}:{frame.lineno}" if frame is not None else None
+    return where, "".join(traceback.format_exception(err))
+
+
+def _library_paths() -> set[str]:
+    """The standard library's and the installed packages' folders (not the user's code)."""
+    paths = sysconfig.get_paths()
+    found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    return found | {os.path.realpath(path) for path in found}  # a venv reached through a symbolic link
 
 
 class AllSamplesFailed(Exception):
@@ -140,3 +176,54 @@ def _select(output: GeneratorOutput, keep: list[int], placeholders: set[int]) ->
             reward = output["rewards"][i]
             out["rewards"][j] = 0.0 if is_scalar_reward(reward) else [0.0] * len(reward)
     return out  # type: ignore[return-value]
+
+
+@dataclass
+class EpisodeRows:
+    """One multi-turn episode of the step, as ``assemble_episodes`` takes it."""
+
+    rows: list[dict]
+    """Its step-wise rows (``conversation.py: trajectory_rows``: one per turn, the reward on the last); empty when it
+    failed before its first turn."""
+    uid: Hashable
+    """Its group (the row's index in the step)."""
+    trajectory_id: Hashable
+    failed: bool
+
+
+def assemble_episodes(episodes: Sequence[EpisodeRows], *, pad_token_id: int, eos_token_id: int, what: str,
+                      first_failure: str | None) -> tuple[GeneratorOutput, dict[str, float]]:
+    """The step's ``GeneratorOutput`` from its episodes (step API and agent alike): an episode without rows gets
+    one ``placeholder_row`` (every sample needs a row, see the module docstring), the rows are concatenated in
+    order and the failed episodes left out (``drop_failed_samples``). ``what`` (e.g. ``job.agent='a.py:f'``) and
+    ``first_failure`` (its line) word the ``AllSamplesFailed`` of a step where every episode failed."""
+    routing = routing_shape([episode.rows for episode in episodes])
+    rows = [episode.rows or [placeholder_row(episode.uid, episode.trajectory_id, pad_token_id, eos_token_id, routing)]
+            for episode in episodes]
+    output = {name: [row[name] for episode_rows in rows for row in episode_rows] for name in rows[0][0]}
+    failed = [episode.failed for episode, episode_rows in zip(episodes, rows) for _ in episode_rows]
+    try:
+        return drop_failed_samples(output, failed)  # type: ignore[arg-type]
+    except AllSamplesFailed as err:
+        raise AllSamplesFailed(f"{err}: every episode of {what} failed; first: {first_failure}") from None
+
+
+def placeholder_row(uid: Hashable, trajectory_id: Hashable, pad_token_id: int, eos_token_id: int,
+                    routing: tuple[int, ...] | None) -> dict:
+    """The one row of a failed episode that played no turn (a step-API ``reset`` that raised, an agent that made
+    no call): ``drop_failed_samples`` needs a row per sample (it keeps one, masked, of a group whose samples all
+    failed). A pad token as prompt, the eos as response, reward 0, loss mask 0: never trained on. ``routing``:
+    ``(L, k)`` when the played rows carry ``routed_experts`` (MoE routing replay R3 needs them on every row): the
+    placeholder's are all zeros."""
+    row = {"prompt_token_ids": [pad_token_id], "response_ids": [eos_token_id], "rewards": 0.0, "loss_masks": [0],
+           "uids": uid, "rollout_logprobs": [0.0], "trajectory_ids": trajectory_id, "is_last_step": True,
+           "stop_reasons": "stop"}
+    if routing is not None:
+        row["routed_experts"] = np.zeros((2, *routing), dtype=np.int64)
+    return row
+
+
+def routing_shape(played: Sequence[Sequence[dict]]) -> tuple[int, ...] | None:
+    """``(L, k)`` of the played rows' ``routed_experts`` ``[p + r, L, k]``, None when they have none."""
+    first = next((row["routed_experts"] for rows in played for row in rows if "routed_experts" in row), None)
+    return None if first is None else tuple(np.shape(first)[1:])

@@ -3,7 +3,9 @@
 Place in the data flow: set-up, before any process group: ``job.environment=<file.py>:<Class>`` (``step_api/``)
 and ``reward.function`` (``single_turn/reward.py``). Every failure is a ``ConfigError`` naming the config key and
 the spec: a malformed spec, a missing file, an import that raises, a missing name. A file is imported once per
-process (every environment of one process shares the module).
+process (every environment of one process shares the module), with its folder on ``sys.path`` (first, as
+``python file.py`` would put it), so that it imports the modules beside it (``from guess_env import GuessEnv``)
+in every process that loads it: the pre-flight and every rank.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def _load_file(path: str, spec: str, key: str) -> Any:
     name = f"megatron_rl_user_{abs(hash(str(file.resolve())))}"
     if name in sys.modules:  # loaded before
         return sys.modules[name]
+    folder = str(file.resolve().parent)
+    if folder not in sys.path:  # its sibling modules import as they would for `python file.py`
+        sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(name, file)
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)

@@ -43,7 +43,8 @@ from megatron_rl.environments.next_digit.config import NextDigitConfig
 from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
 from megatron_rl.inference.config import RolloutConfig, check_engine_model
-from megatron_rl.job.paths import resolve_path_keys
+from megatron_rl.job.implied import with_implied
+from megatron_rl.job.paths import BASE_KEY, resolve_path_keys
 
 
 @dataclass(kw_only=True)
@@ -59,14 +60,15 @@ class JobSection(ConfigSection):
     'single_turn' (``data.train_files`` + ``reward.function``; needs ``model.hf_path``), 'auto': single_turn
     when ``data.train_files`` is set, else next_digit; or a step-API class, ``path/to/file.py:Class`` or
     ``package.module:Class`` (``Class(**row)`` per episode, ``reset()``, ``step(response)``: docs/JOB.md; needs
-    ``model.hf_path``, ``data.train_files`` and ``stepwise.step_wise_trajectories``)."""
+    ``model.hf_path`` and ``data.train_files``; implies step-wise training with merging, ``job/implied.py``)."""
     agent: str | None = None
     """A user's OpenAI-client agent, ``path/to/file.py:function`` or ``package.module:function``: called once per
     episode as ``function(base_url=<an OpenAI-compatible /v1 URL the job serves for that episode>, **row)`` and
     returns the episode's reward (a number, or a dict with ``reward``); its chat.completions calls are sampled on
     the vLLM fleet and trained token-exact (docs/JOB.md, ``environments/agent/``). Leave ``job.environment`` at
     'auto'; needs ``model.hf_path`` (a tokenizer with a chat template), ``data.train_files`` (one row per GRPO
-    group of ``n_samples_per_prompt`` episodes), ``rollout.engine=vllm`` and ``stepwise.step_wise_trajectories``."""
+    group of ``n_samples_per_prompt`` episodes); implies ``rollout.engine=vllm`` and step-wise training with merging
+    (``job/implied.py``)."""
     max_concurrency: int = field(default=32, metadata=AT_LEAST_1)
     """Episodes of ``job.agent`` running at once (threads on global rank 0; each waits on the fleet for its
     calls)."""
@@ -215,10 +217,25 @@ def check_job_config(config: JobConfig) -> None:
             if not value:
                 raise ConfigError(f"job.environment=single_turn needs {key}; set it (README: 'Your model, your "
                                   "prompts, your reward')")
+    check_warmup(config)
     reads_rows = env in ("single_turn", "agent") or is_class_spec(env)
     if config.eval.interval > 0 and reads_rows and not config.data.val_files:
         raise ConfigError(f"eval.interval={config.eval.interval} but data.val_files is not set; set it to a "
                           "held-out prompt file, or eval.interval=0")
+
+
+def check_warmup(config: JobConfig) -> None:
+    """``optimizer.lr_warmup_steps`` below the LR horizon (``optimizer.lr_decay_steps``, else the run's optimizer
+    steps): the rule ``model/optimizer.py: build_scheduler`` applies in every rank, found at load (the pre-flight)."""
+    opt = config.rl.optimizer
+    total = config.job.num_steps * config.optim_steps_per_rl_step
+    horizon = opt.lr_decay_steps if opt.lr_decay_steps is not None else total
+    if opt.lr_warmup_steps >= horizon:
+        what = (f"optimizer.lr_decay_steps={horizon}" if opt.lr_decay_steps is not None else
+                f"the run's {total} optimizer steps (job.num_steps={config.job.num_steps} x "
+                f"{config.optim_steps_per_rl_step} per RL step)")
+        raise ConfigError(f"optimizer.lr_warmup_steps={opt.lr_warmup_steps} is not below {what}: the learning rate "
+                          "would never reach optimizer.lr; lower the warm-up (0 = none) or raise job.num_steps")
 
 
 def check_step_api_config(config: JobConfig) -> None:
@@ -229,9 +246,9 @@ def check_step_api_config(config: JobConfig) -> None:
         if not value:
             raise ConfigError(f"job.environment={env!r} (a step-API environment) needs {key}; set it (docs/JOB.md)")
     if not config.rl.stepwise.step_wise_trajectories:
-        raise ConfigError(f"job.environment={env!r} (a step-API environment) trains step-wise: set "
-                          "stepwise.step_wise_trajectories=true (and stepwise.merge_stepwise_output=true to merge "
-                          "the turns whose prompts extend into one sequence)")
+        raise ConfigError(f"job.environment={env!r} (a step-API environment) trains step-wise, one step per turn: "
+                          "stepwise.step_wise_trajectories=false is the one value it cannot take; remove it (true "
+                          "is implied)")
 
 
 def check_agent_config(config: JobConfig) -> None:
@@ -250,11 +267,12 @@ def check_agent_config(config: JobConfig) -> None:
             raise ConfigError(f"job.agent={agent!r} needs {key}; set it (docs/JOB.md)")
     if config.rollout.engine != "vllm":
         raise ConfigError(f"job.agent={agent!r} samples its calls on the vLLM fleet, but rollout.engine="
-                          f"{config.rollout.engine!r}; set rollout.engine=vllm (bash scripts/setup_engine.sh)")
+                          f"{config.rollout.engine!r}; remove it (vllm is implied; bash scripts/setup_engine.sh "
+                          "installs the engine)")
     if not config.rl.stepwise.step_wise_trajectories:
-        raise ConfigError(f"job.agent={agent!r} trains step-wise (one step per call): set "
-                          "stepwise.step_wise_trajectories=true (and stepwise.merge_stepwise_output=true to merge "
-                          "the calls whose prompts extend into one sequence)")
+        raise ConfigError(f"job.agent={agent!r} trains step-wise, one step per call: "
+                          "stepwise.step_wise_trajectories=false is the one value it cannot take; remove it (true "
+                          "is implied)")
     if config.rollout.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ConfigError(f"rollout.tool_call_parser={config.rollout.tool_call_parser!r} is not one of "
                           f"{sorted(TOOL_CALL_PARSERS)}")
@@ -327,15 +345,21 @@ def job_schema() -> Schema:
     return schema
 
 
-def load_job_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Defaults <- YAML at ``path`` <- dotted overrides, for the library sections and the job's; validated once.
+def load_job_config(path: str | Path | Sequence[str | Path] | None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Defaults <- YAML at ``path`` (several: the layers of ``job/paths.py: config_layers``, each over the ones
+    before; a user's top-level ``base:`` key is theirs, not a setting) <- dotted overrides, for the library
+    sections and the job's; validated once.
 
-    Relative paths (``model.hf_path``, ``data.*_files``, ``reward.function``'s file, ``logging.output_dir``, ...)
+    Settings the task allows one value for are derived where unset (``job/implied.py``: a step-API class or an
+    agent trains step-wise). Relative paths (``model.hf_path``, ``data.*_files``, ``reward.function``'s file, ``logging.output_dir``, ...)
     are made absolute against the caller's directory (``job/paths.py``). Raises ``ConfigError`` naming the key
     (unknown keys get a suggestion). The world size is checked later, by ``initialize_distributed`` (and the
     pre-flight).
     """
-    flat = resolve_path_keys(read_overrides(path, overrides, renames=MOVED_KEYS))  # from where the user stands
+    flat = read_overrides(path, overrides, renames=MOVED_KEYS)
+    flat.pop(BASE_KEY, None)  # what a user's YAML builds on: read by config_layers
+    flat = resolve_path_keys(flat)  # from where the user stands
+    flat = with_implied(flat)  # settings with one valid value given the task (job/implied.py)
     check_keys(flat, job_schema(), {**KEY_ALIASES, **JOB_KEY_ALIASES})
     sections = {name: build_config(JobConfig.__dataclass_fields__[name].default_factory, flat, f"{name}.")  # type: ignore
                 for name in JobConfig.SECTIONS}

@@ -54,9 +54,9 @@ from megatron_rl.inference.builtin_engine import rollout_seed
 from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
 from megatron_rl.inference.server import EngineError, EngineStartError
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
-from megatron_rl.job.paths import base_config
+from megatron_rl.job.paths import base_config, resolve_config
 from megatron_rl.job.pipeline import RolloutPipeline
-from megatron_rl.job.reporting import RunReporter
+from megatron_rl.job.reporting import RunReporter, WallTimes, launch_time
 from megatron_rl.metrics import Metric
 
 if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are imported where the job starts
@@ -69,8 +69,9 @@ if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are impo
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="megatron_rl main job (RL on an environment: the digit game by "
                                      "default, or prompt files + a reward function)")
-    parser.add_argument("--config", default=None, help="YAML of config overrides (default: job/paths.py: "
-                        "base_config, the user-job config for prompt files, else the digit game's)")
+    parser.add_argument("--config", action="append", default=None, help="YAML of config overrides; repeated: "
+                        "layers, each over the ones before (default: job/paths.py: base_config, the user-job config "
+                        "for prompt files, else the digit game's)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=1e-3 job.num_steps=20")
     return parser.parse_args(argv)
 
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
     try:
-        config = load_job_config(base_config(args.config, args.overrides)[0], args.overrides)
+        layers = [resolve_config(c) for c in args.config] if args.config else [base_config(None, args.overrides)[0]]
+        config = load_job_config(layers, args.overrides)
         environment = make_environment(config)  # reads the data, checks the reward function: before any collective
         groups = initialize_distributed(config.rl.parallel, config.rl.seed)  # checks the world size first
     except ConfigError as err:
@@ -281,7 +283,7 @@ def run(job: Job) -> int:
             reporter.close()
         raise
     if reporter is not None:
-        summary = reporter.finish(baseline=baseline, wall_time_s=time.time() - started)
+        summary = reporter.finish(baseline=baseline, times=WallTimes.since(launch_time(), started))
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
               f"summary.txt); checkpoints: {job.save_dir}", flush=True)
     return 0

@@ -2,13 +2,16 @@
 
 Place in the data flow: the very first step of a launch. ``run_megatron.sh`` records the caller's directory in
 ``$MEGATRON_RL_CALLER_CWD`` before it changes into the repository, then runs
-``python -m megatron_rl.job.paths "$@"`` (stdlib only, ~0.05 s), which prints the base config to read; every
+``python -m megatron_rl.job.paths "$@"`` (stdlib and pyyaml only, ~0.06 s), which prints the base config to read; every
 rank and the pre-flight load the config with ``job/config.py: load_job_config``, which resolves the path keys
 with ``resolve_path_keys``.
 
-Base config (``base_config``): ``$CONFIG`` when set; else ``configs/user_job.yaml`` (values for a pretrained
-model on a real task) when the command names a task of the user's (``USER_TASK_KEYS``), else
-``configs/demo_cpu.yaml`` (the digit game).
+Base config (``base_config``): ``configs/user_job.yaml`` (values for a pretrained model on a real task) when the
+command names a task of the user's (``USER_TASK_KEYS``), else ``configs/demo_cpu.yaml`` (the digit game).
+``$CONFIG`` (``config_layers``): a shipped config (``configs/``) is complete and read alone; a user's YAML builds
+on the base the command would have picked (its own task keys count), unless it says otherwise with a top-level
+``base:`` (a path, relative to the YAML's folder, or ``null``: the defaults alone). The layers are printed one
+per line; the launcher passes each as ``--config`` (later ones override earlier ones).
 
 Paths: every relative value of ``PATH_KEYS`` (and the file part of ``path/to/file.py:name`` in ``SPEC_KEYS``),
 from the YAML or the command line, is made absolute against the caller's directory (``caller_cwd``), so the
@@ -37,6 +40,10 @@ DEMO_ENVIRONMENTS = ("auto", "next_digit")
 PATH_KEYS = ("model.hf_path", "data.train_files", "data.val_files", "logging.output_dir", "checkpoint.save_dir",
              "export.dir", "rollout.sync_dir")
 """Keys whose values are file-system paths (a string, or a list of them)."""
+SHIPPED_CONFIGS = REPO_ROOT / "configs"
+"""Complete configs: a ``$CONFIG`` here is read alone."""
+BASE_KEY = "base"
+"""Top-level key of a user's YAML naming what it builds on (a path, or null for the defaults alone)."""
 SPEC_KEYS = ("reward.function", "job.environment", "job.agent")
 """Keys of the form ``path/to/file.py:name`` (or ``package.module:name``, left alone)."""
 
@@ -52,11 +59,13 @@ def _override_value(overrides: Sequence[str], key: str) -> str | None:
     return values[-1] if values else None
 
 
-def user_task_key(overrides: Sequence[str]) -> str | None:
-    """The first override that names a task of the user's (prompt files, an environment other than the digit
-    game, an agent), or None."""
+def user_task_key(overrides: Sequence[str], yaml_keys: Mapping[str, Any] | None = None) -> str | None:
+    """The first key that names a task of the user's (prompt files, an environment other than the digit game, an
+    agent) among ``overrides`` and a user's YAML (``yaml_keys``: its flat keys), or None."""
     for key in USER_TASK_KEYS:
         value = _override_value(overrides, key)
+        if value is None and yaml_keys is not None and yaml_keys.get(key) is not None:
+            value = str(yaml_keys[key])
         if value and not (key == "job.environment" and value.strip() in DEMO_ENVIRONMENTS):
             return key
     return None
@@ -71,6 +80,30 @@ def base_config(config: str | None, overrides: Sequence[str]) -> tuple[Path, str
     if key is not None:
         return REPO_ROOT / USER_JOB_CONFIG, f"your job: {key} is set; CONFIG=... picks another"
     return REPO_ROOT / DEMO_CONFIG, "the digit-game demo: no data.train_files; CONFIG=... picks another"
+
+
+def config_layers(config: str | None, overrides: Sequence[str]) -> tuple[list[Path], str]:
+    """``(the YAML files to read in order, why)``: without ``config`` the base (``base_config``); a shipped
+    config alone; a user's YAML on the base the command would have picked, or on its own ``base:`` (module
+    docstring). ConfigError when the user's YAML cannot be read."""
+    from megatron_rl.config_files import read_overrides
+
+    if not config:
+        return [base_config(None, overrides)[0]], base_config(None, overrides)[1]
+    mine = resolve_config(config)
+    if mine.resolve().is_relative_to(SHIPPED_CONFIGS.resolve()) or not mine.is_file():
+        return [mine], "CONFIG"
+    keys = read_overrides(mine)
+    if BASE_KEY in keys:
+        base = keys[BASE_KEY]
+        if base is None:
+            return [mine], f"CONFIG; its {BASE_KEY}: null starts from the defaults"
+        return [Path(absolute(str(base), mine.parent)), mine], f"CONFIG on its {BASE_KEY}: {base}"
+    key = user_task_key(overrides, keys)
+    base = REPO_ROOT / (USER_JOB_CONFIG if key is not None else DEMO_CONFIG)
+    task = f"your job: {key} is set" if key is not None else "the digit-game demo"
+    return [base, mine], (f"your CONFIG on the base your command picks, {task}; a top-level '{BASE_KEY}: null' in "
+                          "it starts from the defaults instead")
 
 
 def resolve_config(config: str) -> Path:
@@ -110,17 +143,42 @@ def resolve_path_keys(flat: Mapping[str, Any], base: Path | None = None) -> dict
     return out
 
 
+def implied_note(layers: list[Path], overrides: Sequence[str]) -> str:
+    """What the config of ``layers`` with ``overrides`` implies (``job/implied.py``), for the first line; '' when
+    nothing, or when the config cannot be read (the pre-flight then names the mistake)."""
+    from megatron_rl.config_files import ConfigError, read_overrides
+    from megatron_rl.job.implied import describe, implied_settings
+
+    try:
+        return describe(implied_settings(read_overrides(layers, overrides)))
+    except ConfigError:
+        return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m megatron_rl.job.paths [key=value ...]`` (``$CONFIG`` from the environment): prints the base
-    config's path on stdout, and ``base config: <path> (<why>)`` on stderr; exit 2 when it does not exist."""
+    """``python -m megatron_rl.job.paths [key=value ...]`` (``$CONFIG`` from the environment): prints the config
+    files to read on stdout, one per line, in order (``config_layers``), and ``base config: <path>[, then
+    <path>] (<why>)[; implied (<why>): key=value, ...]`` on stderr (the launch's first line: ``job/implied.py``
+    says what the task implies); exit 2 when a file does not exist or a user's YAML cannot be read."""
+    from megatron_rl.config_files import ConfigError
+
     overrides = list(sys.argv[1:] if argv is None else argv)
-    path, why = base_config(os.environ.get("CONFIG") or None, overrides)
-    if not path.is_file():
-        print(f"run_megatron.sh: CONFIG={os.environ.get('CONFIG')!r} is not a file (looked in {caller_cwd()} and "
-              f"the repository {REPO_ROOT}); give the path of a YAML config", file=sys.stderr)
+    config = os.environ.get("CONFIG") or None
+    try:
+        layers, why = config_layers(config, overrides)
+    except ConfigError as err:
+        print(f"run_megatron.sh: CONFIG={config!r}: {err}", file=sys.stderr)
         return 2
-    print(f"base config: {path} ({why})", file=sys.stderr, flush=True)
-    print(path)
+    for path in layers:
+        if not path.is_file():
+            named = f"CONFIG={config!r}" if path == layers[-1] else f"{BASE_KEY}: {path} (in CONFIG={config!r})"
+            print(f"run_megatron.sh: {named} is not a file (looked in {caller_cwd()} and the repository "
+                  f"{REPO_ROOT}); give the path of a YAML config", file=sys.stderr)
+            return 2
+    implied = implied_note(layers, overrides)
+    shown = ", then ".join(str(path) for path in layers)
+    print(f"base config: {shown} ({why})" + (f"; {implied}" if implied else ""), file=sys.stderr, flush=True)
+    print("\n".join(str(path) for path in layers))
     return 0
 
 

@@ -23,7 +23,7 @@ PREFLIGHT_ROWS = 64
 """Rows of each data file the pre-flight reads."""
 
 
-def load_job_rl_config(path: str, overrides: Sequence[str]) -> MegatronRLConfig:
+def load_job_rl_config(path: str | list[str], overrides: Sequence[str]) -> MegatronRLConfig:
     """The library config of the job (the job's sections are validated on the way, by ``load_job_config``, and
     the environment is built on the first rows of its data: ConfigError naming the key); with
     ``model.hf_path``, its model section is the checkpoint's (``config.json``), so the parallel-size and

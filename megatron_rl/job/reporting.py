@@ -9,11 +9,15 @@ of the run (``RunReporter.finish``). Files under ``logging.output_dir``::
                          a third panel with the router losses (moe/*) for a mixture-of-experts model
     samples.jsonl        every logging.sample_interval steps and at every evaluation, a few decoded samples, one
                          JSON object each: {"step", "split": "train"|"eval", "row", "prompt", "response",
-                         "reward", "error"} (reward null and error set where the reward function raised); the
-                         same records as TensorBoard text (tag samples/<split>)
-    summary.txt          one paragraph: start reward, end reward, random baseline (if any), last eval, wall time,
-                         steps without a learning signal (rollout/zero_advantage_groups = 1), failed samples;
-                         then the last few samples
+                         "reward", "error"} (reward null and error set where the reward function raised); a
+                         multi-turn episode (step API, agent) adds "turns" (each turn's new prompt text, reply,
+                         an agent's tool calls; special tokens kept) and "end"; the same records as TensorBoard
+                         text (tag samples/<split>)
+    first_failure.txt    the traceback of the run's first failed sample (the one line printed names file:line)
+    summary.txt          one paragraph: wall time (start-up, loop, total), start and end reward (or: too short to
+                         judge), random baseline (if any), first and last eval, failed samples, and a warning when
+                         most steps had no learning signal (rollout/zero_advantage_groups = 1) or the reward never
+                         moved, with the likely cause read from the rewards; then the last few samples
 
 Resuming appends to ``metrics.jsonl`` and ``samples.jsonl``; lines of steps after the resume point (a crashed
 tail) are dropped first, so each file holds each step once; lines are appended whole (one ``write`` each). Every
@@ -28,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +45,8 @@ from megatron_rl.environments.failures import FAILED_SAMPLES as FAILED_KEY, Samp
 REWARD_KEY = "reward/mean"
 ZERO_ADVANTAGE_KEY = "rollout/zero_advantage_groups"
 """Share of the step's groups whose rewards are all equal (``trainer.py: zero_advantage_metrics``)."""
+FAILURE_FILE = "first_failure.txt"
+"""The traceback of the run's first failed sample (a reward function, environment or agent that raised)."""
 SUMMARY_SAMPLES = 3
 """Samples quoted at the end of ``summary.txt`` (the last ones logged)."""
 LOSS_KEY = "policy/loss"
@@ -120,20 +128,94 @@ def plot_reward_and_loss(rows: list[dict[str, float]], png_path: Path, *, baseli
     plt.close(fig)
 
 
+LAUNCH_TIME_ENV = "MEGATRON_RL_LAUNCH_TIME"
+"""Seconds since the epoch when the launch began (``run_megatron.sh`` sets it before its pre-flight)."""
+SIGNAL_TOLERANCE = 1e-6
+"""Rewards closer than this (relative to 1 or their size) count as equal (``trainer.py: zero_advantage_metrics``)."""
+
+
+def launch_time() -> float:
+    """When the launch began: ``$MEGATRON_RL_LAUNCH_TIME`` (bash's ``$EPOCHREALTIME``, whose decimal mark follows
+    the locale), else when this process started."""
+    value = os.environ.get(LAUNCH_TIME_ENV, "").replace(",", ".")
+    try:
+        return float(value)
+    except ValueError:
+        import psutil
+
+        return psutil.Process().create_time()
+
+
+@dataclass(frozen=True)
+class WallTimes:
+    """Where a run's wall time went (``summary.txt``): the whole launch, not only the loop."""
+
+    startup_s: float
+    """From the launch to the first step: pre-flight, ranks, model, engine (vLLM's start), resume."""
+    loop_s: float
+    """The RL steps: rollouts, train steps, evaluations, checkpoints, exports."""
+    total_s: float
+    """From the launch to the summary (start-up + loop + what came after the last step)."""
+
+    @classmethod
+    def since(cls, launched: float, loop_started: float, now: float | None = None) -> WallTimes:
+        now = time.time() if now is None else now
+        return cls(startup_s=loop_started - launched, loop_s=now - loop_started, total_s=now - launched)
+
+    def phrase(self) -> str:
+        return (f"{self.total_s:.0f} s of wall time: {self.startup_s:.0f} s of start-up (pre-flight, ranks, model, "
+                f"engine) and {self.loop_s:.0f} s of training loop")
+
+
+def _equal(a: float, b: float) -> bool:
+    return abs(a - b) <= SIGNAL_TOLERANCE * max(1.0, abs(a), abs(b))
+
+
+def likely_cause(flagged: list[dict[str, float]], rows: list[dict[str, float]]) -> str:
+    """Why the steps of ``flagged`` (every group's rewards equal) taught nothing, read from their rewards
+    (``reward/min``, ``reward/max``; ``reward/mean`` where those are missing) against the whole run's ``rows``."""
+    low = [r.get("reward/min", r.get(REWARD_KEY, math.nan)) for r in flagged]
+    high = [r.get("reward/max", r.get(REWARD_KEY, math.nan)) for r in flagged]
+    values = [v for v in low + high if math.isfinite(v)]
+    if not values:
+        return "unknown (no reward/mean in metrics.jsonl)"
+    if all(_equal(v, values[0]) for v in values):  # one reward for every response of every such step
+        value = values[0]
+        run_low = min(r.get("reward/min", r.get(REWARD_KEY, value)) for r in rows)
+        run_high = max(r.get("reward/max", r.get(REWARD_KEY, value)) for r in rows)
+        named = {0.0: "all zero", 1.0: "all one"}.get(value, f"all {value:g}")
+        if value >= 1.0 or (_equal(value, run_high) and not _equal(run_low, run_high)):
+            return (f"every response got reward {value:g} ({named}): the prompts are solved; harder prompts teach "
+                    "more, or the run can stop here")
+        if value <= 0.0 or _equal(value, run_low):
+            return (f"every response got reward {value:g} ({named}): the task is out of reach of the policy, or the "
+                    "reward function never pays; check samples.jsonl for what it answers, lower the difficulty, "
+                    "raise job.max_new_tokens, or reward partial answers")
+        return (f"every response got reward {value:g} ({named}): the reward function gives every response the same "
+                "score; check it on the responses in samples.jsonl")
+    if all(_equal(lo, hi) for lo, hi in zip(low, high)):
+        return ("every response of a step got the same reward, which changed from step to step: the outcome "
+                "depends on the prompt, not on the response (check the reward function's inputs in samples.jsonl)")
+    return ("each prompt's responses got the same reward (prompts differ): the responses of a prompt are alike "
+            "(raise job.temperature or job.n_samples_per_prompt) or the reward reads only the prompt")
+
+
 def no_signal_sentence(rows: list[dict[str, float]]) -> str | None:
-    """"no learning signal in N of M steps" (steps where every group had equal rewards, so every advantage was
-    0) with the likely cause, or None when every step had a signal."""
+    """A warning when the run had no learning signal in most of its steps (every group's rewards equal: every
+    GRPO advantage 0) or its mean reward never moved, naming the likely cause from the rewards; None otherwise
+    (a group whose responses all score the same is normal once its prompt is solved)."""
     flagged = [r for r in rows if r.get(ZERO_ADVANTAGE_KEY, 0.0) >= 1.0]
-    if not flagged:
-        return None
-    rewards = sorted({round(r[REWARD_KEY], 6) for r in flagged if REWARD_KEY in r})
-    same = (f"every response of those steps got reward {rewards[0]:g}" if len(rewards) == 1
-            else "every response of a prompt got the same reward")
-    cause = ("the task is out of reach of the policy (or the reward function never tells responses apart): check "
-             "samples.jsonl for what it answers, lower the difficulty, raise job.max_new_tokens, or reward "
-             "partial answers")
-    return (f"no learning signal in {len(flagged)} of {len(rows)} steps ({same}, so every advantage was 0); "
-            f"likely cause: {cause}")
+    rewards = [r[REWARD_KEY] for r in rows if REWARD_KEY in r and math.isfinite(r[REWARD_KEY])]
+    still = len(rewards) >= 3 and all(_equal(v, rewards[0]) for v in rewards)
+    if 2 * len(flagged) > len(rows):
+        return (f"no learning signal in {len(flagged)} of {len(rows)} steps (every response of a prompt got the "
+                f"same reward, so every advantage was 0); likely cause: {likely_cause(flagged, rows)}")
+    if still:
+        cause = (likely_cause(flagged, rows) if flagged else "the updates are too small to change the answers "
+                 "(optimizer.lr, optimizer.lr_warmup_steps) or the run is too short")
+        return (f"the mean reward never moved ({rewards[0]:.3f} at each of {len(rewards)} steps); likely cause: "
+                f"{cause}")
+    return None
 
 
 def window_mean(rows: list[dict[str, float]], key: str, *, first: bool, window: int = 5) -> float:
@@ -143,20 +225,33 @@ def window_mean(rows: list[dict[str, float]], key: str, *, first: bool, window: 
     return sum(values) / len(values) if values else float("nan")
 
 
-def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, wall_time_s: float,
-                      window: int = 5) -> str:
-    """One paragraph: reward at the start and end of training (means over ``window`` steps), the random baseline
-    (when the environment has one), the first and last evaluation (when the run evaluated)."""
+def reward_trend(rows: list[dict[str, float]], *, baseline: float | None, window: int) -> str:
+    """"the policy learned: mean reward a over the first N steps -> b over the last N", or, for a run with fewer
+    than two windows of steps, that it is too short to judge (with its first and last step's reward)."""
+    rewarded = [r for r in rows if REWARD_KEY in r]
+    if len(rewarded) < 2 * window:
+        if not rewarded:
+            return "no reward was logged"
+        first, last = rewarded[0], rewarded[-1]
+        return (f"the run is too short to judge learning ({len(rewarded)} steps with a reward; comparing a first "
+                f"and a last window of {window} steps needs {2 * window}): mean reward {first[REWARD_KEY]:.3f} at "
+                f"step {int(first['step'])} -> {last[REWARD_KEY]:.3f} at step {int(last['step'])}")
     start = window_mean(rows, REWARD_KEY, first=True, window=window)
     end = window_mean(rows, REWARD_KEY, first=False, window=window)
-    steps = int(rows[-1]["step"]) if rows else 0
     verdict = "learned" if end > max(start, baseline if baseline is not None else start) + 0.1 else \
         "did not clearly learn"
-    no_signal = no_signal_sentence(rows)
-    text = (
-        f"After {steps} train steps ({wall_time_s:.0f} s of wall time in this run), the policy {verdict}: mean "
-        f"reward {start:.3f} over the first {window} steps -> {end:.3f} over the last {window} steps"
-    )
+    return (f"the policy {verdict}: mean reward {start:.3f} over the first {window} steps -> {end:.3f} over the "
+            f"last {window} steps")
+
+
+def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, times: WallTimes,
+                      window: int = 5) -> str:
+    """One paragraph: the run's wall time (start-up, loop, total), the reward at the start and end of training
+    (means over ``window`` steps; too short a run says so), the random baseline (when the environment has one),
+    the first and last evaluation (when the run evaluated), failed samples, and a missing learning signal."""
+    steps = int(rows[-1]["step"]) if rows else 0
+    trend = reward_trend(rows, baseline=baseline, window=window)
+    text = f"After {steps} train steps ({times.phrase()} in this run), {trend}"
     if baseline is not None:
         text += f", against {baseline:.3f} for a uniformly random policy (rewards are in [0, 1])"
     evals = [r for r in rows if EVAL_KEYS[0] in r]
@@ -168,15 +263,32 @@ def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, w
     failed = sum(r.get(FAILED_KEY, 0.0) for r in rows)
     if failed:
         text += f"; {failed:.0f} samples failed (left out of training: {FAILED_KEY})"
+    no_signal = no_signal_sentence(rows)
     return text + "." + (f" {no_signal[0].upper()}{no_signal[1:]}." if no_signal else "")
 
 
 def format_sample(record: Mapping) -> str:
-    """One sample record as a few readable lines (the summary, TensorBoard text)."""
+    """One sample record as a few readable lines (the summary, TensorBoard text); a multi-turn episode turn by
+    turn (each turn's new prompt text, reply and tool calls) with why it ended."""
     reward = f"reward {record['reward']:.3f}" if record.get("reward") is not None else f"failed: {record.get('error')}"
     row = f", row {record['row']}" if record.get("row") is not None else ""
-    return (f"[step {record['step']} {record['split']}{row}] {reward}\n  prompt:   {_clip(record['prompt'])}\n"
-            f"  response: {_clip(record['response'])}")
+    turns = record.get("turns")
+    if turns is None:
+        return (f"[step {record['step']} {record['split']}{row}] {reward}\n  prompt:   {_clip(record['prompt'])}\n"
+                f"  response: {_clip(record['response'])}")
+    lines = [f"[step {record['step']} {record['split']}{row}] {reward}, {len(turns)} turn(s), ended: {record.get('end')}"]
+    for t, turn in enumerate(turns, start=1):
+        lines.append(f"  turn {t} prompt{' (new step)' if turn.get('new_step') else ''}: {_clip(turn['prompt'])}")
+        lines.append(f"  turn {t} response: {_clip(turn['response'])}")
+        if turn.get("tool_calls"):
+            calls = ", ".join(f"{c['name']}({c['arguments']})" for c in turn["tool_calls"])
+            lines.append(f"  turn {t} tool calls: {_clip(calls)}")
+    return "\n".join(lines)
+
+
+def sample_record(sample: Sample) -> dict:
+    """A sample's fields for samples.jsonl; ``turns`` and ``end`` only for a multi-turn episode."""
+    return {k: v for k, v in dataclasses.asdict(sample).items() if v is not None or k not in ("turns", "end")}
 
 
 def _clip(text: str, limit: int = 300) -> str:
@@ -242,20 +354,28 @@ class RunReporter:
         """Append decoded samples to ``samples.jsonl`` (one whole line each) and TensorBoard text."""
         if not samples:
             return
-        records = [{"step": step, "split": split, **dataclasses.asdict(sample)} for sample in samples]
+        records = [{"step": step, "split": split, **sample_record(sample)} for sample in samples]
         with self.samples_path.open("a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records))
-        if self._tb is not None:
-            text = "\n\n".join(format_sample(r).replace("\n", "  \n") for r in records)  # markdown line breaks
+        if self._tb is not None:  # markdown: line breaks, and the template's <markers> shown, not taken as HTML
+            text = "\n\n".join(format_sample(r).replace("<", "&lt;").replace(">", "&gt;").replace("\n", "  \n")
+                                for r in records)
             self._tb.add_text(f"samples/{split}", text, step)
             self._tb.flush()
 
     def note_failures(self, failures: Sequence[SampleFailure], what: str) -> None:
-        """Print the run's first failed sample, once, in one line (the count goes to every metrics row)."""
+        """Print the run's first failed sample, once, in one line (the count goes to every metrics row); its
+        traceback, when known, goes to ``FAILURE_FILE`` in the output directory, once."""
         if failures and not self._failure_shown:
             self._failure_shown = True
-            self.write(f"megatron_rl: {failures[0].line(what)}; the sample is left out of training and the run goes "
-                       f"on (each step counts them in {FAILED_KEY}; this message is shown once)")
+            first = failures[0]
+            kept = ""
+            if first.traceback:
+                path = self.output_dir / FAILURE_FILE
+                atomic_write_text(path, f"{first.line(what)}\n\n{first.traceback}")
+                kept = f"; its traceback is in {path}"
+            self.write(f"megatron_rl: {first.line(what)}; the sample is left out of training and the run goes "
+                       f"on (each step counts them in {FAILED_KEY}; this message is shown once{kept})")
 
     def write(self, message: str) -> None:
         """Print without breaking the progress bar."""
@@ -264,12 +384,12 @@ class RunReporter:
         else:
             print(message, flush=True)
 
-    def finish(self, *, baseline: float | None, wall_time_s: float) -> str:
+    def finish(self, *, baseline: float | None, times: WallTimes) -> str:
         """Close the bar and writers, save the plot and the summary; returns the summary paragraph."""
         self.close()
         rows = read_metrics(self.metrics_path)
         plot_reward_and_loss(rows, self.output_dir / "reward_loss.png", baseline=baseline)
-        summary = summary_paragraph(rows, baseline=baseline, wall_time_s=wall_time_s)
+        summary = summary_paragraph(rows, baseline=baseline, times=times)
         quoted = read_metrics(self.samples_path)[-SUMMARY_SAMPLES:]
         if quoted:
             summary += f"\n\nThe last {len(quoted)} samples (all in {self.samples_path.name}):\n" + \

@@ -11,7 +11,7 @@ import torch
 from megatron_rl.data.generator_output import validate_generator_output
 from megatron_rl.data.merge import merge_stepwise_output
 from megatron_rl.environments.next_digit.game import NextDigitGame
-from megatron_rl.job.reporting import RunReporter, read_metrics, summary_paragraph, truncate_metrics
+from megatron_rl.job.reporting import RunReporter, WallTimes, read_metrics, summary_paragraph, truncate_metrics
 from megatron_rl.environments.next_digit.rollout import episodes_to_generator_output, mean_reward, observation_after, play_episodes
 from megatron_rl.inference.builtin_engine import (
     SamplingParams,
@@ -153,7 +153,7 @@ def test_reporter_files_plot_summary_and_resume(tmp_path) -> None:
     rep = RunReporter(tmp_path, total_steps=4, progress_bar=False)
     for step in range(1, 5):
         rep.log_step(step, {"reward/mean": 0.1 * step, "policy/loss": -0.01 * step})
-    summary = rep.finish(baseline=0.03, wall_time_s=12.0)
+    summary = rep.finish(baseline=0.03, times=WallTimes(1.0, 12.0, 13.0))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (tmp_path / "reward_loss.png").stat().st_size > 1000
@@ -169,7 +169,7 @@ def test_reporter_files_plot_summary_and_resume(tmp_path) -> None:
 
 def test_summary_windows() -> None:
     rows = [{"step": s, "reward/mean": r} for s, r in enumerate([0.0, 0.1, 0.8, 0.9], start=1)]
-    text = summary_paragraph(rows, baseline=0.03, wall_time_s=60, window=2)
+    text = summary_paragraph(rows, baseline=0.03, times=WallTimes(1.0, 60.0, 61.0), window=2)
     assert "0.050" in text and "0.850" in text and "learned" in text
 
 

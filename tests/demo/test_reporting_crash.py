@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.job.reporting import RunReporter
+from megatron_rl.job.reporting import RunReporter, WallTimes
 
 ROWS = 6
 
@@ -57,7 +57,7 @@ def test_summary_and_plot_are_replaced_atomically(tmp_path, monkeypatch):
 
     reporter = _reporter(tmp_path, 0)
     _log(reporter, range(1, ROWS + 1))
-    reporter.finish(baseline=0.1, wall_time_s=1.0)
+    reporter.finish(baseline=0.1, times=WallTimes(1.0, 1.0, 2.0))
     summary, plot = (tmp_path / "summary.txt").read_bytes(), (tmp_path / "reward_loss.png").read_bytes()
 
     def fail(src, dst):
@@ -66,6 +66,6 @@ def test_summary_and_plot_are_replaced_atomically(tmp_path, monkeypatch):
     again = _reporter(tmp_path, ROWS)
     monkeypatch.setattr(atomic.os, "replace", fail)
     with pytest.raises(OSError, match="injected"):
-        again.finish(baseline=0.2, wall_time_s=2.0)
+        again.finish(baseline=0.2, times=WallTimes(1.0, 2.0, 3.0))
     assert (tmp_path / "summary.txt").read_bytes() == summary and (tmp_path / "reward_loss.png").read_bytes() == plot
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp.")]  # no temporary file left

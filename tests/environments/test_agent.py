@@ -133,6 +133,12 @@ def test_tool_calls_are_answered_as_openai_tool_calls(tokenizer):
     answer = session.chat({"messages": [{"role": "user", "content": "1 ?"}], "tools": [{"type": "function"}]})
     message = answer["choices"][0]["message"]
     assert answer["choices"][0]["finish_reason"] == "tool_calls" and message["content"] is None
+    from megatron_rl.environments.conversation import readable_turns
+
+    parse = lambda ids: [{"name": c.name, "arguments": c.arguments}  # noqa: E731 - as AgentEnvironment._tool_calls
+                         for c in parse_hermes(session.tokenizer.decode(ids)).tool_calls]
+    assert readable_turns(session.turns, session.tokenizer, tool_calls=parse)[0]["tool_calls"] == [
+        {"name": "add", "arguments": '{"a": 2}'}]  # the sample shows the call the agent got
     assert message["tool_calls"][0]["type"] == "function"
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
     from openai.types.chat import ChatCompletion
@@ -226,6 +232,17 @@ def test_an_episodes_calls_become_step_wise_rows_of_the_sampled_ids(tmp_path):
     evaluation = env.evaluate(FakeEngine(fleet), SPEC, seed=5, num_prompts=None, pass_threshold=1.0)
     assert evaluation.metrics == {"eval/reward_mean": 1.0, "eval/pass_rate": 1.0, "eval/failed_samples": 1.0}
     assert [s.row for s in evaluation.samples] == [0, 1, 2] and evaluation.failures[0].row == 1
+    assert [len(s.turns) for s in evaluation.samples] == [2, 0, 1]
+
+    # a sample is the whole episode: every call's new prompt (the agent's next message), reply, tool calls
+    sample, failed, single = rollouts.samples
+    assert [t["prompt"].split("<|im_start|> user ")[-1] for t in sample.turns] == [
+        "1 ? <|im_end|> <|im_start|> assistant", "2 ? <|im_end|> <|im_start|> assistant"]
+    # the template's markers (the word-level test vocabulary has no "system": <unk>)
+    assert sample.turns[0]["prompt"].startswith("<|im_start|> <unk> + <|im_end|>")
+    assert [t["response"] for t in sample.turns] == ["2 <|im_end|>", "3 <|im_end|>"]  # special tokens kept
+    assert [t["tool_calls"] for t in sample.turns] == [[], []] and (sample.end, sample.reward) == ("done", 1.0)
+    assert (failed.end, failed.reward, failed.turns) == ("failed", None, []) and len(single.turns) == 1
 
 
 def test_a_template_that_rewrites_history_starts_a_new_step(tmp_path):
@@ -268,17 +285,19 @@ def test_a_call_past_the_prompt_limit_is_refused_and_the_episode_keeps_its_calls
     assert rollouts.metrics["episode/ended_context"] == 1
 
 
-def test_the_config_names_the_fix_for_an_agent_without_the_vllm_fleet(tmp_path):
+def test_an_agent_implies_the_vllm_fleet_and_step_wise_training_and_refuses_the_builtin_engine(tmp_path):
     from megatron_rl.job.config import load_job_config
 
-    base = [f"model.hf_path={tmp_path}", "data.train_files=rows.jsonl", "job.agent=agent.py:agent",
-            "stepwise.step_wise_trajectories=true"]
-    with pytest.raises(ConfigError, match="rollout.engine='builtin'; set rollout.engine=vllm"):
-        load_job_config(None, base)
+    base = [f"model.hf_path={tmp_path}", "data.train_files=rows.jsonl", "job.agent=agent.py:agent"]
+    config = load_job_config(None, base)  # the generic command of docs/JOB.md: nothing else to set
+    assert config.rollout.engine == "vllm" and config.rl.stepwise.step_wise_trajectories
+    assert config.rl.stepwise.merge_stepwise_output
+    with pytest.raises(ConfigError, match="rollout.engine='builtin'; remove it"):
+        load_job_config(None, [*base, "rollout.engine=builtin"])
     with pytest.raises(ConfigError, match=r"rollout.tool_call_parser='qwen9' is not one of \['hermes', 'none'\]"):
-        load_job_config(None, [*base, "rollout.engine=vllm", "rollout.tool_call_parser=qwen9"])
+        load_job_config(None, [*base, "rollout.tool_call_parser=qwen9"])
     with pytest.raises(ConfigError, match="an agent is its own environment"):
-        load_job_config(None, [*base, "rollout.engine=vllm", "job.environment=single_turn"])
+        load_job_config(None, [*base, "job.environment=single_turn"])
 
 
 def test_an_episode_past_its_time_limit_is_a_failed_sample_and_the_step_goes_on(tmp_path, capsys, monkeypatch):
@@ -348,3 +367,15 @@ def test_agent_calls_wait_for_the_replacement_engine(tmp_path):
     rollouts = env.rollout(engine, SPEC, num_prompts=1, n_samples_per_prompt=2, seed=0, step_wise=True)
     assert engine.admissions == 1 and rollouts.metrics["rollout/failed_samples"] == 0
     assert rollouts.output["rewards"][-1] == 1.0
+
+
+def test_an_agent_asking_for_its_own_temperature_is_told_once_that_the_jobs_is_used(monkeypatch, capsys):
+    from megatron_rl.environments.agent import endpoint
+
+    monkeypatch.setattr(endpoint, "_sampling_noted", __import__("threading").Event())
+    spec = SamplingSpec(max_tokens=8, temperature=1.0, top_p=1.0)
+    assert endpoint.note_sampling_request({"temperature": 1, "top_p": 1.0}, spec) is None  # the job's own values
+    line = endpoint.note_sampling_request({"temperature": 0.2, "top_p": 1.0}, spec)
+    assert line is not None and "asked for temperature=0.2; every call is sampled with the job's temperature=1" in line
+    assert endpoint.note_sampling_request({"temperature": 0.3}, spec) is None  # once per process
+    assert capsys.readouterr().err.count("asked for") == 1

@@ -14,6 +14,8 @@ from megatron_rl.environments.failures import (
     DROPPED_GROUPS,
     FAILED_SAMPLES,
     AllSamplesFailed,
+    EpisodeRows,
+    assemble_episodes,
     drop_failed_samples,
     failure,
 )
@@ -101,3 +103,33 @@ def test_a_step_where_every_sample_failed_names_the_first_failure(word_tokenizer
                                                r"ConfigError: .*oops='text'"):
         env.rollout(BuiltinEngine(oracle_and_noise(word_tokenizer)), spec, num_prompts=2, n_samples_per_prompt=2,
                     seed=1, step_wise=False)
+
+
+def test_episodes_of_both_multi_turn_environments_assemble_with_a_placeholder_carrying_zero_routing():
+    """The one assembly of the step API and the agent (``assemble_episodes``): an episode that played no turn (a
+    reset that raised, an agent that made no call) stands as one masked row, with zero ``routed_experts`` of the
+    played rows' (L, k) where they carry them (MoE routing replay R3 needs them on every row)."""
+    import numpy as np
+
+    def turn(uid, sample, reward, last):
+        return {"prompt_token_ids": [1, 2], "response_ids": [3, 4], "rewards": reward, "loss_masks": [1, 1],
+                "uids": uid, "rollout_logprobs": [-0.5, -0.5], "trajectory_ids": (uid, sample), "is_last_step": last,
+                "stop_reasons": "stop", "routed_experts": np.ones((4, 3, 2), dtype=np.int64)}
+
+    episodes = [EpisodeRows([turn(0, 0, 0.0, False), turn(0, 0, 1.0, True)], 0, (0, 0), False),
+                EpisodeRows([turn(0, 1, 0.0, True)], 0, (0, 1), False),
+                EpisodeRows([], 1, (1, 0), True), EpisodeRows([], 1, (1, 1), True)]
+    output, metrics = assemble_episodes(episodes, pad_token_id=7, eos_token_id=2, what="job.agent='a.py:f'",
+                                        first_failure="f failed on row 1")
+    validate_generator_output(output, step_wise=True)
+    assert metrics == {FAILED_SAMPLES: 2.0, DROPPED_GROUPS: 1.0} and output["uids"] == [0, 0, 0, 1]
+    placeholder = output["routed_experts"][-1]
+    assert placeholder.shape == (2, 3, 2) and not placeholder.any() and output["loss_masks"][-1] == [0]
+    plain = [EpisodeRows([{k: v for k, v in turn(0, 0, 1.0, True).items() if k != "routed_experts"}], 0, (0, 0), False),
+             EpisodeRows([], 0, (0, 1), True)]
+    assert "routed_experts" not in assemble_episodes(plain, pad_token_id=7, eos_token_id=2, what="x",
+                                                     first_failure="y")[0]
+    with pytest.raises(AllSamplesFailed, match=r"all 2 samples of the step failed: every episode of "
+                                               r"job.agent='a.py:f' failed; first: f failed on row 1"):
+        assemble_episodes(episodes[2:], pad_token_id=7, eos_token_id=2, what="job.agent='a.py:f'",
+                          first_failure="f failed on row 1")

@@ -144,8 +144,11 @@ def test_failed_episodes_leave_their_group_and_a_lonely_group_stays_masked(tmp_p
     assert out.output["rewards"][4:] == [0.0] * 3 and out.output["prompt_token_ids"][6] == [env.pad_token_id]
     first = out.failures[0]
     assert (first.row, first.error) == (1, "Game.step(response) raised RuntimeError: this row breaks")
-    assert out.failures[2].line("the environment") == ("the environment failed on row 2: Game.reset() raised "
-                                                       "RuntimeError: this row cannot start")
+    raise_line = GAME.splitlines().index('            raise RuntimeError("this row breaks")') + 1
+    assert first.where == f"{tmp_path / 'game.py'}:{raise_line}"  # the user's line, not the wrapper's
+    assert first.line("the environment").endswith(f"(at {first.where})") and "this row breaks" in first.traceback
+    assert out.failures[2].line("the environment").startswith("the environment failed on row 2: Game.reset() raised "
+                                                              "RuntimeError: this row cannot start (at ")
 
 
 def test_a_step_where_every_episode_failed_raises_all_samples_failed(tmp_path):
@@ -226,6 +229,34 @@ def test_the_example_of_docs_job_md_runs(tmp_path):
     assert out.output["rewards"][-1] == 1.0 and out.metrics["episode/new_steps_mean"] == 0
 
 
+def test_a_sample_is_the_whole_episode_every_turn_with_its_markers(tmp_path):
+    """samples.jsonl's record of an episode: each turn's new prompt text (the observation, the template's markers
+    kept), the reply, the reward, why it ended; the same for evaluation and for a failed episode."""
+    rows = [{"digits": [0, 3, 5]}, {"digits": [1, 2], "fail_at": 1}]
+    env, tok = make(tmp_path, rows=rows, val=rows)
+    out = rollout(env, ScriptedEngine(tok, answer))
+    first, failed = out.samples  # one per row: the first episode of each group
+    assert [t["prompt"] for t in first.turns] == [f"<|im_start|> user {q} <|im_end|> <|im_start|> assistant"
+                                                  for q in ("0 ?", "+ 3 ?", "+ 5 ?")]
+    assert [t["response"] for t in first.turns] == ["1 <|im_end|>", "4 <|im_end|>", "6 <|im_end|>"]
+    assert (first.reward, first.end, first.row, first.prompt, first.response) == (
+        1.0, "done", 0, first.turns[0]["prompt"], "6 <|im_end|>")
+    assert (failed.reward, failed.end, len(failed.turns)) == (None, "failed", 2) and "this row breaks" in failed.error
+    evaluation = env.evaluate(ScriptedEngine(tok, answer), SPEC, seed=0, num_prompts=None, pass_threshold=1.0)
+    assert [len(s.turns) for s in evaluation.samples] == [3, 2]
+
+
+def test_a_class_imports_the_module_beside_it(tmp_path, monkeypatch):
+    """``from guess_rules import ...`` in the user's file works without PYTHONPATH: its folder is on the path."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # undone after the test
+    (tmp_path / "sibling_rules_for_step_api.py").write_text("def next_digit(d):\n    return (d + 1) % 10\n")
+    source = GAME.replace("class Game:", "from sibling_rules_for_step_api import next_digit\n\n\nclass Game:", 1)
+    env, tok = make(tmp_path, source=source)
+    assert str(tmp_path) == sys.path[0] and env.user.name == "Game"
+
+
 def test_a_module_on_the_path_names_the_class_too(tmp_path, monkeypatch):
     from megatron_rl.environments.step_api.user_class import UserClass
 
@@ -234,18 +265,6 @@ def test_a_module_on_the_path_names_the_class_too(tmp_path, monkeypatch):
     assert UserClass("my_step_env_module:Game").name == "Game"
     with pytest.raises(ConfigError, match="cannot import 'no_such_step_module'"):
         UserClass("no_such_step_module:Game")
-
-
-def test_a_placeholder_row_carries_zero_routing_when_the_played_rows_do():
-    """MoE routing replay R3 needs ``routed_experts`` on every row; a placeholder's are zeros of the same (L, k)."""
-    import numpy as np
-
-    from megatron_rl.environments.step_api.environment import Episode, placeholder_row, routing_shape
-
-    played = [[], [{"routed_experts": np.ones((5, 3, 2), dtype=np.int64)}]]
-    row = placeholder_row(Episode({}, 0, 0, 0), 7, 2, routing_shape(played))
-    assert row["routed_experts"].shape == (2, 3, 2) and not row["routed_experts"].any()
-    assert "routed_experts" not in placeholder_row(Episode({}, 0, 0, 0), 7, 2, routing_shape([[], [{}]]))
 
 
 def test_an_episode_past_its_time_limit_is_a_failed_sample_and_the_step_goes_on(tmp_path, capsys, monkeypatch):

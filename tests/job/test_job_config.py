@@ -61,13 +61,38 @@ def test_dump_round_trip(tmp_path):
 
 def test_a_step_api_class_names_what_it_needs():
     step_api = ["job.environment=my_env.py:MyEnv", "model.hf_path=some/model",
-                "data.train_files=examples/arithmetic/train.jsonl", "stepwise.step_wise_trajectories=true"]
+                "data.train_files=examples/arithmetic/train.jsonl"]
     assert load_job_config(CPU, [*step_api, "job.max_turns=3"]).job.max_turns == 3
     for missing in ("model.hf_path", "data.train_files"):
         with pytest.raises(ConfigError, match=f"a step-API environment\\) needs {missing}"):
             load_job_config(CPU, [o for o in step_api if not o.startswith(missing)])
-    with pytest.raises(ConfigError, match="trains step-wise: set stepwise.step_wise_trajectories=true"):
-        load_job_config(CPU, [*step_api[:-1], "stepwise.step_wise_trajectories=false",
-                              "stepwise.merge_stepwise_output=false"])
+    with pytest.raises(ConfigError, match="step_wise_trajectories=false is the one value it cannot take"):
+        load_job_config(CPU, [*step_api, "stepwise.step_wise_trajectories=false", "stepwise.merge_stepwise_output=false"])
     with pytest.raises(ConfigError, match="eval.interval=5 but data.val_files is not set"):
         load_job_config(CPU, [*step_api, "eval.interval=5"])
+
+
+def test_a_step_api_class_or_an_agent_implies_step_wise_training_unless_merging_is_turned_off():
+    step_api = ["job.environment=my_env.py:MyEnv", "model.hf_path=some/model", "data.train_files=rows.jsonl"]
+    user_job = ROOT / "configs" / "user_job.yaml"  # the base of the generic command
+    stepwise = load_job_config(user_job, step_api).rl.stepwise
+    assert stepwise.step_wise_trajectories and stepwise.merge_stepwise_output
+    off = load_job_config(user_job, [*step_api, "stepwise.merge_stepwise_output=false"]).rl.stepwise
+    assert off.step_wise_trajectories and not off.merge_stepwise_output  # the user's explicit choice stands
+    single_turn = load_job_config(user_job, GENERIC).rl.stepwise  # nothing implied for one turn per sample
+    assert not single_turn.step_wise_trajectories and not single_turn.merge_stepwise_output
+    with pytest.raises(ConfigError, match="GAE|gae"):  # a real conflict: refused, not overridden
+        load_job_config(user_job, [*step_api, "algorithm.advantage_estimator=gae"])
+    for shipped in ("digit_game_cpu.yaml", "tool_agent_cpu.yaml"):  # they leave it implied too
+        stepwise = load_job_config(ROOT / "configs" / shipped).rl.stepwise
+        assert stepwise.step_wise_trajectories and stepwise.merge_stepwise_output, shipped
+
+
+def test_a_warm_up_as_long_as_the_run_is_refused_at_load():
+    """The rule the ranks' LR scheduler applies (model/optimizer.py), found by the pre-flight: one line."""
+    assert load_job_config(CPU, ["job.num_steps=1", "optimizer.lr_warmup_steps=7"])  # 8 optimizer steps
+    with pytest.raises(ConfigError, match=r"optimizer.lr_warmup_steps=8 is not below the run's 8 optimizer steps "
+                                          r"\(job.num_steps=1 x 8 per RL step\)"):
+        load_job_config(CPU, ["job.num_steps=1", "optimizer.lr_warmup_steps=8"])
+    with pytest.raises(ConfigError, match="is not below optimizer.lr_decay_steps=6"):
+        load_job_config(CPU, ["optimizer.lr_decay_steps=6", "optimizer.lr_warmup_steps=6"])

@@ -17,7 +17,7 @@ from megatron_rl.environments.base import Sample
 from megatron_rl.environments.failures import failure
 from megatron_rl.job import paths
 from megatron_rl.job.config import load_job_config
-from megatron_rl.job.reporting import RunReporter, read_metrics, summary_paragraph
+from megatron_rl.job.reporting import RunReporter, WallTimes, read_metrics
 from megatron_rl.trainer import zero_advantage_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +30,26 @@ def test_the_base_config_follows_the_task():
     assert paths.base_config(None, ["job.agent=a.py:fn"])[0] == ROOT / "configs" / "user_job.yaml"
     assert paths.base_config("configs/demo_gpu.yaml", ["data.train_files=p.jsonl"])[0] == \
         ROOT / "configs" / "demo_gpu.yaml"  # CONFIG wins; a shipped one is found from anywhere
+
+
+def test_a_users_yaml_builds_on_the_base_the_command_would_pick_unless_it_says_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.CALLER_CWD_ENV, str(tmp_path))
+    task = ["data.train_files=p.jsonl", "reward.function=r.py:f", "model.hf_path=m"]
+    user_job = ROOT / "configs" / "user_job.yaml"
+    (tmp_path / "my.yaml").write_text("job:\n  num_steps: 3\n")
+    layers, why = paths.config_layers("my.yaml", task)
+    assert layers == [user_job, tmp_path / "my.yaml"] and "data.train_files is set" in why
+    config = load_job_config(layers, task)
+    assert config.job.num_steps == 3 and config.rl.checkpoint.save_interval == 25  # the base's, not the default 0
+    (tmp_path / "task.yaml").write_text("data:\n  train_files: p.jsonl\n")  # its own task key picks the base
+    assert paths.config_layers("task.yaml", [])[0] == [user_job, tmp_path / "task.yaml"]
+    (tmp_path / "alone.yaml").write_text("base: null\njob:\n  num_steps: 3\n")  # says otherwise: the defaults
+    layers, _ = paths.config_layers("alone.yaml", task)
+    assert layers == [tmp_path / "alone.yaml"] and load_job_config(layers, task).rl.checkpoint.save_interval == 0
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "on.yaml").write_text("base: ../my.yaml\n")  # or names its base, next to itself
+    assert paths.config_layers("sub/on.yaml", task)[0] == [tmp_path / "sub" / ".." / "my.yaml", tmp_path / "sub" / "on.yaml"]
+    assert paths.config_layers("configs/demo_gpu.yaml", task)[0] == [ROOT / "configs" / "demo_gpu.yaml"]  # complete
 
 
 def test_the_user_job_base_fits_a_pretrained_model():
@@ -49,7 +69,9 @@ def test_the_launcher_names_the_base_config_first(tmp_path):
     (tmp_path / "mine.yaml").write_text("job:\n  num_steps: 3\n")
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths"], cwd=ROOT, capture_output=True,
                           text=True, env={**env, "CONFIG": "mine.yaml"})
-    assert proc.stdout.strip() == str(tmp_path / "mine.yaml")  # CONFIG from where the user stands
+    demo = ROOT / "configs" / "demo_cpu.yaml"  # CONFIG from where the user stands, on the base the command picks
+    assert proc.stdout.splitlines() == [str(demo), str(tmp_path / "mine.yaml")]
+    assert proc.stderr.startswith(f"base config: {demo}, then {tmp_path / 'mine.yaml'} (your CONFIG on the base")
     proc = subprocess.run([sys.executable, "-m", "megatron_rl.job.paths"], cwd=ROOT, capture_output=True,
                           text=True, env={**env, "CONFIG": "nope.yaml"})
     assert proc.returncode == 2 and "CONFIG='nope.yaml' is not a file" in proc.stderr
@@ -92,14 +114,6 @@ def test_zero_advantage_groups_are_counted():
     assert zero_adv([0.0, 1.0], [0, 1]) == {}  # singletons: no group to compare within
 
 
-def test_summary_says_when_there_was_no_learning_signal():
-    rows = [{"step": s, "reward/mean": 0.0, "rollout/zero_advantage_groups": 1.0} for s in range(1, 5)]
-    rows.append({"step": 5, "reward/mean": 0.5, "rollout/zero_advantage_groups": 0.5})
-    text = summary_paragraph(rows, baseline=None, wall_time_s=1.0)
-    assert "No learning signal in 4 of 5 steps (every response of those steps got reward 0" in text
-    assert "likely cause" in text and "samples.jsonl" in text
-
-
 def test_samples_are_logged_resumed_and_quoted(tmp_path, capsys):
     reporter = RunReporter(tmp_path, total_steps=4, tensorboard=True, progress_bar=False)
     for step in (1, 2, 3):
@@ -122,7 +136,7 @@ def test_samples_are_logged_resumed_and_quoted(tmp_path, capsys):
     resumed = RunReporter(tmp_path, total_steps=4, start_step=1, tensorboard=False, progress_bar=False)
     assert [r["step"] for r in read_metrics(tmp_path / "samples.jsonl")] == [1, 1]  # the crashed tail is gone
     resumed.log_samples(2, "train", [Sample("p", "r", 0.25)])
-    summary = resumed.finish(baseline=None, wall_time_s=1.0)
+    summary = resumed.finish(baseline=None, times=WallTimes(1.0, 1.0, 2.0))
     assert "1 samples failed" in summary and "The last 3 samples" in summary
     assert "[step 2 train] reward 0.250" in summary and "failed: ValueError: x" in summary
     assert summary in (tmp_path / "summary.txt").read_text()

@@ -15,7 +15,8 @@ accepted.
 
 What the job decides, not the agent: the sampling temperature and top-p are the job's (``job.temperature``;
 evaluation: ``eval.temperature``), because the trainer's log-probs must be those of the distribution sampled
-from; the agent's ``max_tokens`` is honoured up to ``job.max_new_tokens``. A call whose rendered prompt is longer
+from (an agent that asks for others is told once, on stderr: ``note_sampling_request``); the agent's
+``max_tokens`` is honoured up to ``job.max_new_tokens``. A call whose rendered prompt is longer
 than the prompt limit is a 400 ``context_length_exceeded``, and so is every later call of that episode (it keeps
 the calls before it). A call the fleet cannot serve is a 503 and stops the step with an ``EngineError``
 (``Session.engine_error``).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +73,7 @@ class Session:
     def chat(self, request: dict[str, Any]) -> dict[str, Any]:
         """A ChatCompletion for ``request`` (the JSON body); RequestError for a call that is refused."""
         messages, tools, max_tokens = _checked_request(request, self.spec.max_tokens)
+        note_sampling_request(request, self.spec)
         with self._lock:
             if self.engine_error:  # the step stops after its episodes: no more calls
                 raise RequestError(503, f"the rollout engine could not serve an earlier call: {self.engine_error}",
@@ -119,6 +122,28 @@ class Session:
         if ids and ids[-1] in self.spec.stop_token_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+_sampling_noted = threading.Event()
+
+
+def note_sampling_request(request: dict[str, Any], spec: SamplingSpec) -> str | None:
+    """An agent that asks for another ``temperature`` or ``top_p`` than the job samples with is told so, once per
+    process, on stderr (the call is served with the job's); returns the line when it is printed."""
+    asked = {key: request.get(key) for key in ("temperature", "top_p") if request.get(key) is not None}
+    try:
+        differs = {key: value for key, value in asked.items() if float(value) != float(getattr(spec, key))}
+    except (TypeError, ValueError):
+        differs = asked
+    if not differs or _sampling_noted.is_set():
+        return None
+    _sampling_noted.set()
+    line = (f"megatron_rl: job.agent asked for {', '.join(f'{k}={v}' for k, v in differs.items())}; every call is "
+            f"sampled with the job's temperature={spec.temperature:g}, top_p={spec.top_p:g} (job.temperature, "
+            "job.top_p; evaluation: eval.temperature), since the trainer scores the tokens under the distribution "
+            "they were sampled from (this message is shown once)")
+    print(line, file=sys.stderr, flush=True)
+    return line
 
 
 def _checked_request(request: Any, max_new_tokens: int) -> tuple[list[Message], list[dict] | None, int]:

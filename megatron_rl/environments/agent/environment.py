@@ -40,9 +40,9 @@ from megatron_rl.config import ConfigError
 from megatron_rl.environments.agent.endpoint import AgentEndpoint, Session
 from megatron_rl.environments.agent.tool_parsers import tool_call_parser
 from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
-from megatron_rl.environments.conversation import Turn, trajectory_rows, weight_versions
+from megatron_rl.environments.conversation import episode_sample, trajectory_rows, weight_versions
 from megatron_rl.environments.episodes import run_episodes
-from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
+from megatron_rl.environments.failures import EpisodeRows, SampleFailure, assemble_episodes, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
 from megatron_rl.environments.user_code import load_object
@@ -66,6 +66,8 @@ class Episode:
     error: str | None = None
     """Why the episode failed, one line after ``function(base_url, **row)`` ("raised KeyError: ..."); None when
     it did not."""
+    raised: BaseException | None = None
+    """The exception behind ``error`` (its traceback: ``failures.py: raised_at``)."""
 
 
 def call_seed(seed: int, row: int, sample: int, call: int) -> int:
@@ -120,20 +122,14 @@ class AgentEnvironment:
         epoch = float(self.order.epoch)
 
         def play() -> Rollouts:
-            out_rows, failed = [], []
-            for ep in episodes:
-                turns = [] if ep.timed_out else ep.session.turns  # (a given-up episode may still be calling)
-                rows = trajectory_rows(turns or [self._placeholder_turn()], reward=ep.reward,
-                                       uid=ep.uid, trajectory_id=(ep.uid, ep.sample))
-                out_rows += rows
-                failed += [ep.error is not None] * len(rows)
-            output = {name: [row[name] for row in out_rows] for name in out_rows[0]}
             failures = self._failures(episodes)
-            try:
-                output, metrics = drop_failed_samples(output, failed)
-            except AllSamplesFailed as err:
-                raise AllSamplesFailed(f"{err}: every episode of {KEY}={self.spec!r} failed; first: "
-                                       f"{failures[0].line(self.name)}") from None
+            output, metrics = assemble_episodes(  # a given-up episode's turns (it may still be calling) do not count
+                [EpisodeRows(trajectory_rows(ep.session.turns, reward=ep.reward, uid=ep.uid,
+                                             trajectory_id=(ep.uid, ep.sample))
+                             if ep.session.turns and not ep.timed_out else [],
+                             ep.uid, (ep.uid, ep.sample), ep.error is not None) for ep in episodes],
+                pad_token_id=self.pad_token_id, eos_token_id=self.stop_token_ids[0], what=f"{KEY}={self.spec!r}",
+                first_failure=failures[0].line(self.name) if failures else None)
             finished = [ep for ep in episodes if ep.error is None]
             metrics.update(episode_metrics(finished))
             versions, tokens = weight_versions([ep.session.turns for ep in finished])  # partial rollouts
@@ -231,6 +227,7 @@ class AgentEnvironment:
             result = self.function(base_url=base_url, **ep.row)
         except Exception as err:  # noqa: BLE001 - the user's code: the episode fails, the run goes on
             result, error = None, f"raised {failure(0, None, err).error}"
+            ep.raised = err
         else:
             error = None
         finally:
@@ -269,24 +266,22 @@ class AgentEnvironment:
         else:
             ep.reward = reward
 
-    def _placeholder_turn(self) -> Turn:
-        """The row of a failed episode that made no call (``failures.py`` needs one per sample; never trained)."""
-        return Turn([self.pad_token_id], [self.stop_token_ids[0]], [0.0], "stop", extends=False)
-
     def _failures(self, episodes: list[Episode]) -> list[SampleFailure]:
-        return [SampleFailure(i, ep.index, f"{self.name}(base_url, **row) {ep.error}")
+        return [failure(i, ep.index, f"{self.name}(base_url, **row) {ep.error}", raised=ep.raised)
                 for i, ep in enumerate(episodes) if ep.error is not None]
 
     def _samples(self, episodes: list[Episode]) -> list[Sample]:
-        """Per episode: the first call's prompt and the last call's reply, decoded."""
-        samples = []
-        for ep in episodes:
-            turns = ep.session.turns if ep.session is not None else []
-            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-            samples.append(Sample(decode(turns[0].prompt_ids) if turns else "",
-                                  decode(turns[-1].response_ids) if turns else "",
-                                  None if ep.error else ep.reward, row=ep.index, error=ep.error))
-        return samples
+        """Each episode whole: every call's new prompt text (the agent's messages, tool results), reply and parsed
+        tool calls, the reward, why it ended (``conversation.py: episode_sample``; special tokens kept)."""
+        return [episode_sample(ep.session.turns if ep.session is not None else [], self.tokenizer,
+                               reward=None if ep.error else ep.reward, row=ep.index, error=ep.error,
+                               end=episode_end(ep), tool_calls=self._tool_calls) for ep in episodes]
+
+    def _tool_calls(self, response_ids: list[int]) -> list[dict]:
+        """The tool calls the endpoint answered for a reply (the parser again, on the same text: it is pure)."""
+        ids = response_ids[:-1] if response_ids and response_ids[-1] in self.stop_token_ids else response_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return [{"name": call.name, "arguments": call.arguments} for call in self.parse(text).tool_calls]
 
     def random_baseline(self, seed: int) -> float | None:
         return None
@@ -296,6 +291,14 @@ class AgentEnvironment:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.order.consumed = int(state.get("consumed", 0))
+
+
+def episode_end(ep: Episode) -> str:
+    """Why an agent's episode ended: 'failed', 'context' (a call was refused for length), else 'done' (the
+    function returned)."""
+    if ep.error is not None:
+        return "failed"
+    return "context" if ep.session is not None and ep.session.context_error else "done"
 
 
 def load_agent(spec: str) -> Any:

@@ -16,7 +16,7 @@ uses (``environments/failures.py``: its group keeps the episodes that finished, 
 placeholder), counted in ``rollout/failed_samples``, and the job prints the run's first failure once; a step
 where every episode failed stops the run (``AllSamplesFailed``). An episode that failed before its first turn
 (``reset`` raised, or its first prompt is too long) has no turn to stand for it: it gets one placeholder row
-(``placeholder_row``), which that helper drops or masks like any failed episode's rows.
+(``failures.py: assemble_episodes``, shared with the agent), dropped or masked like any failed episode's rows.
 
 Determinism (the contract of ``base.py``): rows come from ``PromptOrder`` (its ``consumed`` is the checkpointed
 state), replies from the engine with the step's seed, so episodes are a function of (seed, step) as long as the
@@ -31,12 +31,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from megatron_rl.environments.base import Evaluation, Rollouts, pass_metrics
-from megatron_rl.environments.conversation import Conversation, has_chat_template, trajectory_rows, weight_versions
+from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_metrics
+from megatron_rl.environments.conversation import (
+    Conversation,
+    episode_sample,
+    has_chat_template,
+    trajectory_rows,
+    weight_versions,
+)
 from megatron_rl.environments.episodes import EpisodeTimeout, call_within
-from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
+from megatron_rl.environments.failures import EpisodeRows, SampleFailure, assemble_episodes, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
 from megatron_rl.environments.step_api.user_class import KEY, EpisodeError, UserClass
@@ -66,6 +70,8 @@ class Episode:
     """This rank's call of it ran past its time (the ranks then agree: ``_agree_on_failures``)."""
     agreed: bool = False
     """Its failure is known to every rank (``_agree_on_failures``)."""
+    raised: BaseException | None = None
+    """The exception behind ``error`` (its traceback: ``failures.py: raised_at``)."""
 
 
 class StepApiEnvironment:
@@ -98,23 +104,17 @@ class StepApiEnvironment:
         episodes = [Episode(self.train[i], i, uid, k) for uid, i in enumerate(self.order.next(num_prompts))
                     for k in range(n_samples_per_prompt)]
         self.play(episodes, engine, spec, seed)
-        played = [self._rows(ep) for ep in episodes]
-        routing = routing_shape(played)
-        rows = [ep_rows or [placeholder_row(ep, self.pad_token_id, self.stop_token_ids[0], routing)]
-                for ep, ep_rows in zip(episodes, played)]
-        output = {name: [row[name] for ep_rows in rows for row in ep_rows] for name in rows[0][0]}
-        failed = [ep.end == "failed" for ep, ep_rows in zip(episodes, rows) for _ in ep_rows]
         failures = episode_failures(episodes)
-        try:
-            output, failure_metrics = drop_failed_samples(output, failed)
-        except AllSamplesFailed as err:
-            raise AllSamplesFailed(f"{err}: every episode of {KEY}={self.user.spec!r} failed; first: "
-                                   f"{failures[0].line('the environment')}") from None
+        output, failure_metrics = assemble_episodes(
+            [EpisodeRows(self._rows(ep), ep.uid, (ep.uid, ep.sample), ep.end == "failed") for ep in episodes],
+            pad_token_id=self.pad_token_id, eos_token_id=self.stop_token_ids[0], what=f"{KEY}={self.user.spec!r}",
+            first_failure=failures[0].line("the environment") if failures else None)
         finished = [ep for ep in episodes if ep.end != "failed"]
         metrics = episode_metrics(finished) | failure_metrics | weight_versions(  # partial rollouts; its tokens:
             [ep.conversation.turns for ep in finished])[0]  # counted by the engine's generate
         metrics["data/epoch"] = float(self.order.epoch)
-        return Rollouts(output, metrics, failures=failures)  # type: ignore[arg-type]
+        samples = [self._sample(ep) for ep in episodes[::n_samples_per_prompt]]  # the first episode of each row
+        return Rollouts(output, metrics, samples=samples, failures=failures)  # type: ignore[arg-type]
 
     def evaluate(self, engine: RolloutEngine, spec: SamplingSpec, *, seed: int, num_prompts: int | None,
                  pass_threshold: float) -> Evaluation:
@@ -124,7 +124,8 @@ class StepApiEnvironment:
         episodes = [Episode(row, i, i, 0) for i, row in enumerate(rows)]
         self.play(episodes, engine, spec, seed)
         rewards = [None if ep.end == "failed" else sum(ep.rewards) for ep in episodes]
-        return Evaluation(pass_metrics(rewards, pass_threshold), failures=episode_failures(episodes))
+        return Evaluation(pass_metrics(rewards, pass_threshold), [self._sample(ep) for ep in episodes],
+                          episode_failures(episodes))
 
     def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
         """Run ``episodes`` to their end, turn by turn, one ``engine.generate`` call per turn over the running ones
@@ -181,6 +182,13 @@ class StepApiEnvironment:
                       f"job.episode_timeout_s={self.episode_timeout_s:g} s: counted as a failed sample "
                       "(rollout/failed_samples), the step goes on", flush=True)
 
+    def _sample(self, ep: Episode) -> Sample:
+        """The episode whole, for samples.jsonl and TensorBoard (``conversation.py: episode_sample``)."""
+        conversation = ep.conversation
+        return episode_sample(conversation.turns if conversation else [], self.tokenizer,
+                              reward=None if ep.end == "failed" else sum(ep.rewards), row=ep.index, error=ep.error,
+                              end=ep.end, first_prompt_ids=conversation.prompt_ids if conversation else ())
+
     def _rows(self, ep: Episode) -> list[dict]:
         """The episode's step-wise rows, one per turn (a failed one's reward: 0; they are dropped or masked);
         none for a failed episode that played no turn."""
@@ -195,7 +203,7 @@ class StepApiEnvironment:
             ep.env = self._timed(ep, "__init__(**row)", lambda: self.user.new(ep.row))
             ep.conversation = Conversation(self.tokenizer, self._timed(ep, "reset()", lambda: self.user.reset(ep.env)))
         except (EpisodeError, ValueError) as err:
-            return self._fail(ep, str(err))
+            return self._fail(ep, str(err), err)
         if len(ep.conversation.prompt_ids) > self.max_prompt_tokens:
             self._fail(ep, f"{self.user.name}.reset(): the first prompt has {len(ep.conversation.prompt_ids)} "
                            f"tokens, more than {self.max_prompt_tokens} (data.max_prompt_tokens, else the model's "
@@ -214,15 +222,15 @@ class StepApiEnvironment:
                 return
             conversation.add_observation(result.observation)
         except EpisodeError as err:
-            return self._fail(ep, str(err))
+            return self._fail(ep, str(err), err)
         except ValueError as err:  # messages without a chat template
             return self._fail(ep, f"{self.user.name}.step(response) returned an observation that cannot be "
-                                  f"rendered: {err}")
+                                  f"rendered: {err}", err)
         if len(conversation.prompt_ids) > self.max_prompt_tokens:
             ep.end = "context"
 
-    def _fail(self, ep: Episode, message: str) -> None:
-        ep.end, ep.error = "failed", message
+    def _fail(self, ep: Episode, message: str, raised: BaseException | None = None) -> None:
+        ep.end, ep.error, ep.raised = "failed", message, raised
 
     def random_baseline(self, seed: int) -> float | None:
         return None
@@ -234,28 +242,9 @@ class StepApiEnvironment:
         self.order.load_state_dict(state)
 
 
-def placeholder_row(ep: Episode, pad_token_id: int, eos_token_id: int, routing: tuple[int, ...] | None) -> dict:
-    """The one row of a failed episode that played no turn: ``drop_failed_samples`` needs a row per sample (it
-    keeps one, masked, of a group whose samples all failed). A pad token as prompt, the eos as response, reward
-    0, loss mask 0: never trained on. ``routing``: ``(L, k)`` when the played rows carry ``routed_experts`` (MoE
-    routing replay R3 needs them on every row): the placeholder's are all zeros."""
-    row = {"prompt_token_ids": [pad_token_id], "response_ids": [eos_token_id], "rewards": 0.0, "loss_masks": [0],
-           "uids": ep.uid, "rollout_logprobs": [0.0], "trajectory_ids": (ep.uid, ep.sample), "is_last_step": True,
-           "stop_reasons": "stop"}
-    if routing is not None:
-        row["routed_experts"] = np.zeros((2, *routing), dtype=np.int64)
-    return row
-
-
-def routing_shape(played: list[list[dict]]) -> tuple[int, ...] | None:
-    """``(L, k)`` of the played rows' ``routed_experts`` ``[p + r, L, k]``, None when they have none."""
-    first = next((row["routed_experts"] for rows in played for row in rows if "routed_experts" in row), None)
-    return None if first is None else tuple(np.shape(first)[1:])
-
-
 def episode_failures(episodes: list[Episode]) -> list[SampleFailure]:
     """The failed episodes, for the job's one line (``environments/failures.py``)."""
-    return [failure(i, ep.index, ep.error) for i, ep in enumerate(episodes) if ep.end == "failed"]
+    return [failure(i, ep.index, ep.error, raised=ep.raised) for i, ep in enumerate(episodes) if ep.end == "failed"]
 
 
 def episode_metrics(finished: list[Episode]) -> dict[str, float]:

@@ -1,0 +1,86 @@
+"""Reading config files and dotted overrides into flat ``{dotted key: raw value}`` dicts (no torch, no schema).
+
+Place in the data flow: the first step of loading a config (``megatron_rl.config.load_config``, the main job's
+``job/config.py: load_job_config``) and of the launch's first line (``job/paths.py``, which must stay fast: it
+runs before the pre-flight). Values are YAML-parsed but not checked: ``megatron_rl.config`` checks them against
+the schema. ``ConfigError`` lives here so that both sides raise the same class (``megatron_rl.config`` re-exports
+it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A mistake in the user's configuration; the message names the key, the value and the fix."""
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping a YAML config file holds ({} for an empty file); ConfigError naming the file otherwise."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist; pass the path of a YAML file (e.g. "
+                          "configs/demo_cpu.yaml)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} cannot be read ({err}); pass a readable YAML file") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise ConfigError(f"config file {path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def put_dotted(flat: dict[str, Any], key: str, value: Any, renames: Mapping[str, str]) -> None:
+    """Set ``key`` (nested mappings become dotted keys); the latest value of a key wins."""
+    if isinstance(value, dict):
+        for name, sub in value.items():
+            put_dotted(flat, f"{key}.{name}", sub, renames)
+        return
+    key = renames.get(key, key)
+    flat.pop(key, None)
+    flat[key] = value
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. optimizer.lr=1e-5)")
+    key, raw = item.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({getattr(err, 'problem', err)})") from None
+
+
+def config_paths(path: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    """The YAML files of ``path`` (one, several, or none), in the order they apply."""
+    if path is None:
+        return []
+    return [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
+
+
+def read_overrides(path: str | Path | Sequence[str | Path] | None, overrides: Sequence[str] = (), *,
+                   renames: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``{dotted key: raw value}`` from the YAML file(s) at ``path`` (several: each one over the ones before),
+    then the dotted ``overrides`` (later wins).
+
+    ``renames`` maps keys that moved to their new place (read from either spelling).
+    """
+    flat: dict[str, Any] = {}
+    for file in config_paths(path):
+        for name, value in read_yaml(file).items():
+            put_dotted(flat, str(name), value, renames or {})
+    for item in overrides:
+        put_dotted(flat, *_parse_override(item), renames or {})
+    return flat
