@@ -6,7 +6,6 @@ test_agent.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from job_run import ROOT, example_module
 from multirank import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.slow, pytest.mark.fleet]
 
 
@@ -25,11 +24,7 @@ def _run_agent(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess
 
     engine_py = engine_python()
     pytest.importorskip("openai")
-    spec = importlib.util.spec_from_file_location("tool_agent_make_model",
-                                                  ROOT / "examples" / "tool_agent" / "make_model.py")
-    make_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_model)
-    model = make_model.make_model(tmp_path / "model", seed=1)
+    model = example_module("examples/tool_agent/make_model.py").make_model(tmp_path / "model", seed=1)
     out = tmp_path / "run"
     env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "MEGATRON_RL_ENGINE_PYTHON": engine_py,
            "CONFIG": "configs/tool_agent_cpu.yaml"}
@@ -125,11 +120,7 @@ def test_ctrl_c_during_a_hung_episode_ends_the_run_within_seconds(tmp_path):
     import signal
     import time
 
-    spec = importlib.util.spec_from_file_location("tool_agent_make_model",
-                                                  ROOT / "examples" / "tool_agent" / "make_model.py")
-    make_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_model)
-    model = make_model.make_model(tmp_path / "model", seed=1)
+    model = example_module("examples/tool_agent/make_model.py").make_model(tmp_path / "model", seed=1)
     mark = tmp_path / "hanging"
     (tmp_path / "hanging_agent.py").write_text(HANGING_AGENT.format(mark=str(mark)))
     env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()),
