@@ -10,3 +10,7 @@ __version__ = "0.1.0"
 from megatron_rl import warnings_filter as _warnings_filter
 
 _warnings_filter.install()  # before megatron-core is imported: its known fallback warnings -> one line
+
+from megatron_rl import lazy_compile as _lazy_compile
+
+_lazy_compile.install()  # before megatron-core is imported: its torch.compile calls at import time are deferred (W36)
