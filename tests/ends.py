@@ -23,7 +23,7 @@ CORE = (
     "tests/hf/test_hf_multirank.py", "tests/hf/test_hf_moe.py", "tests/hf/test_stage_weights.py",
     "tests/hf/test_hf_moe_engine.py", "tests/hf/test_hf_lora.py", "tests/data/test_packing.py",
     "tests/inference/test_kv_cache.py",  # the built-in engine's incremental decoding through the Megatron model
-    "tests/test_patches.py", "tests/test_warnings_filter.py", "tests/test_failures.py",
+    "tests/test_patches.py", "tests/test_warnings_filter.py", "tests/test_failures.py", "tests/test_lazy_compile.py",
     "tests/demo/test_demo_multirank.py", "tests/demo/test_main_job.py",  # the main job on the built-in engine
     "tests/job/test_moe_main_job.py::test_moe_demo_runs_at_ep2_and_resumes_at_ep1",
     "tests/inference/test_vllm_sync.py",  # the trainer's weights into the vLLM engine, per layout
