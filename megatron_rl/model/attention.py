@@ -40,6 +40,7 @@ import contextlib
 import inspect
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -198,8 +199,8 @@ class PackedDotProductAttention(MegatronModule):
 
     def _use_varlen(self, query: torch.Tensor) -> bool:
         """The flash kernel: CUDA, fp16/bf16, no attention dropout, and a causal form of varlen_attn."""
-        return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _VARLEN is not None
-                and not (self.dropout_p > 0 and self.training))  # fmt: skip
+        return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+                and not (self.dropout_p > 0 and self.training) and _varlen() is not None)  # fmt: skip
 
     def _thd_varlen(self, query, key, value, cu: torch.Tensor, max_seqlen: int | None) -> torch.Tensor:
         """The CUDA path of ``_thd``: one flash kernel over all sequences, no host sync when ``max_seqlen`` is
@@ -208,15 +209,16 @@ class PackedDotProductAttention(MegatronModule):
         if max_seqlen is None:  # a sync; PackedBatch.packed_seq_params() always sets it
             max_seqlen = int((cu[1:] - cu[:-1]).max())
         _check_max_seqlen(max_seqlen, [0] * (cu.numel() - 1) + [query.shape[0]])  # host shapes only (cu[-1] == T)
-        kwargs = dict(_VARLEN.causal_kwargs)
+        varlen = _varlen()
+        kwargs = dict(varlen.causal_kwargs)
         if self.num_heads != self.num_groups:
-            if _VARLEN.has_gqa:
+            if varlen.has_gqa:
                 kwargs["enable_gqa"] = True
             else:  # expand k/v on the device (a Python repeat count: no sync)
                 key = key.repeat_interleave(self.num_heads // self.num_groups, dim=1)
                 value = value.repeat_interleave(self.num_heads // self.num_groups, dim=1)
         cu = cu.to(torch.int32)
-        out = _VARLEN.fn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=self.softmax_scale, **kwargs)
+        out = varlen.fn(query, key, value, cu, cu, max_seqlen, max_seqlen, scale=self.softmax_scale, **kwargs)
         return out.reshape(query.shape[0], -1)  # [T, np*hn]
 
     def _padded(self, query, key, value, attention_mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
@@ -326,7 +328,17 @@ def _find_varlen() -> _VarlenAttn | None:
         return None
 
 
-_VARLEN = _find_varlen()
+_UNKNOWN = object()
+_VARLEN: Any = _UNKNOWN
+"""``_find_varlen()``, looked up at the first CUDA call (``_varlen``): importing ``torch.nn.attention.varlen``
+imports TorchDynamo (~2.5 CPU s), which a CPU run never needs."""
+
+
+def _varlen() -> _VarlenAttn | None:
+    global _VARLEN
+    if _VARLEN is _UNKNOWN:
+        _VARLEN = _find_varlen()
+    return _VARLEN
 
 
 def _check_supported(config: TransformerConfig) -> None:

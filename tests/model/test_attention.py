@@ -79,8 +79,8 @@ def _loop_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size=(-1, -
 def test_cpu_keeps_the_per_sequence_path(groups):
     attn = _attention(groups)
     assert not attn._use_varlen(torch.zeros(1, HEADS, HEAD_DIM))
-    if attention_module._VARLEN is not None:  # torch >= 2.10: the signature was understood
-        assert attention_module._VARLEN.causal_kwargs in ({"window_size": (-1, 0)}, {"is_causal": True})
+    if attention_module._varlen() is not None:  # torch >= 2.10: the signature was understood
+        assert attention_module._varlen().causal_kwargs in ({"window_size": (-1, 0)}, {"is_causal": True})
 
 
 @pytest.mark.parametrize("has_gqa", [True, False])
@@ -135,7 +135,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @cuda
 def test_flash_varlen_matches_per_sequence_path_bf16(groups):
-    if attention_module._VARLEN is None:
+    if attention_module._varlen() is None:
         pytest.skip("torch has no usable varlen_attn")
     attn = _attention(groups, torch.bfloat16).cuda()
     q, k, v = _qkv(torch.bfloat16, "cuda")
