@@ -75,7 +75,8 @@ echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), config ${c
 # checkpoint directories of the config as resolved (overrides included). A failure is one line on stderr and
 # exit code 2, before any rank starts.
 world=(); [[ "$NPROC$NNODES" =~ ^[0-9]+$ ]] && world=(--world-size "$((NPROC * NNODES))")  # elastic MIN:MAX: skip
-"$PY" -m megatron_rl.job.preflight "${config_args[@]}" "${world[@]}" "$@" || exit $?
-# torchrun through megatron_rl.distributed.launch: an error the ranks report (a config or checkpoint mistake) is
-# one line and its exit code instead of torchrun's failure report.
-exec "$PY" -m megatron_rl.distributed.launch --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.job.main "${config_args[@]}" "$@"
+# The pre-flight (megatron_rl.job.preflight: exit 2 and one line when the run cannot start), then torchrun through
+# megatron_rl.distributed.launch (an error the ranks report, a config or checkpoint mistake, is one line and its
+# exit code instead of torchrun's failure report), in one process (megatron_rl/job/start.py: one torch import).
+exec "$PY" -m megatron_rl.job.start "${config_args[@]}" "${world[@]}" "$@" --then-torchrun \
+  --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.job.main "${config_args[@]}" "$@"
