@@ -179,6 +179,11 @@ def _views(model_chunks: list[torch.nn.Module], merge_adapters: bool = False) ->
 
 
 def bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups) -> Any:
+    """mbridge's converter for ``hf_dir`` (``make_bridge``); for Qwen3.5, which mbridge lacks, our own
+    (``qwen35.StageStream``: ``iter_stage_hf_weights`` only)."""
+    model_type = load_hf_config(hf_dir).model_type
+    if model_type in qwen35.MODEL_TYPES:
+        return qwen35.StageStream(model_config_from_hf(hf_dir), model_type)
     embedding_or_output = _vocab_parallel_rows(model_chunks[0])
     dtype = next(model_chunks[0].parameters()).dtype
     padded = _all_reduce_max(embedding_or_output, groups)
@@ -328,6 +333,10 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
                          "handles whole experts only; set expert_tensor_parallel_size=1")
     if bridge is None:
         bridge = bridge_for(model_chunks, hf_dir, groups)
+    if isinstance(bridge, qwen35.StageStream):  # no mbridge bridge: our own mapping, the stage gathered at once
+        with torch.no_grad():
+            yield from bridge.iter_stage_weights(model_chunks, groups)
+        return
     tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
     root = _is_stream_root(groups)
     with torch.no_grad():
