@@ -24,7 +24,8 @@ names and full tensors; every rank must run it to the end). What mbridge needs h
   that a whole expert (expert_tensor_parallel_size 1) is not split over TP.
 
 Qwen3.5 (hybrid Gated-DeltaNet) has no mbridge bridge: ``hf/qwen35.py`` maps it (every rank reads the
-checkpoint, ``model/weights.py`` shards it), and the per-stage stream refuses it.
+checkpoint, ``model/weights.py`` shards it); its per-stage stream gathers the stage over TP at once
+(``qwen35.StageStream``, which ``bridge_for`` returns for it).
 
 Export writes ``model.safetensors`` (or size-limited shards + ``model.safetensors.index.json``) on rank 0,
 plus the source directory's config and tokenizer files, so ``transformers`` loads the result directly.
@@ -71,9 +72,8 @@ def make_bridge(hf_dir: str | os.PathLike, groups: ParallelGroups, dtype: torch.
 
     hf_config = load_hf_config(hf_dir)
     if hf_config.model_type in qwen35.MODEL_TYPES:
-        raise ValueError(f"{str(hf_dir)!r} is a Qwen3.5 checkpoint: mbridge has no bridge for it, so the per-stage "
-                         "weight stream (the vLLM weight sync) does not support it yet; use the built-in engine "
-                         "(docs/QWEN35.md)")
+        raise ValueError(f"{str(hf_dir)!r} is a Qwen3.5 checkpoint: mbridge has no bridge for it; use "
+                         "bridge_for (hf/qwen35.py maps it: docs/QWEN35.md)")
     hf_config.rope_theta = rope_theta(hf_config)
     states = ParallelStates(
         tp_size=groups.tp_size, tp_rank=groups.tp_rank, pp_size=groups.pp_size, pp_rank=groups.pp_rank,
