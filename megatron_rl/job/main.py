@@ -233,6 +233,7 @@ def start_engine(config: JobConfig, policy: MegatronPolicy, pad_id: int) -> Roll
         what = f"{rollout.num_engines} vLLM engine(s)" + (f" + {len(rollout.engine_urls)} attached"
                                                           if rollout.engine_urls else "")
         print(f"megatron_rl main job: starting {what} (logs: {work_dir}/engine<i>.log)", flush=True)
+        print(describe_engine_dtype(config), flush=True)
     try:
         return VLLMEngine.start(policy, config.rollout, hf_dir=config.rl.model.hf_path, work_dir=work_dir,
                                 seed=config.rl.seed)
@@ -352,6 +353,8 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
     if sleeping:
         job.engine.wake()
     metrics.update(rollouts.metrics)
+    if job.is_rank0:
+        check_agreement(config, step, metrics)
     metrics["timing/rollout_s"] = batch.rollout_s
     metrics["rollout/staleness_mean"], metrics["rollout/staleness_max"] = job.pipeline.staleness(batch, step)
     if ahead:
@@ -367,6 +370,43 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
     metrics.update(job.engine.step_metrics())  # the vLLM fleet's restarts and live engines (rank 0)
     metrics["timing/step_s"] = time.perf_counter() - started
     return metrics, rollouts
+
+
+def describe_engine_dtype(config: JobConfig) -> str:
+    """The start-up line: the vLLM engine's dtype, why, and the log-prob agreement it allows."""
+    from megatron_rl.inference.config import agreement_bound, engine_dtype
+
+    model = config.rl.model
+    dtype, why = engine_dtype(config.rollout, model, config.rl.parallel.device)
+    bound = agreement_bound(dtype, model.params_dtype)
+    checked = "checked every step" if agreement_checked(config) else "not checked: the rollouts are not on-policy"
+    return (f"megatron_rl main job: vLLM engine dtype {dtype} ({why}); trainer {model.params_dtype}; "
+            f"engine vs trainer log-probs of the sampled tokens within {bound:.3g} on average ({checked})")
+
+
+def agreement_checked(config: JobConfig) -> bool:
+    """Whether the engine samples from the trainer's current weights and distribution (then its log-probs must
+    agree with the trainer's old log-probs): every step synced, no generation ahead, temperature 1, no top-p."""
+    rollout, job = config.rollout, config.job
+    return (rollout.engine == "vllm" and rollout.sync_interval == 1 and rollout.max_staleness == 0
+            and job.temperature == 1.0 and job.top_p == 1.0)
+
+
+def check_agreement(config: JobConfig, step: int, metrics: dict[str, float]) -> None:
+    """Rank 0 warns (one line) when the on-policy engine's log-probs drift past ``AGREEMENT_BOUNDS``: a weight
+    sync that left stale or wrong weights shows here first."""
+    from megatron_rl.inference.config import agreement_bound, engine_dtype
+
+    diff = metrics.get("rollout/logprob_abs_diff_mean")
+    if diff is None or not agreement_checked(config):
+        return
+    model = config.rl.model
+    dtype = engine_dtype(config.rollout, model, config.rl.parallel.device)[0]
+    bound = agreement_bound(dtype, model.params_dtype)
+    if diff > bound:
+        print(f"megatron_rl main job: WARNING step {step}: the engine's log-probs differ from the trainer's by "
+              f"{diff:.3g} on average, above the {bound:.3g} a {dtype} engine allows (docs/INFERENCE.md); the "
+              "weight sync or the engine's model may be wrong", flush=True)
 
 
 def settles(config: JobConfig, step: int) -> bool:

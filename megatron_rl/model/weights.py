@@ -136,9 +136,10 @@ def _gather_tp(tensor: torch.Tensor, size: int, group: object, dim: int, section
 
 @torch.no_grad()
 def full_state_dict(model: torch.nn.Module, groups: ParallelGroups, *,
-                    include: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+                    include: Callable[[str], bool] | None = None, all_stages: bool = True) -> dict[str, torch.Tensor]:
     """The whole model's state dict, TP- and PP-unsharded, on CPU, on every rank (collective); only the tensors
-    whose local name ``include`` accepts, when given (the same on every rank: e.g. the LoRA adapters)."""
+    whose local name ``include`` accepts, when given (the same on every rank: e.g. the LoRA adapters);
+    ``all_stages=False``: this pipeline stage's tensors only (global names; nothing crosses stages)."""
     model = unwrap(model)
     stage: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}
@@ -156,7 +157,7 @@ def full_state_dict(model: torch.nn.Module, groups: ParallelGroups, *,
         dist.all_gather_object(parts, experts, group=groups.ep_group)
         experts = {name: value for part in parts for name, value in part.items()}
     stage.update(experts)
-    if groups.pp_size == 1:
+    if groups.pp_size == 1 or not all_stages:
         return stage
     stages: list[dict[str, torch.Tensor] | None] = [None] * groups.pp_size
     dist.all_gather_object(stages, stage, group=groups.pp_group)

@@ -1,7 +1,7 @@
 """Qwen3.5 checkpoints in and out (hf/qwen35.py): ``policy_from_hf`` reads the text-only and the multimodal layout,
 its log-probs equal transformers' (one sequence per forward), the built-in engine samples from it with
-transformers' log-probs, export round-trips every tensor bitwise and transformers loads the export with the
-source's logits.
+transformers' log-probs, export and the vLLM weight sync's stream (``iter_stage_hf_weights``) give every tensor
+back bitwise and transformers loads the export with the source's logits.
 
 Tolerance 1e-5 on log-probs: fp32, the same formulas in another order (tests/model/test_hybrid.py).
 """
@@ -86,8 +86,14 @@ def test_policy_from_hf_matches_transformers_and_export_round_trips(layout, grou
 
     if layout == "text":
         _check_builtin_engine(policy, hf_text)
+    original = load_file(f"{source}/model.safetensors")
+    from megatron_rl.hf.weights import iter_stage_hf_weights  # the vLLM weight sync's stream: the model, bitwise
+
+    streamed = dict(iter_stage_hf_weights([policy.module], source, groups))
+    assert streamed.keys() == {k for k in original if not k.startswith("model.visual.")}
+    assert all(torch.equal(tensor, original[k]) for k, tensor in streamed.items())
     out = export_policy_to_hf(policy, tmp_path / "export", source)
-    exported, original = load_file(f"{out}/model.safetensors"), load_file(f"{source}/model.safetensors")
+    exported = load_file(f"{out}/model.safetensors")
     assert exported.keys() == original.keys()  # the multimodal vision tower passes through unchanged
     assert all(torch.equal(exported[k], original[k]) for k in original), "round trip is not bitwise"
     if layout == "multimodal":

@@ -131,17 +131,38 @@ def test_hybrid_config_errors(monkeypatch):
         build_transformer_config(dataclasses.replace(base, num_moe_experts=2), ParallelConfig())
 
 
-def test_vllm_engine_refused_at_start_up(tmp_path):
+def test_vllm_engine_dtype_and_shapes_at_start_up(tmp_path):
+    """On CPU vLLM serves a Qwen3.5 in bf16 only, with a GDN head dim of 64 or 128: 'auto' picks bf16, the rest
+    is refused in one line naming the field, before any engine starts (config validation)."""
     import json
 
     from megatron_rl.config import ConfigError, ModelConfig
-    from megatron_rl.inference.config import RolloutConfig, check_engine_model
+    from megatron_rl.inference.config import RolloutConfig, agreement_bound, check_engine_model, engine_dtype
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text"}))
-    for model in (ModelConfig(num_layers=2, linear_attention_freq=[1, 0]), ModelConfig(hf_path=str(tmp_path))):
-        with pytest.raises(ConfigError, match="rollout.engine=vllm with a Qwen3.5 .* set rollout.engine=builtin"):
-            check_engine_model(RolloutConfig(engine="vllm"), model, "cpu")
-    check_engine_model(RolloutConfig(engine="builtin"), ModelConfig(hf_path=str(tmp_path)), "cpu")
+    def hf(dim: int):
+        path = tmp_path / f"hd{dim}"
+        path.mkdir(exist_ok=True)
+        (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "hidden_size": 64, "head_dim": 32,
+                                                      "num_attention_heads": 4, "linear_key_head_dim": dim,
+                                                      "linear_value_head_dim": 128}))
+        return ModelConfig(hf_path=str(path))
+
+    vllm = RolloutConfig(engine="vllm")
+    local = ModelConfig(num_layers=2, linear_attention_freq=[1, 0], kv_channels=32, linear_key_head_dim=64,
+                        linear_value_head_dim=64)
+    for model in (local, hf(64)):
+        check_engine_model(vllm, model, "cpu")
+        assert engine_dtype(vllm, model, "cpu")[0] == engine_dtype(vllm, model, "auto")[0] == "bfloat16"
+        assert engine_dtype(vllm, model, "cuda")[0] == "float32"  # GPUs: the policy's dtype
+        with pytest.raises(ConfigError, match="rollout.dtype=float32 with a hybrid .* set rollout.dtype=auto"):
+            check_engine_model(RolloutConfig(engine="vllm", dtype="float32"), model, "cpu")
+    with pytest.raises(ConfigError, match=r"Gated-DeltaNet head dim in \(64, 128\).* has linear_key_head_dim=32;"):
+        check_engine_model(vllm, hf(32), "cpu")
+    with pytest.raises(ConfigError, match=r"but model.linear_value_head_dim=32;"):
+        check_engine_model(vllm, dataclasses.replace(local, linear_value_head_dim=32), "cpu")
+    check_engine_model(RolloutConfig(engine="builtin"), hf(32), "cpu")
+    assert engine_dtype(vllm, ModelConfig(), "cpu")[0] == "float32"  # not hybrid: the policy's dtype
+    assert agreement_bound("bfloat16", "float32") == 2.0**-5 and agreement_bound("float32", "float32") == 1e-4
 
 
 @needs_hybrid

@@ -3,7 +3,8 @@ micro-batching, DP, TP (+ sequence parallelism) or PP.
 
 Reference: the single-process ``MegatronPolicy`` of the same weights with one micro-batch (in this process).
 ONE 2-rank spawn runs every layout in turn (DP2, TP2 with SP, PP2), each with 2 micro-batches per rank (the
-reference with 1 and 2).
+reference with 1 and 2). The same spawn checks the vLLM weight sync's per-stage stream (``hf/qwen35.py:
+StageStream``): under TP2 and PP2 the stages' streams together are the full model's HF tensors, bitwise.
 The helpers are those of test_policy_multirank.py (the summed policy-gradient loss, its batch of 7 uneven
 rows). Tolerances as there: fp32 with a different reduction order (relative 1e-5).
 """
@@ -11,6 +12,7 @@ rows). Tolerances as there: fp32 with a different reduction order (relative 1e-5
 from __future__ import annotations
 
 import pytest
+import torch
 
 from batches import full_grads, max_rel_err, micro_batch_size, training_batch
 from megatron_rl.model import hybrid
@@ -44,9 +46,11 @@ def _config(**parallel):
 
 def _runs(cfg, groups, tensors, full_sd, counts) -> dict:
     """Loss and finalized gradients per micro-batch count, then the grad norm of one optimizer step."""
+    from megatron_rl.hf.qwen35 import TEXT_MODEL_TYPE, StageStream
+
     batch = training_batch(tensors)
     policy = _fresh_policy(cfg, groups, full_sd)
-    out = {}
+    out = {"stream": dict(StageStream(cfg.model, TEXT_MODEL_TYPE).iter_stage_weights([policy.module], groups))}
     for count in counts:
         policy.config.batch.micro_batch_size = micro_batch_size(len(batch), groups.dp_size, count)
         out[f"loss_{count}"] = float(policy.forward_backward(batch, summed_pg_loss, None)["loss"].value)
@@ -90,10 +94,22 @@ def test_loss_grads_and_grad_norm_independent_of_micro_batching_and_layout(refer
     tensors, full_sd, ref = reference
     assert ref["loss_1"] != 0.0 and any(".in_proj." in k for k in ref["grad_1"])
     assert max_rel_err(ref["grad_2"], ref["grad_1"]) < 1e-5
+    from megatron_rl.hf.qwen35 import megatron_to_hf
+
+    want = megatron_to_hf(full_sd, _config().model)
+    streamed = {name: {} for name in LAYOUTS}
     for rank_results in run_ranks(2, _layouts_rank, tensors, full_sd, timeout=600):
         for name, got in rank_results.items():
+            if name == "dp2":  # every DP rank is a TP rank 0 of the only stage (the weight sync sends from dp 0)
+                streamed[name] = got["stream"]
+            else:
+                assert not streamed[name].keys() & got["stream"].keys(), f"{name}: a tensor streamed twice"
+                streamed[name].update(got["stream"])
             for count in LAYOUT_COUNTS:
                 assert got[f"loss_{count}"] == pytest.approx(ref["loss_1"], rel=1e-5), (name, count)
                 err = max_rel_err(got[f"grad_{count}"], ref["grad_1"])
                 assert err < 1e-5, f"{name}, {count} micro-batches: gradient relative error {err:.2e}"
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), name
+    for name, stream in streamed.items():  # the vLLM weight sync's stream: TP-gathered, each stage its own layers
+        assert stream.keys() == want.keys(), name
+        assert all(torch.equal(stream[k], want[k]) for k in want), f"{name}: the weight-sync stream is not bitwise"
