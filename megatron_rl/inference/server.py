@@ -40,6 +40,8 @@ _TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "CUDA_VISIBLE_DEVICES")
 MODEL_NAME = "megatron_rl"
 """``--served-model-name`` of the engines the job starts (an attached server may serve any one model)."""
+LORA_NAME = "megatron_rl_lora"
+"""The name of the policy's LoRA adapter in every engine (``model.lora.rank > 0``): rollout requests name it."""
 
 
 class EngineStartError(RuntimeError):
@@ -91,6 +93,9 @@ class ServeOptions:
     scale_out: bool = False
     """``--enable-scale-out``: ``/inference/v1/generate``, whose answers say which weight version made each token
     (``rollout.partial_rollouts``)."""
+    lora_rank: int = 0
+    """``model.lora.rank``: > 0 serves the base with ``--enable-lora --max-lora-rank`` and the adapter in
+    ``<model dir>/adapter`` as ``LORA_NAME`` (``--lora-modules``; the weight sync replaces its tensors)."""
 
 
 class EngineServer:
@@ -140,6 +145,8 @@ class EngineServer:
             "--tensor-parallel-size", str(options.tensor_parallel_size),
             "--disable-uvicorn-access-log", *(["--enable-sleep-mode"] if options.sleep_mode else []),
             *(["--enable-scale-out"] if options.scale_out else []),
+            *(["--enable-lora", "--max-lora-rank", str(options.lora_rank), "--max-loras", "1", "--max-cpu-loras", "1",
+               "--lora-modules", f"{LORA_NAME}={model_dir / 'adapter'}"] if options.lora_rank else []),
         ]  # fmt: skip
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
@@ -227,8 +234,8 @@ class EngineServer:
             "skip_special_tokens": False,
         }  # fmt: skip
         if versioned:
-            choice = self.call("POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": sampling},
-                               timeout_s=timeout_s)["choices"][0]
+            body = {"token_ids": prompt, "sampling_params": sampling, **({"model": model} if model != MODEL_NAME else {})}
+            choice = self.call("POST", "/inference/v1/generate", body, timeout_s=timeout_s)["choices"][0]
             logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
             versions = [0 if stretch["version"] == "default" else int(stretch["version"])
                         for stretch in choice.get("weight_versions") or []
