@@ -288,7 +288,7 @@ def policy_from_hf(config: MegatronRLConfig, groups: ParallelGroups, *, role: Li
 def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups,
                     *, merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank.
-    ``merge_adapters=False``: a LoRA policy's frozen base alone (the vLLM engines' model, docs/LORA.md section 4)."""
+    ``merge_adapters=False``: a LoRA policy's frozen base alone (the vLLM engines' model, docs/LORA.md section 5)."""
     model_type = load_hf_config(hf_dir).model_type
     if model_type in qwen35.MODEL_TYPES:  # no mbridge bridge: our own mapping (hf/qwen35.py)
         if not merge_adapters and lora.adapted_linears(unwrap(model_chunks[0])):

