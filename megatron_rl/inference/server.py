@@ -199,7 +199,8 @@ class EngineServer:
 
     # ------------------------------------------------------------------------------------------- requests
     def call(self, method: str, path: str, body: Any = None, *, timeout_s: float) -> Any:
-        """One HTTP request; the decoded JSON answer (or None). EngineDown / EngineError as in the module doc."""
+        """One HTTP request; the decoded JSON answer (a plain-text answer as text; None if empty). EngineDown /
+        EngineError as in the module doc."""
         connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
         headers = {"Authorization": f"Bearer {self.token}"}
         data = None
@@ -220,7 +221,12 @@ class EngineServer:
             raise EngineDown(f"{method} {path}: HTTP {response.status}: {payload[:500].decode(errors='replace')}")
         if response.status >= 400:
             raise EngineError(f"{method} {path}: HTTP {response.status}: {payload[:500].decode(errors='replace')}")
-        return json.loads(payload) if payload else None
+        if not payload:
+            return None
+        try:
+            return json.loads(payload)
+        except ValueError:  # a plain-text answer (``/v1/load_lora_adapter``: "Success: ...")
+            return payload.decode(errors="replace")
 
     def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, timeout_s: float,
                  model: str = MODEL_NAME, versioned: bool = False) -> Completion:

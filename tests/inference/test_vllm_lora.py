@@ -1,6 +1,9 @@
 """A LoRA policy's vLLM engine: the base loaded once, each sync sends the adapter only, in memory.
 
-One engine start (one process, fp32, ``model.lora.rank=8``, ``alpha=16``: vLLM scales ``lora_B`` by 2). RL steps of
+One engine start (one process, fp32, ``model.lora.rank=8``, ``alpha=16``: vLLM scales ``lora_B`` by 2), an
+*attached* server (``rollout.engine_urls``, started here as docs/INFERENCE.md says: ``--enable-lora``,
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), so the job registers the adapter by path (``/v1/load_lora_adapter``) before
+the in-memory syncs; the job's own engines load it with ``--lora-modules`` (tests/job/test_lora_job.py). RL steps of
 generate -> train_step -> update_weights, checked every step:
 - agreement: ``rollout/logprob_abs_diff_max`` (the engine's log-probs of its samples vs the trainer's) <= 1e-4;
 - what was sent: ``rollout/weight_sync_bytes`` is the adapter's bytes exactly (A and B of 7 modules x 2 layers),
@@ -39,6 +42,25 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
     from megatron_rl.inference.vllm_worker import tensor_digest
     from megatron_rl.trainer import Trainer
 
+    import subprocess
+
+    from megatron_rl.inference.server import REPO_ROOT, EngineServer, free_port
+
+    token = "lora-test-token"
+    os.environ["MEGATRON_RL_ENGINE_TOKEN"] = token  # the job reads it for attached servers
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "PYTHONPATH", "OMP_NUM_THREADS")}
+    env.update(PYTHONPATH=str(REPO_ROOT), VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_CPU_KVCACHE_SPACE="1")
+    with open(f"{work_dir}.attached.log", "wb") as log:
+        server = subprocess.Popen(
+            [engine_py, "-m", "megatron_rl.inference.vllm_serve", "--parent-pid", str(os.getpid()), hf_dir,
+             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "megatron_rl", "--dtype", "float32",
+             "--max-model-len", "256", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
+             "--no-enable-chunked-prefill", "--enforce-eager", "--enable-prefix-caching", "--enable-lora",
+             "--max-lora-rank", str(RANK), "--max-loras", "1", "--max-cpu-loras", "1"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=str(REPO_ROOT))
+    attached = EngineServer(f"http://127.0.0.1:{port}", token, proc=server)  # (owned here, only to be killed)
     cfg = load_config(None, [
         "parallel.device=cpu", f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "optimizer.lr=2e-2",
         "optimizer.lr_warmup_steps=0", "batch.train_batch_size=4", "batch.policy_mini_batch_size=4",
@@ -47,7 +69,12 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
     groups = initialize_distributed(cfg.parallel, cfg.seed)
     policy = policy_from_hf(cfg, groups, hf_dir=hf_dir)
     trainer = Trainer(policy.config, policy)
-    engine = VLLMEngine.start(policy, RolloutConfig(engine="vllm", bucket_mb=0.05), hf_dir=hf_dir, work_dir=work_dir)
+    rollout = RolloutConfig(engine="vllm", num_engines=0, engine_urls=[attached.url], bucket_mb=0.05)
+    try:
+        engine = VLLMEngine.start(policy, rollout, hf_dir=hf_dir, work_dir=work_dir)
+    except BaseException:
+        attached.kill()
+        raise
     engine.record_digests = True
     spec = SamplingSpec(max_tokens=6, temperature=1.0, stop_token_ids=(2,))
     long = [[(7 * i + k) % 200 + 3 for i in range(150)] for k in range(2)]  # > one 128-token CPU KV block
@@ -86,6 +113,7 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
                                 if "lora" not in n)
     finally:
         engine.close()
+        attached.kill()
     return out
 
 
