@@ -1,6 +1,7 @@
 """A user's HF model trains a LoRA adapter (``model.lora.rank=16``) through ``bash run_megatron.sh`` on vLLM
 (docs/LORA.md): the task of test_generic_job.py (a model, prompts and a reward the repository does not ship), one
-engine, 3 steps synchronous and 3 steps one-step-off (``rollout.max_staleness=1``), one launch each.
+engine, 3 steps synchronous and 3 steps one-step-off (``rollout.max_staleness=1``), one launch each; then 2 steps
+on the built-in engine (which samples with the live adapters: nothing to sync).
 
 Every synchronous step samples with the trainer's adapter (``rollout/logprob_abs_diff_max`` <= 1e-4; one-step-off:
 step 1, whose weights the engine has), and each sync sent the adapter only: ``rollout/weight_sync_bytes`` equals
@@ -52,3 +53,11 @@ def test_lora_trains_on_vllm_sync_and_one_step_off(tmp_path, monkeypatch):
     assert all(0 < r["rollout/logprob_abs_diff_max"] <= TOLERANCE for r in rows["sync"]), rows["sync"]
     assert [r["rollout/staleness_max"] for r in rows["async"]] == [0, 1, 1]
     assert rows["async"][0]["rollout/logprob_abs_diff_max"] <= TOLERANCE
+
+    out = tmp_path / "builtin"
+    run_megatron(*overrides(task, out, reward), "model.lora.rank=16", "job.num_steps=2", "checkpoint.save_interval=0",
+                 "job.max_new_tokens=6")
+    builtin = metric_rows(out)
+    assert all(0 < r["rollout/logprob_abs_diff_max"] <= TOLERANCE and "rollout/weight_sync_bytes" not in r
+               for r in builtin), builtin
+    assert (out / "hf" / "step_2" / "adapter" / "adapter_model.safetensors").is_file()
