@@ -1,6 +1,8 @@
 """LoRA against full fine-tuning: bytes of trainable state, peak step memory, and what a weight sync moves.
 
     .venv/bin/python bench/bench_lora.py [--models mid 0.6b] [--ranks 8 16 64] [--small]
+    .venv/bin/python bench/bench_lora.py --device cuda --models 1.7b         # a GPU (not run: none lent here)
+    .venv/bin/python bench/bench_lora.py --device cuda --models 8b --skip-full
 
 Place in the data flow: ``model.lora.rank`` (docs/LORA.md) changes three things this measures, per model shape,
 side by side in one run: the trainer's state (only the adapters have gradients and Adam moments), the memory of
@@ -14,7 +16,8 @@ Qwen3-0.6B shape: hidden 1024, 28 layers, ffn 3072, 16 / 8 heads, head_dim 128, 
 2r, all 7 projections), fp32, Adam, one process (gloo, CPU), each variant in a fresh spawned process (so its memory
 goes back); the order of the variants is the command line's.
 
-Per variant: build the policy from the HF folder; 2 RL steps (``Trainer.train_step``) on one fixed batch of 4
+``1.7b`` and ``8b`` (Qwen3-1.7B / -8B shapes) are for ``--device cuda`` (not run: no GPU lent here; on a GPU the
+two memory columns are device memory). Per variant: build the policy from the HF folder; 2 RL steps (``Trainer.train_step``) on one fixed batch of 4
 sequences x (16 prompt + 16 response) tokens (GRPO, 2 groups of 2; the first step allocates Adam's state). Reported:
 - trainable state: the bytes of trainable parameters + their gradients (the DDP grad buffer, ``main_grad``) +
   the optimizer's state (every tensor in Adam's state), after step 2;
@@ -52,6 +55,10 @@ MODELS = {
                 num_key_value_heads=4, head_dim=64, vocab_size=32000, tie_word_embeddings=True),
     "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
 }  # fmt: skip
 PROMPT, RESPONSE = 16, 16
 
@@ -114,7 +121,7 @@ class PeakRss:
         self.thread.join()
 
 
-def run_variant(hf_dir: str, name: str, rank: int, port: int, out: str) -> None:
+def run_variant(hf_dir: str, name: str, rank: int, port: int, out: str, device: str) -> None:
     """One variant in this (spawned) process; writes its row as JSON to ``out``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
@@ -126,7 +133,7 @@ def run_variant(hf_dir: str, name: str, rank: int, port: int, out: str) -> None:
     from megatron_rl.trainer import Trainer
 
     lora = [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}"] if rank else []
-    cfg = load_config(None, ["parallel.device=cpu", "optimizer.lr=1e-5", "optimizer.lr_warmup_steps=0",
+    cfg = load_config(None, [f"parallel.device={device}", "optimizer.lr=1e-5", "optimizer.lr_warmup_steps=0",
                              "batch.train_batch_size=2", "batch.policy_mini_batch_size=2",
                              "algorithm.advantage_estimator=grpo", *lora], world_size=1)
     groups = initialize_distributed(cfg.parallel, cfg.seed)
@@ -136,9 +143,16 @@ def run_variant(hf_dir: str, name: str, rank: int, port: int, out: str) -> None:
     metrics = trainer.train_step(data)
     release_heap()
     before = status_kib("VmRSS")
+    cuda = device == "cuda"
+    if cuda:  # device memory instead of RSS: the step's peak above what is allocated before it
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before_dev = torch.cuda.memory_allocated()
     started = time.perf_counter()
     with PeakRss() as peak:
         metrics = trainer.train_step(data)
+    if cuda:
+        torch.cuda.synchronize()
     step_s = time.perf_counter() - started
     trainable = [p for p in policy.module.parameters() if p.requires_grad]
     params = sum(p.numel() for p in trainable)
@@ -155,7 +169,9 @@ def run_variant(hf_dir: str, name: str, rank: int, port: int, out: str) -> None:
         "model": name, "variant": f"LoRA r={rank}" if rank else "full", "rank": rank, "params": total,
         "trainable_params": params, "param_bytes": sum(p.numel() * p.element_size() for p in trainable),
         "grad_bytes": grads, "optimizer_bytes": optimizer_state_bytes(policy.optimizer), "step_s": step_s,
-        "step_peak_extra_mib": (peak.peak - before) / 1024, "process_peak_mib": status_kib("VmHWM") / 1024,
+        "step_peak_extra_mib": ((torch.cuda.max_memory_allocated() - before_dev) / MIB if cuda
+                                else (peak.peak - before) / 1024),
+        "process_peak_mib": torch.cuda.max_memory_allocated() / MIB if cuda else status_kib("VmHWM") / 1024,
         "sync_bytes": sync_bytes, "sync_prepare_s": sync_s,
         "finite": all(v == v and abs(v) != float("inf") for v in metrics.values() if isinstance(v, float)),
     }  # fmt: skip
@@ -163,14 +179,14 @@ def run_variant(hf_dir: str, name: str, rank: int, port: int, out: str) -> None:
     Path(out).write_text(json.dumps(row))
 
 
-def measure(hf_dir: Path, name: str, rank: int, work: Path) -> dict:
+def measure(hf_dir: Path, name: str, rank: int, work: Path, device: str) -> dict:
     from multiprocessing import get_context
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from multirank import free_port
 
     out = work / f"{name}_r{rank}.json"
-    proc = get_context("spawn").Process(target=run_variant, args=(str(hf_dir), name, rank, free_port(), str(out)))
+    proc = get_context("spawn").Process(target=run_variant, args=(str(hf_dir), name, rank, free_port(), str(out), device))
     proc.start()
     proc.join()
     if proc.exitcode != 0:
@@ -221,6 +237,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--ranks", nargs="+", type=int, default=[8, 16, 64])
     parser.add_argument("--small", action="store_true", help="tiny model, r=8 and full: a smoke run")
     parser.add_argument("--work", default="/tmp/megatron_rl_bench_lora")
+    parser.add_argument("--skip-full", action="store_true",
+                        help="LoRA variants only (8b in fp32: full fine-tuning's ~120 GiB of state fit no one GPU)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: memory columns are device memory (torch.cuda.max_memory_allocated)")
     args = parser.parse_args(argv)
     models, ranks = (["tiny"], [8]) if args.small else (args.models, args.ranks)
     work = Path(args.work)
@@ -228,8 +248,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for name in models:
         hf_dir = write_model(work / name, name)
-        for rank in [0, *ranks]:
-            rows.append(measure(hf_dir, name, rank, work))
+        for rank in ([] if args.skip_full else [0]) + ranks:
+            rows.append(measure(hf_dir, name, rank, work, args.device))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     return rows
