@@ -17,7 +17,9 @@ Qwen3-0.6B shape: hidden 1024, 28 layers, ffn 3072, 16 / 8 heads, head_dim 128, 
 goes back); the order of the variants is the command line's.
 
 ``1.7b`` and ``8b`` (Qwen3-1.7B / -8B shapes) are for ``--device cuda`` (not run: no GPU lent here; on a GPU the
-two memory columns are device memory). Per variant: build the policy from the HF folder; 2 RL steps (``Trainer.train_step``) on one fixed batch of 4
+two memory columns are device memory).
+
+Per variant: build the policy from the HF folder; 2 RL steps (``Trainer.train_step``) on one fixed batch of 4
 sequences x (16 prompt + 16 response) tokens (GRPO, 2 groups of 2; the first step allocates Adam's state). Reported:
 - trainable state: the bytes of trainable parameters + their gradients (the DDP grad buffer, ``main_grad``) +
   the optimizer's state (every tensor in Adam's state), after step 2;
@@ -162,7 +164,8 @@ def run_variant(hf_dir: str, name: str, rank: int, port: int, out: str, device: 
     if rank:
         sync_bytes = sum(t.numel() * t.element_size() for t in peft_adapter_tensors(policy.module, groups).values())
     else:
-        sync_bytes = sum(t.numel() * t.element_size() for _, t in iter_stage_hf_weights([policy.module], hf_dir, groups))
+        stream = iter_stage_hf_weights([policy.module], hf_dir, groups)
+        sync_bytes = sum(t.numel() * t.element_size() for _, t in stream)
     sync_s = time.perf_counter() - started
     total = sum(p.numel() for p in policy.module.parameters())
     row = {
@@ -186,7 +189,8 @@ def measure(hf_dir: Path, name: str, rank: int, work: Path, device: str) -> dict
     from multirank import free_port
 
     out = work / f"{name}_r{rank}.json"
-    proc = get_context("spawn").Process(target=run_variant, args=(str(hf_dir), name, rank, free_port(), str(out), device))
+    args = (str(hf_dir), name, rank, free_port(), str(out), device)
+    proc = get_context("spawn").Process(target=run_variant, args=args)
     proc.start()
     proc.join()
     if proc.exitcode != 0:

@@ -145,6 +145,7 @@ class EngineServer:
             "--tensor-parallel-size", str(options.tensor_parallel_size),
             "--disable-uvicorn-access-log", *(["--enable-sleep-mode"] if options.sleep_mode else []),
             *(["--enable-scale-out"] if options.scale_out else []),
+            # LoRA: the adapter beside the base (hf/lora.py ADAPTER_DIR), replaced in memory by every sync
             *(["--enable-lora", "--max-lora-rank", str(options.lora_rank), "--max-loras", "1", "--max-cpu-loras", "1",
                "--lora-modules", f"{LORA_NAME}={model_dir / 'adapter'}"] if options.lora_rank else []),
         ]  # fmt: skip
@@ -240,7 +241,9 @@ class EngineServer:
             "skip_special_tokens": False,
         }  # fmt: skip
         if versioned:
-            body = {"token_ids": prompt, "sampling_params": sampling, **({"model": model} if model != MODEL_NAME else {})}
+            body = {"token_ids": prompt, "sampling_params": sampling}
+            if model != MODEL_NAME:  # a LoRA adapter (the base needs no name: an attached server may serve any)
+                body["model"] = model
             choice = self.call("POST", "/inference/v1/generate", body, timeout_s=timeout_s)["choices"][0]
             logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
             versions = [0 if stretch["version"] == "default" else int(stretch["version"])

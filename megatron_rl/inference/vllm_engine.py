@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.rank0 import broadcast_from_rank0
-from megatron_rl.hf.lora import adapter_config, peft_adapter_tensors
+from megatron_rl.hf.lora import ADAPTER_DIR, adapter_config, export_peft_adapter, peft_adapter_tensors
 from megatron_rl.inference.config import RolloutConfig
 from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
@@ -211,9 +211,10 @@ class Fleet:
                              timeout_s=self.config.start_timeout_s)
         except (EngineError, EngineDown) as err:
             raise EngineStartError(
-                f"vLLM engine {slot.index} at {slot.server.url} did not load the LoRA adapter {self.lora_dir} ({err}); "
-                "start it with --enable-lora --max-lora-rank <model.lora.rank> and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, "
-                "on a file system that holds the job's work_dir (docs/INFERENCE.md)") from None
+                f"vLLM engine {slot.index} at {slot.server.url} did not load the LoRA adapter {self.lora_dir} "
+                f"({err}); start it with --enable-lora --max-lora-rank <model.lora.rank> and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on a file system that holds the job's work_dir "
+                "(docs/INFERENCE.md)") from None
 
     def _remote(self, index: int, url: str) -> EngineServer:
         """Another node's engine: a URL here (its log is ``<work_dir>/engine<i>.log`` on that node)."""
@@ -536,8 +537,6 @@ class VLLMEngine:
                              "goes in memory; set rollout.weight_transport=auto")
         export_hf([policy.module], model_dir, hf_source, groups, merge_adapters=not lora.enabled)  # LoRA: the base
         if lora.enabled:  # and the adapter beside it, which the engines load at start (then replaced in memory)
-            from megatron_rl.hf.lora import ADAPTER_DIR, export_peft_adapter
-
             export_peft_adapter(policy.module, lora, model_dir / ADAPTER_DIR, groups, base_model=str(model_dir))
         token = [job_token(config) if groups.rank == 0 else None]
         if layout.nnodes > 1:  # every node's local rank 0 starts engines with it (never logged)
@@ -559,7 +558,7 @@ class VLLMEngine:
         remote = _gather_urls(own) if layout.nnodes > 1 else {}
         fleet, error = None, None
         if groups.rank == 0:
-            fleet = Fleet(config, launcher, lora_dir=model_dir / "adapter" if lora.enabled else None)
+            fleet = Fleet(config, launcher, lora_dir=model_dir / ADAPTER_DIR if lora.enabled else None)
             try:
                 fleet.start(remote)
             except EngineStartError as err:
