@@ -290,17 +290,21 @@ def policy_from_hf(config: MegatronRLConfig, groups: ParallelGroups, *, role: Li
     return policy
 
 
-def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank."""
+def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups,
+                    *, merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank.
+    ``merge_adapters=False``: a LoRA policy's frozen base alone (the vLLM engines' model, docs/LORA.md section 5)."""
     model_type = load_hf_config(hf_dir).model_type
     if model_type in qwen35.MODEL_TYPES:  # no mbridge bridge: our own mapping (hf/qwen35.py)
+        if not merge_adapters and lora.adapted_linears(unwrap(model_chunks[0])):
+            raise ValueError("model.lora.rank > 0 with rollout.engine=vllm is not built for Qwen3.5 models (their "
+                             "adapter-only weight sync): use rollout.engine=builtin, or model.lora.rank=0")
         with torch.no_grad():
             yield from qwen35.iter_weights(model_chunks, hf_dir, groups, model_config_from_hf(hf_dir), model_type)
         return
     bridge = bridge_for(model_chunks, hf_dir, groups)
     with torch.no_grad():
-        for name, tensor in bridge.export_weights(_views(model_chunks, merge_adapters=True)):
+        for name, tensor in bridge.export_weights(_views(model_chunks, merge_adapters=merge_adapters)):
             yield name, tensor.detach().to("cpu", copy=True).contiguous()
 
 
@@ -506,16 +510,17 @@ def _mbridge_base_conversion(bridge: Any) -> bool:
 
 
 def export_hf(model_chunks: list[torch.nn.Module], out_dir: str | os.PathLike, hf_dir: str | os.PathLike,
-              groups: ParallelGroups, *, max_shard_bytes: int = 5 << 30) -> Path:
+              groups: ParallelGroups, *, max_shard_bytes: int = 5 << 30, merge_adapters: bool = True) -> Path:
     """Write the model as a Hugging Face checkpoint in ``out_dir`` (rank 0 writes; collective).
 
-    ``hf_dir`` is the checkpoint the model came from: its config and tokenizer files are copied.
+    ``hf_dir`` is the checkpoint the model came from: its config and tokenizer files are copied. LoRA adapters
+    are merged into their linears, unless ``merge_adapters=False`` (the frozen base alone).
     """
     out_dir = Path(out_dir)
     if Path(hf_dir).resolve() == out_dir.resolve():
         raise ValueError(f"export directory {str(out_dir)!r} is the source hf_path; choose another directory")
     writer = _ShardWriter(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
-    for name, tensor in iter_hf_weights(model_chunks, hf_dir, groups):
+    for name, tensor in iter_hf_weights(model_chunks, hf_dir, groups, merge_adapters=merge_adapters):
         if writer is not None:
             writer.add(name, tensor)
     if writer is not None:

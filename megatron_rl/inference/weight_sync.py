@@ -29,7 +29,7 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -100,15 +100,23 @@ class WeightSender:
         engine joined), one bucket at a time to each (collective over the TP group of the stage)."""
         from megatron_rl.hf.weights import bridge_for, iter_stage_hf_weights
 
+        if self.bridge is None:  # the model's layout and HF config do not change between syncs
+            self.bridge = bridge_for(model_chunks, hf_dir, self.groups)
+        return self.send_tensors(iter_stage_hf_weights(model_chunks, hf_dir, self.groups, bridge=self.bridge),
+                                 version, engines)
+
+    def send_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                     engines: list[str] | None = None) -> SyncStats:
+        """Stream ``(name, tensor)`` pairs as version ``version`` into ``engines`` in buckets (a sender sends what
+        it is given, the other ranks only run ``tensors`` to the end: it may be a collective). ``send`` streams
+        the stage's HF weights; a LoRA policy's sync streams its adapter (``vllm_engine.VLLMEngine._sync``)."""
         started = time.perf_counter()
         self.targets = {p: self.engine_groups[p] for p in (engines if engines is not None else self.engine_groups)} \
             if self.sender else {}
-        if self.bridge is None:  # the model's layout and HF config do not change between syncs
-            self.bridge = bridge_for(model_chunks, hf_dir, self.groups)
         stats = SyncStats()
         bucket = _Bucket(self.bucket_bytes, self.device) if self.sender else None
         index = 0
-        for name, tensor in iter_stage_hf_weights(model_chunks, hf_dir, self.groups, bridge=self.bridge):
+        for name, tensor in tensors:
             if bucket is None:
                 continue
             if not bucket.fits(tensor) and bucket.entries:

@@ -366,6 +366,7 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
         job.pipeline.synced(step)
     elif step % config.rollout.sync_interval == 0:
         metrics["timing/weight_sync_s"] = job.engine.update_weights(job.policy)
+        metrics["rollout/weight_sync_bytes"] = float(job.engine.last_sync_bytes)  # the model, or LoRA's adapter
         job.pipeline.synced(step)
     metrics.update(job.engine.step_metrics())  # the vLLM fleet's restarts and live engines (rank 0)
     metrics["timing/step_s"] = time.perf_counter() - started

@@ -23,7 +23,7 @@ class AnsweringServer:
     log_path = None
     url = "http://127.0.0.1:1"
 
-    def complete(self, prompt, spec, *, seed, timeout_s, versioned):
+    def complete(self, prompt, spec, *, seed, timeout_s, model, versioned):
         return Completion([7, 0], [-0.1, -0.2], "stop")
 
     def kill(self):  # (``Fleet`` registers ``kill_all`` with atexit)
