@@ -7,7 +7,8 @@ it; the other ranks get its completions by a broadcast, and the senders of each 
 weights into every engine (``weight_sync.py``)::
 
     rank 0        Fleet ── route (router.py: a GRPO group -> one engine, least-loaded) ──> N x vllm serve
-                    │        per-sample requests, seed = f(call seed, prompt index): any engine, same sample
+                    │        one request per group (n samples); sample i's seed = f(call seed, i): any engine,
+                    │        any grouping, same sample
     every rank    broadcast of the completions; update_weights: every sender -> every engine's workers
 
 Start-up: the policy's current weights are exported as an HF folder (``<work_dir>/model``; the config comes from
@@ -56,7 +57,7 @@ from megatron_rl.distributed.rank0 import broadcast_from_rank0
 from megatron_rl.inference.config import RolloutConfig
 from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
-from megatron_rl.inference.router import route
+from megatron_rl.inference.router import requests, route
 from megatron_rl.inference.server import (REPO_ROOT, EngineDown, EngineError, EngineServer, EngineStartError,
                                           EngineTimeout, ServeOptions, log_tail)
 from megatron_rl.inference.vllm_serve import TOKEN_ENV
@@ -66,6 +67,10 @@ __all__ = ["VLLMEngine", "EngineError", "EngineStartError", "engine_python"]
 STALL_ENV = "MEGATRON_RL_SYNC_STALL"
 """Test hook (like ``checkpoint/layout.py: fault_point``): ``<n>:<path>`` makes rank 0 write ``path`` and wait an
 hour inside the ``n``-th weight sync of the process (after the pause of partial rollouts), for a kill during a sync."""
+
+GREEDY_BELOW = 1e-5
+"""vLLM samples greedily below this temperature (vllm 0.32 ``sampling_params._SAMPLING_EPS``) and then refuses
+``n > 1``: such calls send one request per sample."""
 
 MAX_RESTARTS = 3
 """Restarts of one engine slot within one ``generate`` call before the job gives up on it."""
@@ -343,21 +348,22 @@ class Fleet:
         outstanding: dict[int, int] = {}
         last_progress: dict[int, float] = {}
         tokens_seen: dict[int, float] = {}
-        with futures.ThreadPoolExecutor(max_workers=min(len(todo), 64 * max(1, len(set(engines))))) as pool:
+        batches = requests(todo, engines, prompts, seeds, greedy=spec.temperature < GREEDY_BELOW)
+        with futures.ThreadPoolExecutor(max_workers=min(len(batches), 64 * max(1, len(set(engines))))) as pool:
             pending = {}
-            for i, engine in zip(todo, engines):
+            for samples, engine in batches:  # one request per group (router.py): n samples, seeds seed, seed + 1, ...
                 server = slots[engine].server
-                pending[pool.submit(server.complete, prompts[i], spec, seed=seeds[i], timeout_s=timeout + 60,
-                                    versioned=self.config.partial_rollouts)] = (i, engine)
+                pending[pool.submit(server.sample, prompts[samples[0]], spec, seed=seeds[samples[0]], n=len(samples),
+                                    timeout_s=timeout + 60, versioned=self.config.partial_rollouts)] = (samples, engine)
                 outstanding[engine] = outstanding.get(engine, 0) + 1
                 last_progress[engine] = time.monotonic()
             while pending:
                 finished, _ = futures.wait(pending, timeout=1.0, return_when=futures.FIRST_COMPLETED)
                 for future in finished:
-                    i, engine = pending.pop(future)
+                    samples, engine = pending.pop(future)
                     outstanding[engine] -= 1
                     try:
-                        done[i] = future.result()
+                        done.update(zip(samples, future.result()))
                         last_progress[engine] = time.monotonic()
                     except EngineDown as err:
                         self.mark_down(slots[engine], str(err))
