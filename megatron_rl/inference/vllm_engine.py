@@ -174,6 +174,8 @@ class Fleet:
         self.closed = False
         """Set by ``kill_all``: no more restarts."""
         self.sessions: dict[str, int] = {}
+        self.partial: dict[int, Completion] | None = None
+        """The samples finished so far of a ``generate`` call that returned None (it is called again); None between calls."""
         """Agent session -> the engine its calls go to (``complete``)."""
         self.calls_waiting = threading.Event()
         """Set while an agent call waits for a replacement engine (none serves): the caller's loop runs the
@@ -326,18 +328,23 @@ class Fleet:
     def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[Completion] | None:
         """Every prompt's completion, or None when no engine serves and replacements must be synced first
         (the caller runs that collective sync and calls again; finished samples are kept in ``self.partial``)."""
-        done: dict[int, Completion] = getattr(self, "partial", {})
-        self.partial = done
-        for slot in self.serving():  # MAX_RESTARTS counts the restarts of one call (a crash loop stops it)
-            slot.restarts = 0
-        while len(done) < len(prompts):
-            serving = self.serving()
-            if not serving:
-                return None
-            todo = [i for i in range(len(prompts)) if i not in done]
-            engines = route([prompts[i] for i in todo], [s.index for s in serving], max_tokens=spec.max_tokens)
-            self._round(todo, engines, prompts, spec, seeds, done)
-        self.partial = {}
+        if self.partial is None:  # a new call, not the same one again after an admission
+            self.partial = {}
+            for slot in self.serving():  # MAX_RESTARTS counts the restarts of one call, admissions included (a
+                slot.restarts = 0  # request that kills every engine it reaches stops after them)
+        done = self.partial
+        try:
+            while len(done) < len(prompts):
+                serving = self.serving()
+                if not serving:
+                    return None
+                todo = [i for i in range(len(prompts)) if i not in done]
+                engines = route([prompts[i] for i in todo], [s.index for s in serving], max_tokens=spec.max_tokens)
+                self._round(todo, engines, prompts, spec, seeds, done)
+        except BaseException:
+            self.partial = None
+            raise
+        self.partial = None
         return [done[i] for i in range(len(prompts))]
 
     def _round(self, todo: list[int], engines: list[int], prompts: list[list[int]], spec: SamplingSpec,

@@ -93,6 +93,35 @@ def test_a_rollout_call_sends_one_request_per_group_and_heals(monkeypatch):
     assert fleet.slots[1].state == "dead"
 
 
+class DyingServer(SeededServer):
+    """Dies on every request (a request that kills the engine, e.g. an attention layout it cannot run)."""
+
+    owned = True
+
+    def __init__(self, requests: list):
+        super().__init__(requests, fail=True)
+
+    def wait_ready(self, timeout_s, what=""):
+        return {}
+
+
+def test_a_request_that_kills_every_replacement_stops_after_max_restarts():
+    from megatron_rl.inference.vllm_engine import MAX_RESTARTS
+
+    sent: list = []
+    fleet = Fleet(RolloutConfig(engine="vllm"), SimpleNamespace(
+        work_dir=None, token="t", layout=SimpleNamespace(node=0), launch=lambda index: DyingServer(sent)))
+    fleet.slots = [Slot(index=0, server=DyingServer(sent), state="serving")]
+    for _ in range(MAX_RESTARTS):  # each time: the engine dies, its replacement comes up, the job admits it
+        assert fleet.generate([[1]], SPEC, [5]) is None
+        assert fleet.wait_for_replacement() == fleet.slots[:1]
+        fleet.slots[0].state = "serving"
+    assert fleet.generate([[1]], SPEC, [5]) is None  # the call goes on after each admission: no fresh restarts
+    with pytest.raises(EngineError, match="none could be brought back"):
+        fleet.wait_for_replacement()
+    assert len(sent) == MAX_RESTARTS + 1
+
+
 class HungServer(AnsweringServer):
     """Answers ``/health`` but never took part in the sync (its receive call timed out)."""
 
