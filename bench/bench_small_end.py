@@ -61,7 +61,7 @@ def make_job(root: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "examples"))
     from common import tiny_qwen3  # examples/common.py: random Qwen3 + word-level tokenizer
 
-    model = tiny_qwen3(root / "model")
+    model = tiny_qwen3(root / "model", head_dim=32)  # vLLM's CPU attention: head_dim >= 32
     rows = [{"prompt": f"what is {a} plus {b} ?", "answer": NUMBERS[i + j + 1]}
             for i, a in enumerate(NUMBERS[:4]) for j, b in enumerate(NUMBERS[:4]) if i + j + 1 < len(NUMBERS)]
     prompts = root / "prompts.jsonl"
