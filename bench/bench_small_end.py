@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_small_end.py [--steps 20] [--systems builtin,trl] [--vllm] [--out results.json]
 
-The job (issue 36): a random 2-layer Qwen3 (hidden 64, ~86k parameters, ``examples/common.py tiny_qwen3``) with
+The job (issue 36): a random 2-layer Qwen3 (hidden 64, 4 heads of 32, ``examples/common.py tiny_qwen3``) with
 a word-level tokenizer built locally, 8 prompts x 8 samples per step, at most 16 new tokens, Adam at 1e-5, one
 optimizer step per RL step, no KL, 20 steps. Systems, run one after the other on the same files:
 

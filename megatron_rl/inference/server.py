@@ -10,8 +10,9 @@ generation request, weight-sync call and health check of the job goes through ``
 - ``EngineServer.attach``: a server the user started (``rollout.engine_urls``); it is never killed or restarted
   by the job, and must run the same command (worker extension, token) to accept weights.
 
-Requests (JSON over HTTP, ``Authorization: Bearer <token>``): ``complete`` is token-in/token-out
-``/v1/completions`` with a per-request seed and processed (tempered) log-probs. A refused connection, a reset, an
+Requests (JSON over HTTP, ``Authorization: Bearer <token>``): ``sample`` is token-in/token-out
+``/v1/completions`` for ``n`` samples of one prompt, seeded, with processed (tempered) log-probs; ``complete`` is
+one sample. A refused connection, a reset, an
 HTTP 5xx or a timeout raise ``EngineDown`` (the fleet replaces the engine); an HTTP 4xx raises ``EngineError``
 (a request the engine cannot serve: the same on any engine).
 """
