@@ -7,8 +7,8 @@ run, and what the router adds to a request's latency.
 
 Place in the data flow: ``VLLMEngine.generate`` on trainer rank 0 is ``Fleet.generate`` (``vllm_engine.py``):
 ``router.route`` assigns each prompt's group to an engine (least work first), then one token-in
-``POST /v1/completions`` per sample goes to its engine (``EngineServer.complete``, a thread per request, 64 per
-engine at most), each with its own seed. This benchmark drives exactly that ``Fleet`` (no trainer, no weight
+``POST /v1/completions`` per group goes to its engine (``EngineServer.sample``, ``n`` samples with seeds
+``s, s + 1, ...``; a thread per request, 64 per engine at most). This benchmark drives exactly that ``Fleet`` (no trainer, no weight
 sync: the engines serve the HF folder they started on, so every slot is put in service directly).
 
 Throughput: per fleet size N (``--engines``; a fresh fleet each, ``rollout.num_engines=N``, the cores split
@@ -120,13 +120,13 @@ def timed_generate(fleet, prompts, max_tokens: int, call_seed: int, serving: lis
         slot.state = "serving" if slot.index in serving else "joining"
     spec = SamplingSpec(max_tokens=max_tokens, temperature=1.0)
     counts = {s.index: 0 for s in fleet.slots}
-    real_complete = {s.index: s.server.complete for s in fleet.slots}
+    real_sample = {s.index: s.server.sample for s in fleet.slots}
     for slot in fleet.slots:  # count the requests each engine served
         def counted(*args, _index=slot.index, **kwargs):
             counts[_index] += 1
-            return real_complete[_index](*args, **kwargs)
+            return real_sample[_index](*args, **kwargs)
 
-        slot.server.complete = counted
+        slot.server.sample = counted
     try:
         cpu_before = fleet_cpu(fleet)
         started = time.perf_counter()
@@ -135,7 +135,7 @@ def timed_generate(fleet, prompts, max_tokens: int, call_seed: int, serving: lis
         cpu = {role: v - cpu_before[role] for role, v in fleet_cpu(fleet).items()}
     finally:
         for slot in fleet.slots:
-            slot.server.complete = real_complete[slot.index]
+            slot.server.sample = real_sample[slot.index]
             slot.state = "serving"
     check(completions is not None, "the fleet lost every engine during a call")
     check(all(len(c.token_ids) == max_tokens == len(c.logprobs) for c in completions),

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_small_end.py [--steps 20] [--systems builtin,trl] [--vllm] [--out results.json]
 
-The job (issue 36): a random 2-layer Qwen3 (hidden 64, ~86k parameters, ``examples/common.py tiny_qwen3``) with
+The job (issue 36): a random 2-layer Qwen3 (hidden 64, 4 heads of 32, ``examples/common.py tiny_qwen3``) with
 a word-level tokenizer built locally, 8 prompts x 8 samples per step, at most 16 new tokens, Adam at 1e-5, one
 optimizer step per RL step, no KL, 20 steps. Systems, run one after the other on the same files:
 
@@ -61,7 +61,7 @@ def make_job(root: Path) -> dict[str, Path]:
     sys.path.insert(0, str(ROOT / "examples"))
     from common import tiny_qwen3  # examples/common.py: random Qwen3 + word-level tokenizer
 
-    model = tiny_qwen3(root / "model")
+    model = tiny_qwen3(root / "model", head_dim=32)  # vLLM's CPU attention: head_dim >= 32
     rows = [{"prompt": f"what is {a} plus {b} ?", "answer": NUMBERS[i + j + 1]}
             for i, a in enumerate(NUMBERS[:4]) for j, b in enumerate(NUMBERS[:4]) if i + j + 1 < len(NUMBERS)]
     prompts = root / "prompts.jsonl"

@@ -10,11 +10,20 @@ Rules:
   serving engine with the least work assigned so far (work = prompt tokens + ``max_tokens`` per request), ties
   to the lowest engine index. The assignment depends only on the prompts, the engines serving and
   ``max_tokens``, never on timing, so two identical runs send identical requests to identical engines.
+- **One request per group** (``requests``): the samples of a group on one engine whose seeds follow one another
+  (the fleet's per-sample seeds do: ``vllm_engine.py``) go as one request for ``n`` samples, at most
+  ``MAX_SAMPLES_PER_REQUEST``; vLLM seeds its ``k``-th sample with ``seed + k``, so each sample is the one its
+  own request would draw. Greedy calls (temperature below vLLM's 1e-5: it refuses ``n > 1``) send one request
+  per sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+
+MAX_SAMPLES_PER_REQUEST = 64
+"""The most samples one request asks for (vLLM's scheduler runs at most ``--max-num-seqs``, 256 on the engines the
+job starts, at once; a bigger group is split into several requests)."""
 
 
 def group_keys(prompts: Sequence[Sequence[int]]) -> list[Hashable]:
@@ -42,3 +51,23 @@ def route(prompts: Sequence[Sequence[int]], engines: Sequence[int], *, max_token
         placed[key] = engine
         work[engine] += group_work[key]
     return [placed[key] for key in keys]
+
+
+def requests(todo: Sequence[int], engines: Sequence[int], prompts: Sequence[Sequence[int]], seeds: Sequence[int], *,
+             greedy: bool = False, max_n: int = MAX_SAMPLES_PER_REQUEST) -> list[tuple[list[int], int]]:
+    """The requests that serve samples ``todo`` (indices into ``prompts`` and ``seeds``; ``engines[k]`` serves
+    ``todo[k]``): ``(samples, engine)`` per request, in order. A request's samples share the prompt and the engine
+    and have seeds ``s, s + 1, ...`` (it asks for ``n = len(samples)`` with seed ``s``); ``greedy``: one each."""
+    if len(engines) != len(todo):
+        raise ValueError(f"requests: {len(engines)} engines for {len(todo)} samples")
+    out: list[tuple[list[int], int]] = []
+    for i, engine in zip(todo, engines):
+        if out and not greedy:
+            samples, last_engine = out[-1]
+            last = samples[-1]
+            if (last_engine == engine and len(samples) < max_n and seeds[i] == seeds[last] + 1
+                    and list(prompts[i]) == list(prompts[last])):
+                samples.append(i)
+                continue
+        out.append(([i], engine))
+    return out

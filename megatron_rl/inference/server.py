@@ -10,8 +10,9 @@ generation request, weight-sync call and health check of the job goes through ``
 - ``EngineServer.attach``: a server the user started (``rollout.engine_urls``); it is never killed or restarted
   by the job, and must run the same command (worker extension, token) to accept weights.
 
-Requests (JSON over HTTP, ``Authorization: Bearer <token>``): ``complete`` is token-in/token-out
-``/v1/completions`` with a per-request seed and processed (tempered) log-probs. A refused connection, a reset, an
+Requests (JSON over HTTP, ``Authorization: Bearer <token>``): ``sample`` is token-in/token-out
+``/v1/completions`` for ``n`` samples of one prompt, seeded, with processed (tempered) log-probs; ``complete`` is
+one sample. A refused connection, a reset, an
 HTTP 5xx or a timeout raise ``EngineDown`` (the fleet replaces the engine); an HTTP 4xx raises ``EngineError``
 (a request the engine cannot serve: the same on any engine).
 """
@@ -234,34 +235,34 @@ class EngineServer:
 
     def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, timeout_s: float,
                  model: str = MODEL_NAME, versioned: bool = False) -> Completion:
-        """One sampled response to ``prompt`` (token ids), reproducible from ``seed``. ``versioned``: through
-        ``/inference/v1/generate`` (``--enable-scale-out``; the same sample), with the weight version of each
-        token in ``extra["weight_versions"]``: the syncs before it (``/update_weight_version`` names them so; vLLM's
-        'default' before the first is 0)."""
+        """One sampled response to ``prompt`` (token ids), reproducible from ``seed``: ``sample`` with ``n=1``."""
+        return self.sample(prompt, spec, seed=seed, n=1, timeout_s=timeout_s, model=model, versioned=versioned)[0]
+
+    def sample(self, prompt: list[int], spec: SamplingSpec, *, seed: int, n: int, timeout_s: float,
+               model: str = MODEL_NAME, versioned: bool = False) -> list[Completion]:
+        """``n`` sampled responses to ``prompt`` (token ids) in one request; response ``k`` is the one a request
+        with ``n=1`` and seed ``seed + k`` draws (vLLM gives the ``k``-th child of a seeded request that seed:
+        vllm 0.32 ``v1/engine/parallel_sampling.py``), so samples do not depend on how they were grouped.
+        ``versioned``: through ``/inference/v1/generate`` (``--enable-scale-out``; the same samples), with the
+        weight version of each token in ``extra["weight_versions"]``: the syncs before it
+        (``/update_weight_version`` names them so; vLLM's 'default' before the first is 0)."""
         sampling = {
-            "max_tokens": spec.max_tokens, "temperature": spec.temperature, "top_p": spec.top_p, "seed": seed,
-            "stop_token_ids": list(spec.stop_token_ids), "ignore_eos": True, "logprobs": 0,
+            "n": n, "max_tokens": spec.max_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
+            "seed": seed, "stop_token_ids": list(spec.stop_token_ids), "ignore_eos": True, "logprobs": 0,
             "skip_special_tokens": False,
         }  # fmt: skip
         if versioned:
             body = {"token_ids": prompt, "sampling_params": sampling}
             if model != MODEL_NAME:  # a LoRA adapter (the base needs no name: an attached server may serve any)
                 body["model"] = model
-            choice = self.call("POST", "/inference/v1/generate", body, timeout_s=timeout_s)["choices"][0]
-            logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
-            versions = [0 if stretch["version"] == "default" else int(stretch["version"])
-                        for stretch in choice.get("weight_versions") or []
-                        for _ in range(stretch["start"], stretch["end"])]
+            choices = self.call("POST", "/inference/v1/generate", body, timeout_s=timeout_s)["choices"]
         else:
             body = {"model": model, "prompt": prompt, **sampling, "return_token_ids": True,
                     "return_tokens_as_token_ids": True}
-            choice = self.call("POST", "/v1/completions", body, timeout_s=timeout_s)["choices"][0]
-            logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
-            versions = None
-        ids = [int(t) for t in choice["token_ids"]]
-        reason = "stop" if ids and ids[-1] in spec.stop_token_ids else "length"
-        return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason,
-                          extra={} if versions is None else {"weight_versions": versions})
+            choices = self.call("POST", "/v1/completions", body, timeout_s=timeout_s)["choices"]
+        if len(choices) != n:
+            raise EngineError(f"asked {self.url} for {n} samples, got {len(choices)}")
+        return [_completion(choice, spec, versioned) for choice in sorted(choices, key=lambda c: c["index"])]
 
     def collective_rpc(self, method: str, *args: Any, timeout_s: float) -> list:
         """Call ``WorkerExtension.<method>(*args)`` on every worker of the engine; one result per worker.
@@ -283,3 +284,18 @@ class EngineServer:
             connection.close()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("vllm:generation_tokens_total"))
+
+
+def _completion(choice: dict, spec: SamplingSpec, versioned: bool) -> Completion:
+    """One choice of a ``/v1/completions`` (or, ``versioned``, ``/inference/v1/generate``) answer."""
+    if versioned:
+        logprobs = [float(entry["logprob"]) for entry in choice["logprobs"]["content"]]
+        versions = [0 if stretch["version"] == "default" else int(stretch["version"])
+                    for stretch in choice.get("weight_versions") or [] for _ in range(stretch["start"], stretch["end"])]
+    else:
+        logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+        versions = None
+    ids = [int(t) for t in choice["token_ids"]]
+    reason = "stop" if ids and ids[-1] in spec.stop_token_ids else "length"
+    return Completion(token_ids=ids, logprobs=logprobs, finish_reason=reason,
+                      extra={} if versions is None else {"weight_versions": versions})

@@ -7,7 +7,8 @@ it; the other ranks get its completions by a broadcast, and the senders of each 
 weights into every engine (``weight_sync.py``)::
 
     rank 0        Fleet ── route (router.py: a GRPO group -> one engine, least-loaded) ──> N x vllm serve
-                    │        per-sample requests, seed = f(call seed, prompt index): any engine, same sample
+                    │        one request per group (n samples); sample i's seed = f(call seed, i): any engine,
+                    │        any grouping, same sample
     every rank    broadcast of the completions; update_weights: every sender -> every engine's workers
 
 Start-up: the policy's current weights are exported as an HF folder (``<work_dir>/model``; the config comes from
@@ -57,7 +58,7 @@ from megatron_rl.hf.lora import ADAPTER_DIR, adapter_config, export_peft_adapter
 from megatron_rl.inference.config import RolloutConfig, engine_dtype, is_hybrid
 from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
-from megatron_rl.inference.router import route
+from megatron_rl.inference.router import requests, route
 from megatron_rl.inference.server import (LORA_NAME, MODEL_NAME, REPO_ROOT, EngineDown, EngineError, EngineServer,
                                           EngineStartError, EngineTimeout, ServeOptions, log_tail)
 from megatron_rl.inference.vllm_serve import TOKEN_ENV
@@ -67,6 +68,10 @@ __all__ = ["VLLMEngine", "EngineError", "EngineStartError", "engine_python"]
 STALL_ENV = "MEGATRON_RL_SYNC_STALL"
 """Test hook (like ``checkpoint/layout.py: fault_point``): ``<n>:<path>`` makes rank 0 write ``path`` and wait an
 hour inside the ``n``-th weight sync of the process (after the pause of partial rollouts), for a kill during a sync."""
+
+GREEDY_BELOW = 1e-5
+"""vLLM samples greedily below this temperature (vllm 0.32 ``sampling_params._SAMPLING_EPS``) and then refuses
+``n > 1``: such calls send one request per sample."""
 
 MAX_RESTARTS = 3
 """Restarts of one engine slot within one ``generate`` call before the job gives up on it."""
@@ -170,6 +175,8 @@ class Fleet:
         self.closed = False
         """Set by ``kill_all``: no more restarts."""
         self.sessions: dict[str, int] = {}
+        self.partial: dict[int, Completion] | None = None
+        """The samples finished so far of a ``generate`` call that returned None (it is called again); None between calls."""
         """Agent session -> the engine its calls go to (``complete``)."""
         self.lora_dir = lora_dir
         """A LoRA policy's initial adapter (``<work_dir>/model/adapter``): the engines load it at start (then every
@@ -342,18 +349,23 @@ class Fleet:
     def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[Completion] | None:
         """Every prompt's completion, or None when no engine serves and replacements must be synced first
         (the caller runs that collective sync and calls again; finished samples are kept in ``self.partial``)."""
-        done: dict[int, Completion] = getattr(self, "partial", {})
-        self.partial = done
-        for slot in self.serving():  # MAX_RESTARTS counts the restarts of one call (a crash loop stops it)
-            slot.restarts = 0
-        while len(done) < len(prompts):
-            serving = self.serving()
-            if not serving:
-                return None
-            todo = [i for i in range(len(prompts)) if i not in done]
-            engines = route([prompts[i] for i in todo], [s.index for s in serving], max_tokens=spec.max_tokens)
-            self._round(todo, engines, prompts, spec, seeds, done)
-        self.partial = {}
+        if self.partial is None:  # a new call, not the same one again after an admission
+            self.partial = {}
+            for slot in self.serving():  # MAX_RESTARTS counts the restarts of one call, admissions included (a
+                slot.restarts = 0  # request that kills every engine it reaches stops after them)
+        done = self.partial
+        try:
+            while len(done) < len(prompts):
+                serving = self.serving()
+                if not serving:
+                    return None
+                todo = [i for i in range(len(prompts)) if i not in done]
+                engines = route([prompts[i] for i in todo], [s.index for s in serving], max_tokens=spec.max_tokens)
+                self._round(todo, engines, prompts, spec, seeds, done)
+        except BaseException:
+            self.partial = None
+            raise
+        self.partial = None
         return [done[i] for i in range(len(prompts))]
 
     def _round(self, todo: list[int], engines: list[int], prompts: list[list[int]], spec: SamplingSpec,
@@ -364,21 +376,23 @@ class Fleet:
         outstanding: dict[int, int] = {}
         last_progress: dict[int, float] = {}
         tokens_seen: dict[int, float] = {}
-        with futures.ThreadPoolExecutor(max_workers=min(len(todo), 64 * max(1, len(set(engines))))) as pool:
+        batches = requests(todo, engines, prompts, seeds, greedy=spec.temperature < GREEDY_BELOW)
+        with futures.ThreadPoolExecutor(max_workers=min(len(batches), 64 * max(1, len(set(engines))))) as pool:
             pending = {}
-            for i, engine in zip(todo, engines):
+            for samples, engine in batches:  # one request per group (router.py): n samples, seeds seed, seed + 1, ...
                 server = slots[engine].server
-                pending[pool.submit(server.complete, prompts[i], spec, seed=seeds[i], timeout_s=timeout + 60,
-                                    model=self.model, versioned=self.config.partial_rollouts)] = (i, engine)
+                pending[pool.submit(server.sample, prompts[samples[0]], spec, seed=seeds[samples[0]], n=len(samples),
+                                    timeout_s=timeout + 60, model=self.model,
+                                    versioned=self.config.partial_rollouts)] = (samples, engine)
                 outstanding[engine] = outstanding.get(engine, 0) + 1
                 last_progress[engine] = time.monotonic()
             while pending:
                 finished, _ = futures.wait(pending, timeout=1.0, return_when=futures.FIRST_COMPLETED)
                 for future in finished:
-                    i, engine = pending.pop(future)
+                    samples, engine = pending.pop(future)
                     outstanding[engine] -= 1
                     try:
-                        done[i] = future.result()
+                        done.update(zip(samples, future.result()))
                         last_progress[engine] = time.monotonic()
                     except EngineDown as err:
                         self.mark_down(slots[engine], str(err))

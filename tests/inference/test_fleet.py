@@ -40,6 +40,9 @@ def test_every_route_needs_the_token_and_engines_listen_on_loopback(fleet_result
 
 def test_same_call_same_samples(fleet_result):
     assert fleet_result["repeat_equal"]
+    grouped = fleet_result["grouped"]  # one request per group, each sample the one its own request draws
+    assert grouped["requests"] == [4, 4, 4, 4]
+    assert grouped["same"]
     assert fleet_result["start_metrics"] == {"rollout/engine_restarts": 0.0, "rollout/engines_alive": 2.0}
 
 

@@ -1,6 +1,8 @@
-"""An agent's call when no engine serves (``vllm_engine.Fleet.complete``), without vLLM: it waits for the
-replacement (flagging ``calls_waiting`` for the job's admission), bounded by ``rollout.start_timeout_s``, and fails
-at once when none is coming back. The replacement's "is back" line: ``VLLMEngine._admit`` (fleet tests)."""
+"""The fleet's calls without vLLM. An agent's call when no engine serves (``vllm_engine.Fleet.complete``): it waits
+for the replacement (flagging ``calls_waiting`` for the job's admission), bounded by ``rollout.start_timeout_s``,
+and fails at once when none is coming back. The replacement's "is back" line: ``VLLMEngine._admit`` (fleet tests).
+A rollout call (``Fleet.generate``) sends one request per group and heals: the groups of an engine that fails go
+to another with the same seeds (the real engines' samples: ``test_fleet.py``)."""
 
 from __future__ import annotations
 
@@ -61,6 +63,63 @@ def test_an_agent_call_gives_up_when_no_engine_comes_back():
     with pytest.raises(EngineError, match=r"none came back within 1 s \(rollout.start_timeout_s=0.5\)"):
         fleet_of("starting", start_timeout_s=0.5).complete([1, 2], SPEC, seed=3, session="s")
     assert time.monotonic() - started < 5
+
+
+class SeededServer(AnsweringServer):
+    """Sample ``k`` of a request is ``[seed + k]``, as vLLM seeds it; ``fail`` raises EngineDown instead."""
+
+    def __init__(self, requests: list, fail: bool = False):
+        self.requests, self.fail = requests, fail
+
+    def sample(self, prompt, spec, *, seed, n, timeout_s, versioned):
+        from megatron_rl.inference.server import EngineDown
+
+        self.requests.append((self, n))
+        if self.fail:
+            raise EngineDown("POST /v1/completions: ConnectionResetError")
+        return [Completion([seed + k], [-0.5], "length") for k in range(n)]
+
+
+def test_a_rollout_call_sends_one_request_per_group_and_heals(monkeypatch):
+    sent: list = []
+    fleet = fleet_of("serving")
+    healthy, failing = SeededServer(sent), SeededServer(sent, fail=True)
+    fleet.slots = [Slot(index=0, server=healthy, state="serving"), Slot(index=1, server=failing, state="serving")]
+    monkeypatch.setattr(fleet, "mark_down", lambda slot, reason: setattr(slot, "state", "dead"))
+    prompts = [[1, 2]] * 4 + [[3]] * 4
+    completions = fleet.generate(prompts, SamplingSpec(max_tokens=1), list(range(50, 58)))
+    assert [c.token_ids for c in completions] == [[s] for s in range(50, 58)]  # the seeds' samples, healed
+    assert sorted((server is healthy, n) for server, n in sent) == [(False, 4), (True, 4), (True, 4)]
+    assert fleet.slots[1].state == "dead"
+
+
+class DyingServer(SeededServer):
+    """Dies on every request (a request that kills the engine, e.g. an attention layout it cannot run)."""
+
+    owned = True
+
+    def __init__(self, requests: list):
+        super().__init__(requests, fail=True)
+
+    def wait_ready(self, timeout_s, what=""):
+        return {}
+
+
+def test_a_request_that_kills_every_replacement_stops_after_max_restarts():
+    from megatron_rl.inference.vllm_engine import MAX_RESTARTS
+
+    sent: list = []
+    fleet = Fleet(RolloutConfig(engine="vllm"), SimpleNamespace(
+        work_dir=None, token="t", layout=SimpleNamespace(node=0), launch=lambda index: DyingServer(sent)))
+    fleet.slots = [Slot(index=0, server=DyingServer(sent), state="serving")]
+    for _ in range(MAX_RESTARTS):  # each time: the engine dies, its replacement comes up, the job admits it
+        assert fleet.generate([[1]], SPEC, [5]) is None
+        assert fleet.wait_for_replacement() == fleet.slots[:1]
+        fleet.slots[0].state = "serving"
+    assert fleet.generate([[1]], SPEC, [5]) is None  # the call goes on after each admission: no fresh restarts
+    with pytest.raises(EngineError, match="none could be brought back"):
+        fleet.wait_for_replacement()
+    assert len(sent) == MAX_RESTARTS + 1
 
 
 class HungServer(AnsweringServer):
