@@ -71,7 +71,7 @@ class SeededServer(AnsweringServer):
     def __init__(self, requests: list, fail: bool = False):
         self.requests, self.fail = requests, fail
 
-    def sample(self, prompt, spec, *, seed, n, timeout_s, versioned):
+    def sample(self, prompt, spec, *, seed, n, timeout_s, versioned, model=None):
         from megatron_rl.inference.server import EngineDown
 
         self.requests.append((self, n))
