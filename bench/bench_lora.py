@@ -47,16 +47,12 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # this checkout
+from bench_weight_sync import MODELS as SYNC_MODELS  # noqa: E402
 from procmem import release_heap, status_kib  # noqa: E402
 
 MIB = 2**20
 MODELS = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, vocab_size=256, tie_word_embeddings=False),
-    "mid": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                num_key_value_heads=4, head_dim=64, vocab_size=32000, tie_word_embeddings=True),
-    "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    **SYNC_MODELS,  # tiny, mid, 0.6b: the shapes of bench_weight_sync.py
     "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

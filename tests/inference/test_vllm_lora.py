@@ -18,6 +18,7 @@ The two traps (docs/LORA.md section 5), each planted in one sync after the clean
 from __future__ import annotations
 
 import pytest
+from grpo_batch import even_token_rollouts
 from multirank import run_ranks
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -92,14 +93,7 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
                 engine.lora_clone, engine.reset_prefix_cache = True, False
             group_prompts = [p for p in prompts for _ in range(4)]
             completions = engine.generate(group_prompts, spec, seed=step)
-            metrics = trainer.train_step({
-                "prompt_token_ids": group_prompts,
-                "response_ids": [c.token_ids for c in completions],
-                "rewards": [float(sum(t % 2 == 0 for t in c.token_ids)) / len(c.token_ids) for c in completions],
-                "loss_masks": [[1] * len(c.token_ids) for c in completions],
-                "uids": [i // 4 for i in range(len(group_prompts))],
-                "rollout_logprobs": [c.logprobs for c in completions],
-            })
+            metrics = trainer.train_step(even_token_rollouts(group_prompts, completions))
             out["diffs"].append(metrics["rollout/logprob_abs_diff_max"])
             engine.update_weights(policy)
             out["bytes"].append(engine.last_sync_bytes)

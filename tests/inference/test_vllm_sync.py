@@ -12,6 +12,7 @@ loaded (DP2), one pipeline stage not sent (PP2): the steps after the planted syn
 from __future__ import annotations
 
 import pytest
+from grpo_batch import even_token_rollouts
 from multirank import run_ranks
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank]
@@ -63,14 +64,7 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
                 plant()  # in the sync after this step
             group_prompts = [p for p in prompts for _ in range(4)]
             completions = engine.generate(group_prompts, spec, seed=step)
-            rollouts = {
-                "prompt_token_ids": group_prompts,
-                "response_ids": [c.token_ids for c in completions],
-                "rewards": [float(sum(t % 2 == 0 for t in c.token_ids)) / len(c.token_ids) for c in completions],
-                "loss_masks": [[1] * len(c.token_ids) for c in completions],
-                "uids": [i // 4 for i in range(len(group_prompts))],
-                "rollout_logprobs": [c.logprobs for c in completions],
-            }
+            rollouts = even_token_rollouts(group_prompts, completions)
             metrics = trainer.train_step(rollouts)
             diffs.append(metrics["rollout/logprob_abs_diff_max"])
             sync_s.append(engine.update_weights(policy))
