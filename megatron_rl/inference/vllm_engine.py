@@ -175,9 +175,10 @@ class Fleet:
         self.closed = False
         """Set by ``kill_all``: no more restarts."""
         self.sessions: dict[str, int] = {}
-        self.partial: dict[int, Completion] | None = None
-        """The samples finished so far of a ``generate`` call that returned None (it is called again); None between calls."""
         """Agent session -> the engine its calls go to (``complete``)."""
+        self.partial: dict[int, Completion] | None = None
+        """The samples finished so far of a ``generate`` call that returned None (it is called again); None between
+        calls."""
         self.lora_dir = lora_dir
         """A LoRA policy's initial adapter (``<work_dir>/model/adapter``): the engines load it at start (then every
         sync replaces its tensors in memory); None without LoRA."""
