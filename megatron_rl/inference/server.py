@@ -98,7 +98,9 @@ class ServeOptions:
     """``--enable-prefix-caching``; False for a hybrid Gated-DeltaNet model (W45)."""
     lora_rank: int = 0
     """``model.lora.rank``: > 0 serves the base with ``--enable-lora --max-lora-rank`` and the adapter in
-    ``<model dir>/adapter`` as ``LORA_NAME`` (``--lora-modules``; the weight sync replaces its tensors)."""
+    ``lora_dir`` as ``LORA_NAME`` (``--lora-modules``; the weight sync replaces its tensors)."""
+    lora_dir: str | None = None
+    """The policy's initial PEFT adapter (``<model dir>/adapter``, hf/lora.py ``ADAPTER_DIR``), with ``lora_rank``."""
 
 
 class EngineServer:
@@ -149,9 +151,9 @@ class EngineServer:
             "--tensor-parallel-size", str(options.tensor_parallel_size),
             "--disable-uvicorn-access-log", *(["--enable-sleep-mode"] if options.sleep_mode else []),
             *(["--enable-scale-out"] if options.scale_out else []),
-            # LoRA: the adapter beside the base (hf/lora.py ADAPTER_DIR), replaced in memory by every sync
+            # LoRA: the adapter beside the base, replaced in memory by every sync
             *(["--enable-lora", "--max-lora-rank", str(options.lora_rank), "--max-loras", "1", "--max-cpu-loras", "1",
-               "--lora-modules", f"{LORA_NAME}={model_dir / 'adapter'}"] if options.lora_rank else []),
+               "--lora-modules", f"{LORA_NAME}={options.lora_dir}"] if options.lora_rank else []),
         ]  # fmt: skip
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:

