@@ -1,8 +1,9 @@
 """CPU adaptations of megatron-core (quarantined; docs/MEGATRON_CORE.md, docs/STYLE.md habit 13).
 
 megatron-core hard-codes CUDA in a handful of places (call sites P1-P6 and P9 in docs/MEGATRON_CORE.md).
-On a machine without CUDA, ``megatron_rl.distributed.bootstrap.initialize_distributed`` calls
-``apply_cpu_patches()`` once, before any model is built; nothing else in megatron_rl imports this package or
+``megatron_rl.distributed.bootstrap.initialize_distributed`` calls ``apply_cpu_patches()`` once, before any model
+is built (on a machine with CUDA it applies only the ``on_cuda`` patches, which stand in for a missing optional
+package); nothing else in megatron_rl imports this package or
 branches on whether a patch is applied. Each patch is a ``Patch`` record naming the megatron-core versions it
 was measured on, the reason and the condition under which it can be deleted.
 
@@ -13,7 +14,8 @@ was measured on, the reason and the condition under which it can be deleted.
     P6          patches/rng.py         the model-parallel RNG tracker keeps CPU generator states
     P10, P11    patches/moe.py         the MoE alltoall dispatcher: its side stream, split sizes on the host
     P12         patches/fla_standins.py  torch l2norm / causal_conv1d / chunk_gated_delta_rule for Gated-DeltaNet
-                                       (Qwen3.5) where fla is absent, looping over packed sequences
+                                       (Qwen3.5) where fla is absent, looping over packed sequences; applied on
+                                       CUDA machines too (``Patch.on_cuda``: fla is optional there)
 
 P7 (a norm that supports sequence parallelism) and P8 (THD-capable core attention) are layer-spec
 substitutions made by ``megatron_rl.model.builder``, not patches.
@@ -66,6 +68,9 @@ class Patch:
     """When the patch can be deleted."""
     apply: Callable[[], None]
     """Installs the patch; called at most once per process."""
+    on_cuda: bool = False
+    """Applied where CUDA is available too: it stands in for a missing optional package (P12: fla), not for a CUDA
+    call, so a GPU machine without that package needs it as well."""
 
     @property
     def target(self) -> str:
@@ -120,19 +125,19 @@ def check_megatron_version() -> str:
 def apply_cpu_patches() -> list[str]:
     """Apply every CPU patch once per process (idempotent); returns the names applied (or already applied).
 
-    Does nothing (returns []) when CUDA is available: the patches exist only for CUDA-less machines.
+    When CUDA is available only the ``on_cuda`` patches are applied (each a no-op where its package is
+    installed): the others exist only for CUDA-less machines.
     """
     global _APPLIED
     if _APPLIED is not None:
         return list(_APPLIED)
-    if torch.cuda.is_available():
-        logger.info("CUDA is available: megatron-core CPU patches not applied")
-        _APPLIED = []
-        return []
+    cuda = torch.cuda.is_available()
+    if cuda:
+        logger.info("CUDA is available: only the patches for missing optional packages are applied")
     installed = check_megatron_version()
     applied = []
     for patch in registry():
-        if not patch.applies_to(installed):
+        if not patch.applies_to(installed) or (cuda and not patch.on_cuda):
             continue
         patch.apply()
         applied.append(patch.name)

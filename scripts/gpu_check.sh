@@ -58,7 +58,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT_DIR/NAME.log, record result a
 
 main_job() { NPROC=1 CONFIG=configs/demo_gpu.yaml bash run_megatron.sh "${job[@]}" "$@"; }
 
-step gpu_tests "$PY" -m pytest tests -m gpu -q -p no:cacheprovider
+step gpu_tests "$PY" -m pytest tests -m gpu -q -rP -p no:cacheprovider  # -rP: the measured differences they print
 if [ "$quick" -eq 1 ]; then
   rows+=("$(printf '%-16s %-48s %8s' suite "skipped (--quick)" -)")
 else

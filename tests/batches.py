@@ -78,3 +78,12 @@ def max_rel_err(got: dict, ref: dict) -> float:
     num = math.sqrt(sum(float((got[k] - ref[k]).pow(2).sum()) for k in ref))
     den = math.sqrt(sum(float(ref[k].pow(2).sum()) for k in ref))
     return num / den
+
+
+def summed_pg_loss(logprobs, entropy, mb, loss_config):
+    """The summed policy-gradient loss ``-sum(logprobs * advantages * loss_mask)`` (megatron_rl's loss contract:
+    a sum, never a mean) with its one ``sum`` metric; a ``loss_fn`` for ``MegatronPolicy.forward_backward``."""
+    from megatron_rl.metrics import Metric
+
+    loss = -(logprobs * mb["advantages"] * mb["loss_mask"]).sum()
+    return loss, {"loss": Metric(loss.detach(), 1.0, "sum")}

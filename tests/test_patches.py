@@ -6,7 +6,8 @@ One 2-rank PP2 run (tied embeddings, packed micro-batches of different lengths) 
 megatron's functions to show they really ran; losses, the grad norm and the parameters after one SGD step
 are compared with a plain single-process autograd reference built from the same full state dict.
 
-The patches exist only for CUDA-less machines: tests that need them applied skip where CUDA is available.
+The patches exist for CUDA-less machines (P12 also for GPU machines without fla): tests that need them applied
+skip where CUDA is available.
 Which patches apply depends on the installed megatron-core (``EXPECTED_PATCHES``, the version table of
 docs/MEGATRON_CORE.md).
 """
@@ -172,6 +173,21 @@ def test_registry_records_are_complete_and_apply_is_idempotent(caplog):
         stream = torch.cuda.current_stream()
         stream.wait_event(None)
         stream.wait_stream(stream)
+
+
+def test_on_a_cuda_machine_only_the_missing_package_patches_apply():
+    """With CUDA (faked in a fresh process: the patches are process-global) only ``on_cuda`` patches apply: P12
+    (fla stand-ins; a GPU machine without fla failed to build Qwen3.5 with "FLA is not installed" before)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.cuda.is_available = lambda: True\n"
+            "from megatron_rl.patches import apply_cpu_patches, registry\n"
+            "print(apply_cpu_patches(), [p.name for p in registry() if p.on_cuda])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[1], check=True).stdout.strip().splitlines()[-1]
+    on_cuda = [name for name in EXPECTED_PATCHES[MCORE_VERSION] if name.startswith("P12")]
+    assert out == f"{on_cuda} ['P12 fla stand-ins for Gated-DeltaNet']"
 
 
 def test_version_mismatch_refused(monkeypatch):

@@ -164,11 +164,10 @@ def initialize_distributed(
 
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron parallel state is already initialized; call destroy_distributed() first")
-    if device.type == "cpu":
-        from megatron_rl.patches import apply_cpu_patches
+    from megatron_rl.patches import apply_cpu_patches
 
-        apply_cpu_patches()
-    else:
+    apply_cpu_patches()  # with CUDA only those for a missing optional package (Patch.on_cuda: fla)
+    if device.type != "cpu":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         _init_process_group(device, timeout_minutes)

@@ -23,8 +23,9 @@ any input without packed ``packed_seq_params`` (``packed_gdn_class``).
 Requirements (``validate``): megatron-core >= 0.18 (packed GDN input, NVIDIA/Megatron-LM PR #2644; 0.16.1's
 GDN raises "GDN does not support packed sequence"); the local layer spec; no context parallelism (megatron's GDN
 implements it with its own all-to-alls over the packed sequences, never run with megatron_rl's CP packing,
-``data/packing.py: split_for_cp``); dense MLPs; TP dividing both GDN head counts. Without fla on a CPU, ``patches/fla_standins.py`` (P12)
-supplies torch versions of fla's functions.
+``data/packing.py: split_for_cp``); dense MLPs; TP dividing both GDN head counts. Without fla (always on a CPU;
+on a GPU where it is not installed, with a warning) ``patches/fla_standins.py`` (P12) supplies torch versions of
+fla's functions.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.metadata
+import importlib.util
+import warnings
 
 import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -80,6 +83,11 @@ def validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
         if getattr(model_cfg, field) % tp != 0:
             raise ValueError(f"model.{field}={getattr(model_cfg, field)} is not divisible by "
                              f"tensor_model_parallel_size={tp}; choose a TP size dividing it")
+    on_cuda = parallel_cfg.device == "cuda" or (parallel_cfg.device == "auto" and torch.cuda.is_available())
+    if on_cuda and importlib.util.find_spec("fla") is None:
+        warnings.warn("model.linear_attention_freq on CUDA without flash-linear-attention: Gated-DeltaNet runs "
+                      "megatron_rl's torch stand-ins (patches/fla_standins.py; correct, one sequence at a time); "
+                      "pip install flash-linear-attention for its Triton kernels", stacklevel=2)
 
 
 def transformer_config_kwargs(model_cfg: ModelConfig) -> dict:

@@ -38,13 +38,6 @@ def make_batch(vocab: int = 128, seed: int = 0):
     return TrainingBatch(t, list(range(rows)), list(range(rows)), [True] * rows)
 
 
-def summed_pg_loss(logprobs, entropy, mb, loss_config):
-    from megatron_rl.metrics import Metric
-
-    loss = -(logprobs * mb["advantages"] * mb["loss_mask"]).sum()
-    return loss, {"loss": Metric(loss.detach(), 1.0, "sum")}
-
-
 def train_step(policy, batch) -> dict[str, float]:
     """One optimizer step on ``batch``: ``{"loss", "grad_norm", "lr"}``."""
     metrics = policy.forward_backward(batch, summed_pg_loss, None)
@@ -66,3 +59,10 @@ def set_weights_to_step(policy, base: dict[str, torch.Tensor], step: int) -> Non
 
 def local_weights(policy) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in policy.module.named_parameters()}
+
+
+def summed_pg_loss(logprobs, entropy, mb, loss_config):
+    """``batches.summed_pg_loss``, imported when called (tests/ is on the path of pytest and of its ranks)."""
+    from batches import summed_pg_loss as loss_fn
+
+    return loss_fn(logprobs, entropy, mb, loss_config)

@@ -104,3 +104,59 @@ def test_policy_from_hf_matches_transformers_and_export_round_trips(layout, grou
     ids = tensors["sequences"][1][tensors["attention_mask"][1].bool()][None]
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, hf_text(ids).logits)
+
+
+# ---------------------------------------------------------------------- GPU (skipped without CUDA)
+
+
+def _cuda_child(rank: int, world_size: int, hf_dir: str, tensors, device: str = "cuda") -> dict:
+    """The tiny Qwen3.5 on CUDA, fp32 (TF32 off) and bf16: log-probs, then one SGD step (finite grad norm).
+    Gated-DeltaNet runs fla's Triton kernels where fla is importable, else the torch stand-ins of P12."""
+    import importlib.util
+
+    from megatron_rl.config import OptimizerConfig
+    from megatron_rl.hf import policy_from_hf
+    from batches import summed_pg_loss
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # no-ops on a CPU
+    groups = initialize_distributed(ParallelConfig(device=device), seed=5)
+    out = {"fla": importlib.util.find_spec("fla") is not None}
+    batch = training_batch(tensors)
+    for dtype in ("float32", "bfloat16"):
+        config = MegatronRLConfig(model=ModelConfig(attention_backend="local", params_dtype=dtype),
+                                  optimizer=OptimizerConfig(optimizer="sgd", lr=1e-3))
+        policy = policy_from_hf(config, groups, hf_dir=hf_dir)
+        assert next(policy.module.parameters()).device.type == device
+        out[dtype] = policy.forward(batch)["logprobs"].float()
+        policy.forward_backward(batch, summed_pg_loss, None)
+        out[f"grad_norm_{dtype}"] = policy.optim_step()["grad_norm"]
+    return out
+
+
+@pytest.mark.gpu
+def test_qwen35_on_cuda_matches_transformers(checkpoints):
+    """Qwen3.5 (Gated-DeltaNet + gated attention) on a GPU against transformers' fp32 forward on the host.
+
+    Tolerances: bf16 as ``test_logprobs_match_hf_bf16_gpu`` (8 significant bits per operation, O(1) logits:
+    max 0.05, mean 0.01; a wrong mapping moves log-probs by more than 0.06). fp32 with TF32 off: the CPU test's
+    1e-5 becomes 1e-4 for the different kernels (cuBLAS, and fla's chunked Triton recurrence where installed);
+    fla's kernels in fp32 may round their dots like TF32 (10 bits), hence 5e-3 there.
+    """
+    from multirank import run_ranks
+
+    tensors = left_padded_tensors([5, 30, 2], [9, 40, 3], 256, torch.Generator().manual_seed(0), low=3,
+                                  advantages=True)
+    got = run_ranks(1, _cuda_child, str(checkpoints["text"]), tensors, timeout=300, cpu_only=False)[0]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["text"], dtype=torch.float32).eval()
+    want = _hf_row_logprobs(hf, tensors)
+    mask = tensors["response_mask"].bool()
+    fp32 = (got["float32"] - want)[mask].abs()
+    bf16 = (got["bfloat16"] - want)[mask].abs()
+    print(f"qwen35 cuda fla={got['fla']}: fp32 max {fp32.max():.2e}; bf16 max {bf16.max():.2e} mean "
+          f"{bf16.mean():.2e}; grad norms {got['grad_norm_float32']:.4f} {got['grad_norm_bfloat16']:.4f}")
+    assert fp32.max() < (5e-3 if got["fla"] else 1e-4)
+    assert bf16.max() < 0.05 and bf16.mean() < 0.01
+    for dtype in ("float32", "bfloat16"):
+        assert torch.isfinite(torch.tensor(got[f"grad_norm_{dtype}"])) and got[f"grad_norm_{dtype}"] > 0

@@ -16,9 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batches import left_padded_tensors, max_rel_err, micro_batch_size, training_batch
+from batches import left_padded_tensors, max_rel_err, micro_batch_size, summed_pg_loss, training_batch
 from lora_helpers import adapter_grads, adapters_only, randomize_adapters
-from megatron_rl.metrics import Metric
 from multirank import run_ranks
 
 RANK = 8
@@ -45,12 +44,6 @@ def lora_config(tp: int = 1, pp: int = 1, cp: int = 1, *, sequence_parallel: boo
 def batch_tensors() -> dict[str, torch.Tensor]:
     return left_padded_tensors(PROMPT_LENS, RESPONSE_LENS, 64, torch.Generator().manual_seed(0), loss_drop=0.2,
                                advantages=True)
-
-
-def summed_pg_loss(logprobs, entropy, mb, loss_config):
-    mask = mb["loss_mask"]
-    loss = -(logprobs * mb["advantages"] * mask).sum()
-    return loss, {"loss": Metric(loss.detach(), 1.0, "sum")}
 
 
 def _policy(cfg, groups, full_sd):

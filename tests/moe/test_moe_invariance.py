@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batches import full_grads, left_padded_tensors, max_rel_err, micro_batch_size, training_batch
+from batches import (full_grads, left_padded_tensors, max_rel_err, micro_batch_size, summed_pg_loss,
+                     training_batch)
 from multirank import run_ranks
-from megatron_rl.metrics import Metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
@@ -42,12 +42,6 @@ def moe_config(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, *, sequence_p
         optimizer=OptimizerConfig(optimizer="sgd", lr=0.05),
         seed=1234,
     )
-
-
-def summed_pg_loss(logprobs, entropy, mb, loss_config):
-    """The summed policy-gradient loss (the MoE terms are added by the routers, not here)."""
-    loss = -(logprobs * mb["advantages"] * mb["loss_mask"]).sum()
-    return loss, {"loss": Metric(loss.detach(), 1.0, "sum")}
 
 
 def _tensors():

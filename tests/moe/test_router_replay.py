@@ -18,9 +18,8 @@ import contextlib
 import pytest
 import torch
 
-from batches import full_grads, left_padded_tensors, micro_batch_size, training_batch
+from batches import full_grads, left_padded_tensors, micro_batch_size, summed_pg_loss, training_batch
 from multirank import run_ranks
-from megatron_rl.metrics import Metric
 
 PROMPT_LENS = [3, 9, 2, 5, 12, 4, 6, 7]
 RESPONSE_LENS = [6, 2, 11, 4, 1, 8, 5, 3]
@@ -41,11 +40,6 @@ def replay_config(replay: str = "r2", tp: int = 1, pp: int = 1, ep: int = 1, cp:
         optimizer=OptimizerConfig(optimizer="sgd", lr=0.05),
         seed=1234,
     )
-
-
-def summed_pg_loss(logprobs, entropy, mb, loss_config):
-    loss = -(logprobs * mb["advantages"] * mb["loss_mask"]).sum()
-    return loss, {"loss": Metric(loss.detach(), 1.0, "sum")}
 
 
 class RoutingSpy:
