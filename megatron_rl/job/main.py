@@ -98,6 +98,10 @@ class Job:
     """The batches of the coming steps (``job/pipeline.py``: ``rollout.max_staleness``); built by ``run``."""
     resumed_pipeline: dict | None = None
     """The checkpoint's generated batches of the steps after it (``RolloutPipeline.state_dict``)."""
+    trained_step: int = 0
+    """The last RL step whose train step finished."""
+    saved_step: int = 0
+    """The step of the newest checkpoint (the resumed one, or the last ``save``)."""
 
 
 # megatron-core announces at import, once per module and rank, that it falls back from TransformerEngine/Apex
@@ -249,13 +253,18 @@ def run(job: Job) -> int:
         return report_finished(job, start_step)
     job.engine = start_engine(config, job.policy, job.environment.pad_token_id)  # on the resumed weights
     job.pipeline = build_pipeline(job, start_step)
+    job.trained_step = job.saved_step = start_step
     reporter = open_reporter(job, start_step)
     baseline = job.environment.random_baseline(config.rl.seed) if job.is_rank0 else None
     started, step = time.time(), start_step
     logging = config.rl.logging
     try:
         for step in range(start_step + 1, config.job.num_steps + 1):
-            metrics, rollouts = rl_step(job, step)
+            try:
+                metrics, rollouts = rl_step(job, step)
+            except Exception as err:
+                save_before_stopping(job, err)
+                raise
             if reporter is not None:
                 reporter.note_failures(rollouts.failures, "reward.function" if job.config.environment == "single_turn"
                                        else "the environment")
@@ -350,6 +359,7 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
     if sleeping:  # colocated engines give the trainer their device memory (rank 0 asks them; docs/INFERENCE.md)
         job.engine.sleep()
     metrics = job.trainer.train_step(rollouts.output)
+    job.trained_step = step
     if sleeping:
         job.engine.wake()
     metrics.update(rollouts.metrics)
@@ -490,6 +500,23 @@ def open_reporter(job: Job, start_step: int) -> RunReporter | None:
 # Checkpoints
 # --------------------------------------------------------------------------------------------------------------
 
+def save_before_stopping(job: Job, err: Exception) -> None:
+    """``err`` is a failed generation (the same error on every rank: ``job/pipeline.py``) and steps were trained
+    since the last checkpoint (generated ahead, ``rollout.max_staleness``, or a rare ``checkpoint.save_interval``):
+    save them before the error stops the job, so that a resumed run loses no trained step and trains none twice.
+    Other errors save nothing (they may have hit one rank only, where a collective save would hang)."""
+    pipeline = job.pipeline
+    if pipeline is None or pipeline.failure is None or err is not pipeline.failure.error:
+        return
+    if job.trained_step <= job.saved_step:
+        return
+    pipeline.drain()  # the batches still in flight end (the environment's position stops moving)
+    save(job, job.trained_step)
+    if job.is_rank0:
+        print(f"megatron_rl main job: the rollouts of step {pipeline.failed_step} failed; saved the steps trained "
+              f"before it (checkpoint of step {job.trained_step}) first", flush=True)
+
+
 def checkpoint_due(config: JobConfig, step: int) -> bool:
     """Every ``checkpoint.save_interval`` steps (0 = never in between) and always after the last step."""
     return due(config.rl.checkpoint.save_interval, step, config.job.num_steps, always_last=True)
@@ -509,6 +536,7 @@ def save(job: Job, step: int) -> None:
         if ahead:  # generated for the coming steps (rollout.max_staleness): trained first by a resumed run
             state["rollouts_ahead"] = ahead
         save_with_critic(job.policy, job.critic, job.save_dir, state)
+        job.saved_step = step
     except RuntimeError as err:
         if isinstance(err.__cause__, OSError) and err.__cause__.errno in STORAGE_ERRNOS:
             raise CheckpointProblem(str(err), code=1) from err

@@ -22,6 +22,13 @@ the current weights) is handed to the main thread, which runs it while it waits 
 Checkpoints: ``state_dict`` (after ``drain``) holds the generated batches of the steps after the checkpoint and
 the weights each came from; the environment's data position already counts them. A resumed run trains them
 first, so no prompt is lost or trained twice, whatever K the resumed run uses.
+
+A failed generation (every sample failed, every engine lost; the same error on every rank) stops the run at its
+own step: nothing is launched after it, the steps before it train, log and save as usual, and ``take`` raises
+it. The main job then saves the steps trained since its last checkpoint before it stops (``save_before_stopping``):
+a failure of a batch generated ahead loses no trained step. The checkpoint holds the good batches before the
+failed step; a resumed run generates the failed step again, from the environment's next prompts (the failed
+batch's prompts are skipped, none is trained twice).
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class RolloutPipeline:
         """Engine weight version (syncs so far) -> the RL step of those weights (partial rollouts)."""
         self.batches: dict[int, Batch] = {}
         self.launched_through = 0
+        self.failure: Batch | None = None
+        """The earliest batch seen to have failed: nothing is launched after it, and the run stops at its step."""
         if state:
             for step, weights_step_, rollouts, rollout_s, token_steps in pickle.loads(
                     base64.b64decode(state["batches"])):
@@ -93,7 +102,10 @@ class RolloutPipeline:
 
     # ------------------------------------------------------------------------------------------------ schedule
     def launch_through(self, last_step: int, *, first_step: int) -> None:
-        """Launch the batches of every step up to ``last_step`` not launched yet (from ``first_step``)."""
+        """Launch the batches of every step up to ``last_step`` not launched yet (from ``first_step``); none after
+        a failure (the run stops at the failed step)."""
+        if self.failure is not None:
+            return
         for step in range(max(self.launched_through + 1, first_step), last_step + 1):
             batch = Batch(step, self.weights_step)
             self.batches[step] = batch
@@ -103,25 +115,35 @@ class RolloutPipeline:
                 self._todo.put(batch)
             else:
                 self._run(batch)
-                if batch.error is not None:
-                    raise batch.error
+                if self._observe(batch):
+                    return
 
     def take(self, step: int) -> Batch:
         """The batch of ``step`` (launched before), once generated; a failure of its generation is raised here."""
         batch = self.batches.pop(step)
         self._wait(batch)
-        if batch.error is not None:
+        if self._observe(batch):
             raise batch.error
         return batch
 
     def drain(self) -> None:
-        """Wait until every launched batch is generated (before the engine's weights change); raises the first
-        failure."""
+        """Wait until every launched batch is generated (before the engine's weights change, before a checkpoint).
+        A failed batch is noted, not raised: the steps before it still train (and save); ``take`` raises it."""
         for step in sorted(self.batches):
-            batch = self.batches[step]
-            self._wait(batch)
-            if batch.error is not None:
-                raise batch.error
+            self._wait(self.batches[step])
+            self._observe(self.batches[step])
+
+    @property
+    def failed_step(self) -> int | None:
+        return None if self.failure is None else self.failure.step
+
+    def _observe(self, batch: Batch) -> bool:
+        """Note ``batch``'s failure (keeping the earliest); whether it failed."""
+        if batch.error is None:
+            return False
+        if self.failure is None or batch.step < self.failure.step:
+            self.failure = batch
+        return True
 
     def synced(self, step: int) -> None:
         """The engine now samples from the weights of ``step``."""
@@ -139,11 +161,13 @@ class RolloutPipeline:
         return mean, float(step - 1 - min(batch.token_steps))
 
     def state_dict(self) -> dict:
-        """The generated batches of the coming steps (call after ``drain``); {} when there are none."""
-        if not self.batches:
+        """The generated batches of the coming steps before a failed one (call after ``drain``); {} when there are
+        none."""
+        kept = [b for b in sorted(self.batches.values(), key=lambda b: b.step)
+                if self.failure is None or b.step < self.failure.step]
+        if not kept:
             return {}
-        rows = [(b.step, b.weights_step, b.rollouts, b.rollout_s, b.token_steps)
-                for b in sorted(self.batches.values(), key=lambda b: b.step)]
+        rows = [(b.step, b.weights_step, b.rollouts, b.rollout_s, b.token_steps) for b in kept]
         return {"steps": [row[0] for row in rows], "batches": base64.b64encode(pickle.dumps(rows)).decode()}
 
     # ------------------------------------------------------------------------------------------------ threads

@@ -141,3 +141,30 @@ def test_a_step_where_every_sample_fails_stops_with_one_line_and_keeps_the_check
     assert "samples of the step failed" in lines[0] and "RuntimeError: scorer offline" in lines[0]
     assert f"the last complete checkpoint in {out_dir / 'checkpoints'} is kept" in lines[0]
     assert sorted(p.name for p in (out_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
+
+
+def test_a_failed_batch_generated_ahead_saves_the_steps_trained_before_it(task, after_two_steps, tmp_path):
+    """One step off (``rollout.max_staleness=1``) from the checkpoint of step 2, no checkpoint due before step 10;
+    the reward function fails on every response of the third batch this run generates (step 5's, generated while
+    step 4 trains): the run trains steps 3 and 4, saves them, then stops at step 5 with one line (before, steps 3
+    and 4 were lost); the same command with a working reward resumes after step 4, with no step twice."""
+    out_dir = copy_of(after_two_steps, tmp_path / "run")
+    rows = 4 * 8  # batch.train_batch_size x job.n_samples_per_prompt (configs/user_job.yaml, the base config here)
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text(f"calls = 0\n\n"
+                     "def match(prompt, response, target):\n"
+                     "    global calls\n"
+                     "    calls += 1  # the start-up check is call 1\n"
+                     f"    if calls > 1 + 2 * {rows}:\n"
+                     "        raise RuntimeError('scorer offline')\n"
+                     "    return float(response.split()[:1] == [target])\n")
+    async_run = ("rollout.max_staleness=1", "checkpoint.save_interval=10", "checkpoint.keep_last=5")
+    proc = run_megatron(*overrides(task, out_dir, flaky), *async_run, "job.num_steps=6", code=2)
+    assert "the rollouts of step 5 failed; saved the steps trained before it (checkpoint of step 4)" in proc.stdout
+    assert "samples of the step failed" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out_dir / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000004"]
+    assert [r["step"] for r in metric_rows(out_dir)] == [1, 2, 3, 4]
+
+    assert "resuming after step 4" in run(task, out_dir, *async_run, "job.num_steps=6")
+    assert [r["step"] for r in metric_rows(out_dir)] == [1, 2, 3, 4, 5, 6]
+
