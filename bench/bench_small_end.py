@@ -11,6 +11,7 @@ optimizer step per RL step, no KL, 20 steps. Systems, run one after the other on
     trl       TRL's GRPOTrainer on CPU (plain transformers ``generate``; gradient checkpointing on, TRL's default)
     tokens    builtin with ``batch.max_tokens_per_micro_batch=4096 batch.micro_batch_size=null`` (--tokens: one
               micro-batch per call on this job instead of configs/user_job.yaml's 4 rows)
+    vllm_tokens  vllm with the same token budget (--vllm --tokens)
     before    builtin through another checkout (--before PATH, e.g. the main branch's worktree): the same job
               on older code, in the same invocation
 
@@ -192,7 +193,8 @@ def main() -> int:
     parser.add_argument("--out", help="write the summary rows as JSON here")
     args = parser.parse_args()
     systems = ((["before"] if args.before else []) + [s for s in args.systems.split(",") if s]
-               + (["tokens"] if args.tokens else []) + (["vllm"] if args.vllm else []))
+               + (["tokens"] if args.tokens else []) + (["vllm"] if args.vllm else [])
+               + (["vllm_tokens"] if args.vllm and args.tokens else []))
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_small_end_") as tmp:
         root = Path(tmp)
@@ -206,8 +208,9 @@ def main() -> int:
                     result = run_trl(job, out, args.steps, args.trl_threads)
                 elif system == "before":
                     result = run_megatron_rl(job, out, args.steps, "builtin", repo=Path(args.before).resolve())
-                elif system == "tokens":
-                    result = run_megatron_rl(job, out, args.steps, "builtin", extra=TOKEN_BUDGET)
+                elif system in ("tokens", "vllm_tokens"):
+                    engine = "vllm" if system == "vllm_tokens" else "builtin"
+                    result = run_megatron_rl(job, out, args.steps, engine, extra=TOKEN_BUDGET)
                 else:
                     result = run_megatron_rl(job, out, args.steps, system)
                 rows.append(summarize(system, result, args.first))

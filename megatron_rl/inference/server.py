@@ -136,6 +136,8 @@ class EngineServer:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = devices
+        else:  # W47: a CPU engine's idle OpenMP threads sleep instead of spinning on the trainer's cores
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         command = [
             options.python, "-m", "megatron_rl.inference.vllm_serve", "--parent-pid", str(os.getpid()),
             str(model_dir), "--host", host, "--port", str(port), "--served-model-name", MODEL_NAME,
