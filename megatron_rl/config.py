@@ -145,6 +145,13 @@ def _reported_as_config_error() -> Iterator[None]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def on_cpu(device: str) -> bool:
+    """Whether ``parallel.device`` (or a torch device type) means CPU here ('auto': no CUDA device)."""
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
 @dataclass(kw_only=True)
 class ParallelConfig(ConfigSection):
     SECTION: ClassVar[str] = "parallel"

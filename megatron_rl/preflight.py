@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
-from megatron_rl.config import ConfigError, MegatronRLConfig, ModelConfig, load_config
+from megatron_rl.config import ConfigError, MegatronRLConfig, ModelConfig, load_config, on_cpu
 
 BYTES_PER_PARAM = {"float32": 4, "bfloat16": 2}
 OPTIMIZER_BYTES_PER_PARAM = {"adam": 8, "sgd": 4}
@@ -72,14 +72,10 @@ def check_moe_layout(config: MegatronRLConfig) -> None:
     parallelism, the expert FFN divisible by the expert-TP size, expert TP 1 on CPU). Imports megatron-core only for an MoE model or EP > 1."""
     if config.model.num_moe_experts is None and config.parallel.expert_model_parallel_size == 1:
         return
-    import torch
-
     from megatron_rl.model.moe import validate  # "No CUDA runtime is found": warnings_filter.CPU_LOG_PREFIXES
 
-    device = config.parallel.device
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     try:
-        validate(config.model, config.parallel, on_cpu=on_cpu)
+        validate(config.model, config.parallel, on_cpu=on_cpu(config.parallel.device))
     except ValueError as err:
         raise ConfigError(str(err)) from None
 

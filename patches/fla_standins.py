@@ -18,9 +18,9 @@ set so that the layer builds. The ``jit_fuser`` (``torch.compile``) methods thes
 ``_GDNBase`` and the gated attention's ``Attention._apply_output_gate``, are restored to their plain functions:
 on a CPU their first calls compile for 10-40 s per process, for no gain here.
 
-On a GPU machine without fla the same stand-ins run on CUDA (measured on an H100: they match transformers; one
-sequence at a time, so slower than fla's kernels, and ``model/hybrid.py`` warns); where fla is installed its
-Triton kernels run and this patch does nothing.
+On a GPU machine without fla the same stand-ins run on CUDA (one sequence at a time, so slower than fla's kernels;
+``model/hybrid.py`` warns; not yet run on a GPU: tests/hf/test_hf_qwen35.py has the ``gpu`` test); where fla is
+installed its Triton kernels run and this patch does nothing.
 
 Target megatron-core==0.19.2 (0.16.1 has no packed GDN: megatron_rl refuses hybrid models there). A no-op where
 the module is absent or fla is importable. Remove when fla (or megatron-core) has a CPU varlen path.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from megatron_rl.config import AT_LEAST_1, POSITIVE, ConfigError, ConfigSection, ModelConfig, valid
+from megatron_rl.config import AT_LEAST_1, POSITIVE, ConfigError, ConfigSection, ModelConfig, on_cpu, valid
 
 
 @dataclass(kw_only=True)
@@ -168,13 +168,6 @@ def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) 
     if head_dim not in VLLM_CPU_HEAD_SIZES:
         raise ConfigError(f"rollout.engine=vllm on CPU needs a head size in {VLLM_CPU_HEAD_SIZES} (vLLM's CPU "
                           f"attention), but {source} {head_dim}; {fix}")
-
-
-def on_cpu(device: str) -> bool:
-    """Whether ``parallel.device`` (or a torch device type) means CPU here ('auto': no CUDA device)."""
-    import torch
-
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def is_hybrid(model: ModelConfig) -> bool:

@@ -505,15 +505,13 @@ def save_before_stopping(job: Job, err: Exception) -> None:
     since the last checkpoint (generated ahead, ``rollout.max_staleness``, or a rare ``checkpoint.save_interval``):
     save them before the error stops the job, so that a resumed run loses no trained step and trains none twice.
     Other errors save nothing (they may have hit one rank only, where a collective save would hang)."""
-    pipeline = job.pipeline
-    if pipeline is None or pipeline.failure is None or err is not pipeline.failure.error:
+    failure = job.pipeline.failure if job.pipeline is not None else None
+    if failure is None or err is not failure.error or job.trained_step <= job.saved_step:
         return
-    if job.trained_step <= job.saved_step:
-        return
-    pipeline.drain()  # the batches still in flight end (the environment's position stops moving)
+    job.pipeline.drain()  # the batches still in flight end (the environment's position stops moving)
     save(job, job.trained_step)
     if job.is_rank0:
-        print(f"megatron_rl main job: the rollouts of step {pipeline.failed_step} failed; saved the steps trained "
+        print(f"megatron_rl main job: the rollouts of step {failure.step} failed; saved the steps trained "
               f"before it (checkpoint of step {job.trained_step}) first", flush=True)
 
 

@@ -133,10 +133,6 @@ class RolloutPipeline:
             self._wait(self.batches[step])
             self._observe(self.batches[step])
 
-    @property
-    def failed_step(self) -> int | None:
-        return None if self.failure is None else self.failure.step
-
     def _observe(self, batch: Batch) -> bool:
         """Note ``batch``'s failure (keeping the earliest); whether it failed."""
         if batch.error is None:

@@ -42,7 +42,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from packaging.version import Version
 
-from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.config import ModelConfig, ParallelConfig, on_cpu
 from megatron_rl.model.norm import RMSNorm
 
 MIN_MCORE = "0.18.0"
@@ -83,8 +83,7 @@ def validate(model_cfg: ModelConfig, parallel_cfg: ParallelConfig) -> None:
         if getattr(model_cfg, field) % tp != 0:
             raise ValueError(f"model.{field}={getattr(model_cfg, field)} is not divisible by "
                              f"tensor_model_parallel_size={tp}; choose a TP size dividing it")
-    on_cuda = parallel_cfg.device == "cuda" or (parallel_cfg.device == "auto" and torch.cuda.is_available())
-    if on_cuda and importlib.util.find_spec("fla") is None:
+    if not on_cpu(parallel_cfg.device) and importlib.util.find_spec("fla") is None:
         warnings.warn("model.linear_attention_freq on CUDA without flash-linear-attention: Gated-DeltaNet runs "
                       "megatron_rl's torch stand-ins (patches/fla_standins.py; correct, one sequence at a time); "
                       "pip install flash-linear-attention for its Triton kernels", stacklevel=2)
