@@ -132,8 +132,11 @@ def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(en
 
     done = len(_rows(out))
     # resumed as a plain run with its only engine (configs/demo_vllm.yaml), whose API server is SIGKILLed twice, at
-    # two instants of a step (issue 37: one such kill used to hang the run): each costs a restart, the run finishes
-    resumed = _launch(out, engine_py, f"demo.num_steps={done + 4}")
+    # two instants of a step (issue 37: one such kill used to hang the run): each costs a restart, the run finishes.
+    # Steps enough that a step still generates after the second kill (1.5 s after step done+2's row: with steps of
+    # ~0.8 s, a run of done+4 steps could end before its replacement was needed, and never say it is back).
+    steps = 8
+    resumed = _launch(out, engine_py, f"demo.num_steps={done + steps}")
     for kill, after_s in enumerate((0.0, 1.5)):
         _wait_rows(out, resumed, lambda rows, k=kill: rows and rows[-1]["step"] >= done + 1 + k and _engine_pids(out),
                    f"reach step {done + 1 + kill} with its engine up")
@@ -148,14 +151,14 @@ def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(en
     assert "resuming after step" in text and text.count("vLLM engine 0 is back after") >= 2, text
     rows = _rows(out)
     after = [row for row in rows if row["step"] > done - 1]
-    assert [row["step"] for row in rows][-4:] == [done + 1, done + 2, done + 3, done + 4], rows
+    assert [row["step"] for row in rows][-steps:] == list(range(done + 1, done + steps + 1)), rows
     for row in after:
         assert row["rollout/logprob_abs_diff_max"] <= TOLERANCE, row
         assert row["timing/weight_sync_s"] > 0
     assert not _engine_pids(out)
 
     started = time.monotonic()
-    again = _launch(out, engine_py, f"demo.num_steps={done + 4}")  # finished: says so, starts no engine
+    again = _launch(out, engine_py, f"demo.num_steps={done + steps}")  # finished: says so, starts no engine
     text, _ = again.communicate(timeout=200)
     assert again.returncode == 0 and "nothing to do" in text and "starting" not in text, text
     assert time.monotonic() - started < 60, text
