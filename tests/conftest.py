@@ -5,6 +5,7 @@ that the oldest end of the megatron-core range runs (``ends.py``, docs/TESTING.m
 
 from __future__ import annotations
 
+import engine_zygote
 import pytest
 import torch
 from ends import is_core
@@ -22,3 +23,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    engine_zygote.start(session.items)  # tests/engine_zygote.py
+
+
+def pytest_unconfigure(config):
+    engine_zygote.stop()

@@ -6,7 +6,8 @@ generation request, weight-sync call and health check of the job goes through ``
 - ``EngineServer.start``: ``<engine python> -m megatron_rl.inference.vllm_serve`` (``vllm serve`` + the job's
   token + a watchdog that kills the server with the trainer) in a new session, on loopback (a multi-node job:
   ``rollout.engine_host``), a free port, its
-  log in ``<work_dir>/engine<i>.log``; ``kill`` removes its whole process group.
+  log in ``<work_dir>/engine<i>.log``; ``kill`` removes its whole process group. A CPU server is forked from the
+  engine zygote instead where ``$MEGATRON_RL_ENGINE_ZYGOTE`` names one (``zygote.py``; ``start_zygote``).
 - ``EngineServer.attach``: a server the user started (``rollout.engine_urls``); it is never killed or restarted
   by the job, and must run the same command (worker extension, token) to accept weights.
 
@@ -25,12 +26,14 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.inference import zygote
 from megatron_rl.inference.engine import Completion, SamplingSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +75,23 @@ def log_tail(path: Path | None, lines: int = 30) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, for a server that binds it seconds later: drawn below the kernel's ephemeral range,
+    where no outgoing connection's own port lands meanwhile (a port from ``bind(0)`` came from that range, and an
+    engine start under load lost its port to a connection made in between: "Address already in use")."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(50 if low > 11000 else 0):
+        port = random.SystemRandom().randrange(10000, low)  # (not the seeded global generator)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -103,10 +123,44 @@ class ServeOptions:
     """The policy's initial PEFT adapter (``<model dir>/adapter``, hf/lora.py ``ADAPTER_DIR``), with ``lora_rank``."""
 
 
+FORKED_START_S = 60.0
+"""A server forked by the engine zygote that has not answered ``/health`` within this is killed and started the usual
+way. A forked start takes ~5-9 s on the 2-core machine; once in ~80 forked starts (a replacement started while its
+job ran, the machine loaded) ``EngineCore`` stopped for good between loading the weights and its first forward, and
+the job lost the step. Not reproduced in 29 forked starts since, and not understood: this bounds what it costs."""
+
+
+def engine_environment(devices: str | None = None) -> dict[str, str]:
+    """The environment of an engine the job starts, but for its token and its share of the machine: the trainer's
+    without its distributed settings, the repository on ``PYTHONPATH``; ``devices`` (GPUs) or a CPU engine."""
+    env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    else:  # W47: a CPU engine's idle OpenMP threads sleep instead of spinning on the trainer's cores
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
+def start_zygote(python: str, socket_path: Path, log_path: Path) -> subprocess.Popen:
+    """Start an engine zygote (inference/zygote.py) for CPU engines in this process's environment; it serves once
+    ``socket_path`` exists, and exits when this process is gone. Set ``$MEGATRON_RL_ENGINE_ZYGOTE`` to
+    ``socket_path`` for the jobs that should use it."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([python, "-m", "megatron_rl.inference.zygote", "--socket", str(socket_path),
+                                 "--parent-pid", str(os.getpid())], env=engine_environment(), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                cwd=str(REPO_ROOT))
+    pid_file = Path(f"{socket_path}.pid")  # an engine start waits for a zygote still importing
+    pid_file.with_suffix(".tmp").write_text(str(proc.pid))
+    os.replace(pid_file.with_suffix(".tmp"), pid_file)
+    return proc
+
+
 class EngineServer:
     """One engine: its URL, token, and (when the job started it) its process and log."""
 
-    def __init__(self, url: str, token: str, *, proc: subprocess.Popen | None = None,
+    def __init__(self, url: str, token: str, *, proc: subprocess.Popen | zygote.ZygoteChild | None = None,
                  log_path: Path | None = None) -> None:
         self.url = url.rstrip("/")
         parsed = urllib.parse.urlsplit(self.url)
@@ -114,6 +168,8 @@ class EngineServer:
         self.token = token
         self.proc = proc
         self.log_path = log_path
+        self._plain_start: tuple[list[str], dict[str, str]] | None = None
+        """(command, environment) of a server this job started: how to start it again, unforked."""
 
     @property
     def owned(self) -> bool:
@@ -129,15 +185,10 @@ class EngineServer:
         directory (read there it would be a Hugging Face repo id)."""
         model_dir, log_path = Path(model_dir).absolute(), Path(log_path).absolute()
         port = free_port(host)
-        env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
-        env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1", MEGATRON_RL_ENGINE_TOKEN=token,
-                   VLLM_CPU_KVCACHE_SPACE=str(max(1, round(options.kv_cache_gib))))
+        env = engine_environment(devices)
+        env.update(MEGATRON_RL_ENGINE_TOKEN=token, VLLM_CPU_KVCACHE_SPACE=str(max(1, round(options.kv_cache_gib))))
         if cpu_cores is not None:  # CPU: one share of the cores per engine (vLLM binds its OMP threads there)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
-        if devices is not None:
-            env["CUDA_VISIBLE_DEVICES"] = devices
-        else:  # W47: a CPU engine's idle OpenMP threads sleep instead of spinning on the trainer's cores
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         command = [
             options.python, "-m", "megatron_rl.inference.vllm_serve", "--parent-pid", str(os.getpid()),
             str(model_dir), "--host", host, "--port", str(port), "--served-model-name", MODEL_NAME,
@@ -159,9 +210,18 @@ class EngineServer:
         ]  # fmt: skip
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, cwd=str(REPO_ROOT))
-        return cls(f"http://{host}:{port}", token, proc=proc, log_path=log_path)
+            proc = _forked(command, env, log.fileno()) if devices is None else None
+        server = cls(f"http://{host}:{port}", token, proc=proc, log_path=log_path)
+        server._plain_start = (command, env)
+        if proc is None:
+            server._start_plainly()
+        return server
+
+    def _start_plainly(self) -> None:
+        command, env = self._plain_start
+        with open(self.log_path, "ab") as log:  # type: ignore[arg-type]
+            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO_ROOT))
 
     @classmethod
     def attach(cls, url: str, token: str) -> "EngineServer":
@@ -170,8 +230,14 @@ class EngineServer:
     def wait_ready(self, timeout_s: float, what: str = "the vLLM engine") -> dict:
         """Poll ``/health`` until it answers 200; returns ``/v1/models``' first model. EngineStartError with the
         log's tail when the process exits or ``timeout_s`` passes."""
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         while True:
+            if isinstance(self.proc, zygote.ZygoteChild) and time.monotonic() - started > FORKED_START_S:
+                print(f"megatron_rl: {what} (forked by the engine zygote) did not answer within {FORKED_START_S:.0f} s:"
+                      " starting it the usual way", file=sys.stderr, flush=True)
+                self.kill()
+                self._start_plainly()
             if self.proc is not None and self.proc.poll() is not None:
                 raise EngineStartError(f"{what} exited with code {self.proc.returncode} while starting; last lines "
                                        f"of {self.log_path}:\n{log_tail(self.log_path)}")
@@ -288,6 +354,24 @@ class EngineServer:
             connection.close()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("vllm:generation_tokens_total"))
+
+
+def _forked(command: list[str], env: dict[str, str], log_fd: int) -> zygote.ZygoteChild | None:
+    """A CPU server forked by the engine zygote (``$MEGATRON_RL_ENGINE_ZYGOTE``, inference/zygote.py), or None:
+    start it the usual way (no zygote, or one that cannot start this server: the reason goes to stderr once)."""
+    socket_path = os.environ.get(zygote.ZYGOTE_ENV)
+    if not socket_path:
+        return None
+    try:
+        return zygote.spawn(socket_path, command[0], command[3:], env, str(REPO_ROOT), log_fd)
+    except zygote.ZygoteUnavailable as err:
+        if str(err) not in _ZYGOTE_REFUSALS:
+            _ZYGOTE_REFUSALS.add(str(err))
+            print(f"megatron_rl: starting the engine without the zygote: {err}", file=sys.stderr, flush=True)
+        return None
+
+
+_ZYGOTE_REFUSALS: set[str] = set()
 
 
 def _completion(choice: dict, spec: SamplingSpec, versioned: bool) -> Completion:

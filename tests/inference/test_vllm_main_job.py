@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from multirank import free_port
+from megatron_rl.inference.zygote import ZYGOTE_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.fleet]
 
@@ -28,6 +29,7 @@ TOLERANCE = 1e-4  # as in test_vllm_sync.py
 def _launch(out: Path, engine_py: str, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "MEGATRON_RL_ENGINE_PYTHON": engine_py,
            "CONFIG": "configs/demo_vllm.yaml"}
+    env.pop(ZYGOTE_ENV, None)  # the job starts its engines itself, as a user's does: its own processes (below)
     args = [f"logging.output_dir={out}", "logging.progress_bar=false", "demo.baseline_episodes=50",
             "checkpoint.save_interval=1", *overrides]
     return subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT, env=env,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from multirank import free_port
+from megatron_rl.inference.zygote import ZYGOTE_ENV
 from test_vllm_main_job import _alive, _descendants, _engine_pids, _job_pids, _rows, _wait_rows
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.fleet]
@@ -31,6 +32,7 @@ def _launch_node(out: Path, engine_py: str, node: int, port: int) -> subprocess.
     env = {**os.environ, "PY": sys.executable, "MEGATRON_RL_ENGINE_PYTHON": engine_py, "CONFIG": "configs/demo_vllm.yaml",
            "NPROC": "1", "NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "VLLM_CPU_OMP_THREADS_BIND": str(node % (os.cpu_count() or 1))}
+    env.pop(ZYGOTE_ENV, None)  # each node's rank starts its engines itself: their parent is that rank (below)
     args = [f"logging.output_dir={out}", "logging.progress_bar=false", "demo.baseline_episodes=0",
             "checkpoint.save_interval=1000", "rollout.num_engines=2", f"demo.num_steps={STEPS}"]
     return subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT, env=env,
