@@ -146,15 +146,19 @@ def start_zygote(python: str, socket_path: Path, log_path: Path) -> subprocess.P
     """Start an engine zygote (inference/zygote.py) for CPU engines in this process's environment; it serves once
     ``socket_path`` exists, and exits when this process is gone. Set ``$MEGATRON_RL_ENGINE_ZYGOTE`` to
     ``socket_path`` for the jobs that should use it."""
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([python, "-m", "megatron_rl.inference.zygote", "--socket", str(socket_path),
-                                 "--parent-pid", str(os.getpid())], env=engine_environment(), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                cwd=str(REPO_ROOT))
+    proc = _popen_in_own_session([python, "-m", "megatron_rl.inference.zygote", "--socket", str(socket_path),
+                                  "--parent-pid", str(os.getpid())], engine_environment(), log_path)
     pid_file = Path(f"{socket_path}.pid")  # an engine start waits for a zygote still importing
     pid_file.with_suffix(".tmp").write_text(str(proc.pid))
     os.replace(pid_file.with_suffix(".tmp"), pid_file)
     return proc
+
+
+def _popen_in_own_session(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+    """An engine-side process (a server, the zygote): its own session, the log appended, in the repository root."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, cwd=str(REPO_ROOT))
 
 
 class EngineServer:
@@ -218,10 +222,8 @@ class EngineServer:
         return server
 
     def _start_plainly(self) -> None:
-        command, env = self._plain_start
-        with open(self.log_path, "ab") as log:  # type: ignore[arg-type]
-            self.proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO_ROOT))
+        command, env = self._plain_start  # type: ignore[misc]
+        self.proc = _popen_in_own_session(command, env, self.log_path)  # type: ignore[arg-type]
 
     @classmethod
     def attach(cls, url: str, token: str) -> "EngineServer":
