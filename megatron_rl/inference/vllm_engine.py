@@ -256,8 +256,14 @@ class Fleet:
         if slot.server is None or not slot.server.owned:
             slot.error = reason
             return
-        slot.server.kill()
+        slot.server.kill()  # (until its replacement is launched the slot is 'dead' without an error: ``coming``)
         self._restart(slot, reason)
+
+    def coming(self, slot: Slot) -> bool:
+        """A replacement for ``slot`` is on its way: launched, up and waiting to join, to be restarted by its node,
+        or marked down a moment ago and being killed before its replacement is launched (``mark_down``)."""
+        return slot.state in ("starting", "joining") or slot.remote_restart or (
+            slot.state == "dead" and slot.error is None and not self.closed)
 
     def _restart(self, slot: Slot, reason: str) -> None:
         """Launch a replacement for ``slot`` and wait for it in the background (it joins when up); a replacement
@@ -269,7 +275,11 @@ class Fleet:
             slot.state = "dead"
             return
         self._count_restart(slot)
-        slot.server = self.launcher.launch(slot.index)
+        try:
+            slot.server = self.launcher.launch(slot.index)
+        except Exception as err:  # no process at all (e.g. the engine's Python is gone): nothing is coming
+            slot.state, slot.error = "dead", f"{reason}; its replacement could not be launched: {err}"
+            return
         self._wait_in_background(slot, lambda err: self._restart(slot, err))
 
     def _count_restart(self, slot: Slot) -> None:
@@ -325,8 +335,8 @@ class Fleet:
             joining = self.ready_to_join()
             if joining:
                 return joining
-            starting = [s for s in self.slots if s.state == "starting"]
-            if not starting:
+            if not any(self.coming(s) and not s.remote_restart for s in self.slots):  # (another node's restarts
+                # at the next collective point, not during this wait; one marked down a moment ago is coming)
                 dead = [s for s in self.slots if s.state == "dead"]
                 worst = dead[0] if dead else None
                 detail = f"{worst.error}\nlast lines of {worst.server.log_path if worst.server else '-'}:\n" \
@@ -438,8 +448,7 @@ class Fleet:
         """An agent call found no engine serving: flag it (``calls_waiting``) and wait a moment; EngineError when
         no replacement is coming or ``rollout.start_timeout_s`` has passed since ``since``. Returns ``since``."""
         since = since or time.monotonic()
-        coming = [s for s in self.slots if s.state in ("starting", "joining") or s.remote_restart
-                  or (s.state == "dead" and s.error is None and not self.closed)]  # (being killed, then restarted)
+        coming = [s for s in self.slots if self.coming(s)]
         waited = time.monotonic() - since
         if not coming or waited > self.config.start_timeout_s:
             raise EngineError(f"no vLLM engine is serving this agent call and "

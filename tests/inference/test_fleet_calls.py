@@ -65,6 +65,34 @@ def test_an_agent_call_gives_up_when_no_engine_comes_back():
     assert time.monotonic() - started < 5
 
 
+
+def test_the_admission_waits_for_a_replacement_marked_down_but_not_launched_yet():
+    """``mark_down`` sets 'dead', kills the old server (a forked one's exit is polled through the zygote), then
+    launches: an agent call that fails meanwhile flags the admission, which must wait, not end the run (CI: "no vLLM
+    engine is serving and none could be brought back" in test_agent_job's lost-engine test)."""
+    fleet = fleet_of("dead")
+
+    def launched_and_up() -> None:
+        time.sleep(0.3)
+        fleet.slots[0].state = "starting"
+        time.sleep(0.3)
+        fleet.slots[0].state = "joining"
+
+    threading.Thread(target=launched_and_up, daemon=True).start()
+    assert fleet.wait_for_replacement() == fleet.slots[:1]
+
+
+def test_a_replacement_that_cannot_be_launched_ends_the_wait_with_the_reason():
+    def launch(index):
+        raise FileNotFoundError("[Errno 2] No such file or directory: '/gone/python'")
+
+    fleet = Fleet(RolloutConfig(engine="vllm"), SimpleNamespace(
+        work_dir=None, token="t", layout=SimpleNamespace(node=0), launch=launch))
+    fleet.slots = [Slot(index=0, server=DyingServer([]), state="serving")]
+    fleet.mark_down(fleet.slots[0], "POST /v1/completions: ConnectionResetError")
+    with pytest.raises(EngineError, match="its replacement could not be launched: .*No such file"):
+        fleet.wait_for_replacement()
+
 class SeededServer(AnsweringServer):
     """Sample ``k`` of a request is ``[seed + k]``, as vLLM seeds it; ``fail`` raises EngineDown instead."""
 

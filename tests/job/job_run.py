@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,18 @@ def run_megatron(*overrides: str, config: str | Path | None = None, cwd: Path = 
         env["CONFIG"] = str(config)
     proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *overrides], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == code, failure_text(proc)
     return proc
+
+
+ENGINE_LOG_LINE = re.compile(r"^\((APIServer|EngineCore)|^INFO:|^WARNING:|^\s*$")
+
+
+def failure_text(proc: subprocess.CompletedProcess, chars: int = 3000) -> str:
+    """What a failed run printed, for an assertion message: the tail of stdout and of stderr without the engine
+    log lines an engine error quotes (they would push the job's own error line out of the tail)."""
+    own = "\n".join(line for line in (proc.stderr or "").splitlines() if not ENGINE_LOG_LINE.match(line))
+    return f"{(proc.stdout or '')[-chars:]}\n--- stderr (engine log lines left out) ---\n{own[-chars:]}"
 
 
 def metric_rows(out_dir: Path) -> list[dict]:

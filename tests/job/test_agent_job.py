@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from job_run import ROOT, example_module
+from job_run import ROOT, example_module, failure_text
 from multirank import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.slow, pytest.mark.fleet]
@@ -32,7 +32,7 @@ def _run_agent(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess
                  "job.num_steps=2", "batch.train_batch_size=2", "job.n_samples_per_prompt=2", *extra]
     proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *overrides], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_text(proc)
     return proc, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from job_run import ROOT, metric_rows, run_megatron
+from job_run import ROOT, failure_text, metric_rows, run_megatron
 from multirank import free_port
 
 CONFIG = ROOT / "configs" / "demo_cpu.yaml"
@@ -132,7 +132,7 @@ def test_one_step_off_on_a_fleet_of_two_with_two_ranks_resumes_bitwise_after_a_s
     def finish(out: Path) -> None:
         args, env_ = command(out)
         proc = subprocess.run(args, cwd=ROOT, env=env_, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failure_text(proc)
 
     finish(tmp_path / "straight")
     full = metric_rows(tmp_path / "straight")
@@ -191,7 +191,7 @@ def test_partial_rollouts_count_staleness_per_token_and_a_kill_loses_no_batch(tm
     assert step == 4 and sum(token_steps.values()) > 0 and set(token_steps) <= {2, 3}
     done = subprocess.run(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT,
                           env={**env, "MASTER_PORT": str(free_port())}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, failure_text(done)
     rows = metric_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     out_ = ahead.output  # the trainer's reward/mean: the summed rewards of each trajectory's last step
