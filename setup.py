@@ -23,7 +23,7 @@ setup(
         "packaging",  # megatron_rl.patches compares the installed megatron-core with the supported range
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis", "pytest-timeout"],
+        "test": ["pytest>=8", "hypothesis", "pytest-timeout", "pytest-xdist"],
         "hf": ["transformers>=5,<6", "safetensors", "mbridge==0.15.1", "peft"],
         "demo": ["tqdm", "tensorboard", "matplotlib", "pyarrow", "openai"],  # the main job: progress, logs, plot,
         # prompt files; openai: the client of job.agent functions (examples/tool_agent)

@@ -15,4 +15,8 @@ export MEGATRON_RL_REQUIRE_ENGINE=1
 venv=$(bash scripts/setup.sh --venv)
 "$venv/bin/python" -c "import importlib.metadata as m, sys; print(f'tests: Python {sys.version.split()[0]}, ' \
 f'megatron-core {m.version(\"megatron-core\")}, torch {m.version(\"torch\")} ($venv)')"
-exec "$venv/bin/python" -m pytest tests "$@"
+# Two test files at once (pytest-xdist; a file's tests stay together on one worker, so a module's fixture, e.g. a
+# fleet, is built once; the heaviest files first: tests/conftest.py): one file alone keeps the 2 cores only ~2/3
+# busy (waits on engines, sockets and timeouts; docs/TESTING.md section 1). MEGATRON_RL_TEST_WORKERS=0 runs them
+# one at a time; `-n N` after it overrides.
+exec "$venv/bin/python" -m pytest tests -n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
