@@ -75,6 +75,15 @@ def _grouped_vs_per_sample(fleet, prompts, spec) -> dict:
     return {"requests": sorted(sent), "same": _same(grouped, single)}
 
 
+SLOW_FIRST_CALL_S = 120.0
+"""``rollout.request_timeout_s`` while engines are fresh: a fresh CPU engine's first call takes 4-14 s on the quiet
+2-core machine (measured 2026-11-28, 8 samples of 24 tokens; lazy set-up in its first forward) and generates no
+token meanwhile; with two test files at once (scripts/test.sh) two such calls once took over 30 s (two 15 s
+windows without a token: both engines replaced, a restart counted where the test expects none)."""
+HUNG_TIMEOUT_S = 15.0
+"""... and while an engine is SIGSTOPped: its replacement is what the hang check measures (test_fleet.py)."""
+
+
 def main(hf_dir: str, work_dir: str) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from engine_trainer import _policy, _rollout_config
@@ -84,8 +93,8 @@ def main(hf_dir: str, work_dir: str) -> int:
     from megatron_rl.trainer import Trainer
 
     policy = _policy(hf_dir)
-    engine = VLLMEngine.start(policy, _rollout_config(["rollout.num_engines=2", "rollout.request_timeout_s=15"]),
-                              hf_dir=hf_dir, work_dir=work_dir)
+    config = _rollout_config(["rollout.num_engines=2", f"rollout.request_timeout_s={SLOW_FIRST_CALL_S}"])
+    engine = VLLMEngine.start(policy, config, hf_dir=hf_dir, work_dir=work_dir)
     result: dict = {}
     try:
         slots = engine.fleet.slots
@@ -152,9 +161,11 @@ def main(hf_dir: str, work_dir: str) -> int:
         reference = engine.generate(prompts, spec, seed=3)
 
         engine.generate(prompts, spec, seed=2)
+        engine.fleet.config.request_timeout_s = HUNG_TIMEOUT_S  # (both engines have served: no slow first call)
         os.killpg(slots[0].server.proc.pid, signal.SIGSTOP)
         started = time.monotonic()
         after_hang = engine.generate(prompts, spec, seed=3)
+        engine.fleet.config.request_timeout_s = SLOW_FIRST_CALL_S  # (its replacement's first call comes next)
         result["after_hang"] = {"same": _same(reference, after_hang), "seconds": time.monotonic() - started,
                                 "metrics": engine.step_metrics()}
 
