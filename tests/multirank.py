@@ -41,10 +41,12 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
-    """A TCP port that is free on localhost right now (bound then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port that is free on localhost right now, drawn below the kernel's ephemeral range (the engines' rule,
+    ``megatron_rl.inference.server.free_port``): a ``bind(0)`` port comes from that range, where another test's
+    outgoing connection can take it before the ranks bind it (CI: "EADDRINUSE" for a job's MASTER_PORT)."""
+    from megatron_rl.inference.server import free_port as below_ephemeral
+
+    return below_ephemeral()
 
 
 @contextlib.contextmanager
