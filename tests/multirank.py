@@ -32,21 +32,15 @@ import contextlib
 import os
 import pickle
 import queue as queue_module
-import socket
 import time
 import traceback
 from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port that is free on localhost right now, drawn below the kernel's ephemeral range (the engines' rule,
-    ``megatron_rl.inference.server.free_port``): a ``bind(0)`` port comes from that range, where another test's
-    outgoing connection can take it before the ranks bind it (CI: "EADDRINUSE" for a job's MASTER_PORT)."""
-    from megatron_rl.inference.server import free_port as below_ephemeral
-
-    return below_ephemeral()
+from megatron_rl.inference.server import free_port  # the tests' ports: below the kernel's
+# ephemeral range, where another test's outgoing connection cannot take one before the ranks bind it (CI:
+# "EADDRINUSE" for a job's MASTER_PORT from bind(0))
 
 
 @contextlib.contextmanager

@@ -260,10 +260,10 @@ class Fleet:
         self._restart(slot, reason)
 
     def coming(self, slot: Slot) -> bool:
-        """A replacement for ``slot`` is on its way: launched, up and waiting to join, to be restarted by its node,
-        or marked down a moment ago and being killed before its replacement is launched (``mark_down``)."""
-        return slot.state in ("starting", "joining") or slot.remote_restart or (
-            slot.state == "dead" and slot.error is None and not self.closed)
+        """This node's replacement for ``slot`` is on its way: launched, up and waiting to join, or marked down a
+        moment ago and being killed before its replacement is launched (``mark_down``)."""
+        return slot.state in ("starting", "joining") or (slot.state == "dead" and slot.error is None
+                                                         and not self.closed)
 
     def _restart(self, slot: Slot, reason: str) -> None:
         """Launch a replacement for ``slot`` and wait for it in the background (it joins when up); a replacement
@@ -335,8 +335,8 @@ class Fleet:
             joining = self.ready_to_join()
             if joining:
                 return joining
-            if not any(self.coming(s) and not s.remote_restart for s in self.slots):  # (another node's restarts
-                # at the next collective point, not during this wait; one marked down a moment ago is coming)
+            if not any(self.coming(s) for s in self.slots):  # (another node restarts its own at the next
+                # collective point, not during this wait)
                 dead = [s for s in self.slots if s.state == "dead"]
                 worst = dead[0] if dead else None
                 detail = f"{worst.error}\nlast lines of {worst.server.log_path if worst.server else '-'}:\n" \
@@ -448,7 +448,7 @@ class Fleet:
         """An agent call found no engine serving: flag it (``calls_waiting``) and wait a moment; EngineError when
         no replacement is coming or ``rollout.start_timeout_s`` has passed since ``since``. Returns ``since``."""
         since = since or time.monotonic()
-        coming = [s for s in self.slots if self.coming(s)]
+        coming = [s for s in self.slots if self.coming(s) or s.remote_restart]  # (another node's: at the admission)
         waited = time.monotonic() - since
         if not coming or waited > self.config.start_timeout_s:
             raise EngineError(f"no vLLM engine is serving this agent call and "

@@ -65,7 +65,6 @@ def test_an_agent_call_gives_up_when_no_engine_comes_back():
     assert time.monotonic() - started < 5
 
 
-
 def test_the_admission_waits_for_a_replacement_marked_down_but_not_launched_yet():
     """``mark_down`` sets 'dead', kills the old server (a forked one's exit is polled through the zygote), then
     launches: an agent call that fails meanwhile flags the admission, which must wait, not end the run (CI: "no vLLM
@@ -92,6 +91,7 @@ def test_a_replacement_that_cannot_be_launched_ends_the_wait_with_the_reason():
     fleet.mark_down(fleet.slots[0], "POST /v1/completions: ConnectionResetError")
     with pytest.raises(EngineError, match="its replacement could not be launched: .*No such file"):
         fleet.wait_for_replacement()
+
 
 class SeededServer(AnsweringServer):
     """Sample ``k`` of a request is ``[seed + k]``, as vLLM seeds it; ``fail`` raises EngineDown instead."""
