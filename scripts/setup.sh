@@ -60,7 +60,9 @@ printf 'megatron-core==%s\ntorch==%s\n' "$MCORE_VERSION" "$TORCH_VERSION" > "$co
 pip=("$venv/bin/python" -m pip install -q -c "$constraints")
 "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 "${pip[@]}" "torch==${TORCH_VERSION}" 2>&1 | grep -v "is ignored" || true
-"${pip[@]}" -e ".[test,hf,demo]" 2>&1 | grep -v "is ignored" || true
+# The editable install writes megatron_rl.egg-info in the checkout: one venv's at a time (CI sets up both ends at once)
+lock=(); if command -v flock >/dev/null 2>&1; then lock=(flock setup.py); fi
+"${lock[@]}" "${pip[@]}" -e ".[test,hf,demo]" 2>&1 | grep -v "is ignored" || true
 "$venv/bin/python" -W ignore -c "import torch, megatron.core, yaml, pytest, transformers, mbridge" \
   || { echo "setup: $venv is incomplete (see pip output above)"; exit 1; }
 installed=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('megatron-core'))")

@@ -139,6 +139,9 @@ def engine_environment(devices: str | None = None) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = devices
     else:  # W47: a CPU engine's idle OpenMP threads sleep instead of spinning on the trainer's cores
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # W48: vLLM's sampler helpers are torch.compile'd (Inductor on CPU even with --enforce-eager): each engine
+        # compiled them at its first request, 4-14 s in which the first call made no token; eager, they take ms
+        env.setdefault("TORCHDYNAMO_DISABLE", "1")
     return env
 
 
