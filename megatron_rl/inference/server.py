@@ -23,10 +23,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -123,6 +125,11 @@ class ServeOptions:
     """The policy's initial PEFT adapter (``<model dir>/adapter``, hf/lora.py ``ADAPTER_DIR``), with ``lora_rank``."""
 
 
+RPC_DIR_PREFIX = "mrl-vllm-"
+"""A started server's ZeroMQ sockets (``VLLM_RPC_BASE_PATH``) go to a folder of their own, ``<tmp>/mrl-vllm-*``,
+removed once the server is killed (here) or its trainer is gone (``vllm_serve._watch_parent``): vLLM names them
+``<tmp>/<uuid>`` and a killed server leaves them behind (~200 a hour in /tmp while the test suite ran)."""
+
 FORKED_START_S = 60.0
 """A server forked by the engine zygote that has not answered ``/health`` within this is killed and started the usual
 way. A forked start takes ~5-9 s on the 2-core machine; once in ~80 forked starts (a replacement started while its
@@ -193,7 +200,8 @@ class EngineServer:
         model_dir, log_path = Path(model_dir).absolute(), Path(log_path).absolute()
         port = free_port(host)
         env = engine_environment(devices)
-        env.update(MEGATRON_RL_ENGINE_TOKEN=token, VLLM_CPU_KVCACHE_SPACE=str(max(1, round(options.kv_cache_gib))))
+        env.update(MEGATRON_RL_ENGINE_TOKEN=token, VLLM_CPU_KVCACHE_SPACE=str(max(1, round(options.kv_cache_gib))),
+                   VLLM_RPC_BASE_PATH=tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
         if cpu_cores is not None:  # CPU: one share of the cores per engine (vLLM binds its OMP threads there)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
         command = [
@@ -226,6 +234,7 @@ class EngineServer:
 
     def _start_plainly(self) -> None:
         command, env = self._plain_start  # type: ignore[misc]
+        os.makedirs(env["VLLM_RPC_BASE_PATH"], exist_ok=True)  # removed by the kill of a forked start
         self.proc = _popen_in_own_session(command, env, self.log_path)  # type: ignore[arg-type]
 
     @classmethod
@@ -276,6 +285,8 @@ class EngineServer:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        if self._plain_start is not None:
+            shutil.rmtree(self._plain_start[1]["VLLM_RPC_BASE_PATH"], ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------- requests
     def call(self, method: str, path: str, body: Any = None, *, timeout_s: float) -> Any:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -194,6 +195,9 @@ def _watch_parent(parent_pid: int) -> None:
         try:
             os.kill(parent_pid, 0)
         except ProcessLookupError:
+            rpc_dir = os.environ.get("VLLM_RPC_BASE_PATH", "")  # server.RPC_DIR_PREFIX: this server's own folder
+            if os.path.basename(rpc_dir).startswith("mrl-vllm-"):
+                shutil.rmtree(rpc_dir, ignore_errors=True)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
 

@@ -53,7 +53,7 @@ from the zygote's (but for ``PER_ENGINE_ENV``) starts the usual way. torchrun's 
 ``TORCH_NCCL_*``, which a job's engines inherit, are read by a distributed run only."""
 
 PER_ENGINE_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
-                  "VLLM_SERVER_DEV_MODE", "PYTHONUNBUFFERED")
+                  "VLLM_SERVER_DEV_MODE", "VLLM_RPC_BASE_PATH", "PYTHONUNBUFFERED")
 """Read when the server runs, not at import (vLLM's ``envs`` are looked up lazily; ``vllm_serve`` sets OpenMP's
 thread count and binding itself in the child, as in a plain start)."""
 

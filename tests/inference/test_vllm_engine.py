@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from megatron_rl.inference.server import RPC_DIR_PREFIX
+
 pytestmark = pytest.mark.engine
 
 SCRIPT = Path(__file__).with_name("engine_trainer.py")
@@ -69,14 +71,25 @@ def _assert_group_gone(pgid: int, timeout: float = 20) -> None:
 def test_engine_dies_with_the_trainer(how, engine_hf_model, engine_py, tmp_path):
     proc = _trainer("raise" if how == "error" else "wait", engine_hf_model, tmp_path, engine_py)
     pgid = _wait_for(tmp_path / "engine.pid", proc)
+    rpc_dir = None
     if how != "error":  # ("error" raises right after writing the pid: the engine may be gone already)
         assert _alive_in_group(pgid), "the engine should be running"
+        rpc_dir = _rpc_dir(pgid)  # vLLM's sockets: in the server's own folder (server.py: RPC_DIR_PREFIX)
     if how == "sigkill":
         proc.send_signal(signal.SIGKILL)
     elif how == "sigint":
         proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     _assert_group_gone(pgid)
+    assert rpc_dir is None or not rpc_dir.exists(), f"{rpc_dir} outlived its server"
+
+
+def _rpc_dir(server: int) -> Path:
+    """The folder of the Unix sockets that the server's processes bound (vLLM's ZeroMQ ``ipc://`` paths)."""
+    folders = {Path(c.laddr).parent for p in [psutil.Process(server), *_descendants(server)]
+               for c in p.net_connections(kind="unix") if c.laddr.startswith("/")}
+    assert len(folders) == 1 and next(iter(folders)).name.startswith(RPC_DIR_PREFIX), folders
+    return folders.pop()
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
