@@ -37,6 +37,7 @@ from typing import Any
 
 from megatron_rl.inference import zygote
 from megatron_rl.inference.engine import Completion, SamplingSpec
+from megatron_rl.inference.vllm_serve import RPC_DIR_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 """The directory that holds the ``megatron_rl`` package (put on the engine's PYTHONPATH)."""
@@ -124,11 +125,6 @@ class ServeOptions:
     lora_dir: str | None = None
     """The policy's initial PEFT adapter (``<model dir>/adapter``, hf/lora.py ``ADAPTER_DIR``), with ``lora_rank``."""
 
-
-RPC_DIR_PREFIX = "mrl-vllm-"
-"""A started server's ZeroMQ sockets (``VLLM_RPC_BASE_PATH``) go to a folder of their own, ``<tmp>/mrl-vllm-*``,
-removed once the server is killed (here) or its trainer is gone (``vllm_serve._watch_parent``): vLLM names them
-``<tmp>/<uuid>`` and a killed server leaves them behind (~200 a hour in /tmp while the test suite ran)."""
 
 FORKED_START_S = 60.0
 """A server forked by the engine zygote that has not answered ``/health`` within this is killed and started the usual

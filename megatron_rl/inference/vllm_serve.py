@@ -189,14 +189,21 @@ def _quick_cpu_start(argv: list[str]) -> None:
     cpu_platform.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
+RPC_DIR_PREFIX = "mrl-vllm-"
+"""A started server's ZeroMQ sockets (``VLLM_RPC_BASE_PATH``) go to a folder of their own, ``<tmp>/mrl-vllm-*``
+(``server.EngineServer.start``), removed once the server is killed (``EngineServer.kill``) or its trainer is gone
+(``_watch_parent``): vLLM names them ``<tmp>/<uuid>`` and a killed server leaves them behind (~200 an hour in /tmp
+while the test suite ran)."""
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Kill this process group once the trainer (``parent_pid``) is gone."""
     while True:
         try:
             os.kill(parent_pid, 0)
         except ProcessLookupError:
-            rpc_dir = os.environ.get("VLLM_RPC_BASE_PATH", "")  # server.RPC_DIR_PREFIX: this server's own folder
-            if os.path.basename(rpc_dir).startswith("mrl-vllm-"):
+            rpc_dir = os.environ.get("VLLM_RPC_BASE_PATH", "")
+            if os.path.basename(rpc_dir).startswith(RPC_DIR_PREFIX):  # this server's own folder
                 shutil.rmtree(rpc_dir, ignore_errors=True)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)

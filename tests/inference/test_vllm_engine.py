@@ -74,7 +74,7 @@ def test_engine_dies_with_the_trainer(how, engine_hf_model, engine_py, tmp_path)
     rpc_dir = None
     if how != "error":  # ("error" raises right after writing the pid: the engine may be gone already)
         assert _alive_in_group(pgid), "the engine should be running"
-        rpc_dir = _rpc_dir(pgid)  # vLLM's sockets: in the server's own folder (server.py: RPC_DIR_PREFIX)
+        rpc_dir = _rpc_dir(pgid)  # vLLM's sockets: in the server's own folder (vllm_serve.py: RPC_DIR_PREFIX)
     if how == "sigkill":
         proc.send_signal(signal.SIGKILL)
     elif how == "sigint":
