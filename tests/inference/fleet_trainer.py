@@ -77,7 +77,7 @@ def _grouped_vs_per_sample(fleet, prompts, spec) -> dict:
 
 SLOW_FIRST_CALL_S = 120.0
 """``rollout.request_timeout_s`` while engines are fresh: a fresh CPU engine's first call takes 4-14 s on the quiet
-2-core machine (measured 2026-11-28, 8 samples of 24 tokens; lazy set-up in its first forward) and generates no
+2-core machine (measured 2026-11-28, 8 samples of 24 tokens: it compiled vLLM's sampler helpers; 0.2 s since W48) and generates no
 token meanwhile; with two test files at once (scripts/test.sh) two such calls once took over 30 s (two 15 s
 windows without a token: both engines replaced, a restart counted where the test expects none)."""
 HUNG_TIMEOUT_S = 15.0
