@@ -57,7 +57,9 @@ fi
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 constraints=$venv/megatron_rl_constraints.txt
 printf 'megatron-core==%s\ntorch==%s\n' "$MCORE_VERSION" "$TORCH_VERSION" > "$constraints"
-pip=("$venv/bin/python" -m pip install -q -c "$constraints")
+# --no-compile: pip would byte-compile every module of torch, transformers, ... (~25 CPU s for torch alone on the
+# 2-core machine); Python compiles what a process imports, once, at its first import instead.
+pip=("$venv/bin/python" -m pip install -q --no-compile -c "$constraints")
 "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 "${pip[@]}" "torch==${TORCH_VERSION}" 2>&1 | grep -v "is ignored" || true
 # The editable install writes megatron_rl.egg-info in the checkout: one venv's at a time (CI sets up both ends at once)

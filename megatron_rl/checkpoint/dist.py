@@ -44,6 +44,7 @@ import dataclasses
 import errno
 import json
 import os
+import queue
 import signal
 import threading
 import warnings
@@ -184,53 +185,25 @@ def load_checkpoint(
 
 
 # Workaround W31 (docs/MEGATRON_CORE.md; megatron-core 0.16.1 and 0.19.2): remove when megatron-core's writer queue
-# ends with the process that made it (tests/inference/test_vllm_main_job.py checks that nothing survives a SIGKILL).
-def writer_queue_dies_with_rank() -> None:
-    """Make megatron-core's checkpoint-writer results queue die with this rank.
+# is no process of its own (tests/checkpoint/test_ckpt_writer_queue.py; tests/inference/test_vllm_main_job.py checks
+# that nothing survives a SIGKILL of the job).
+def writer_queue_in_process() -> None:
+    """Give megatron-core's checkpoint writer an in-process results queue instead of a ``multiprocessing.Manager()``.
 
     ``dist_checkpointing.strategies.filesystem_async.get_write_results_queue`` creates, at the first save, a
-    ``multiprocessing.Manager()`` server process (spawned, ~700 MB resident) and keeps it for the life of the
-    process. The manager does not watch its parent: after a SIGKILL of the rank it ran forever, re-parented to
-    init. Here the same queue comes from a manager whose process asks the kernel for SIGKILL when its parent
-    dies (``PR_SET_PDEATHSIG``, Linux), starts without importing the rank's main module (``lifetime.py``) and
-    never takes a Ctrl-C (SIGINT ignored: the rank reports it); elsewhere megatron-core's own is left in place."""
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
+    spawned ``Manager()`` server process and keeps it for the life of the rank: it did not watch its parent (a
+    SIGKILL of the rank left it running forever) and it cost ~4 CPU s per saving rank of every run (it unpickles
+    the write results, which imports torch). megatron_rl saves synchronously (``dist_checkpointing.save`` ->
+    ``AsyncRequest.execute_sync``): the writer function runs in the rank itself, puts its results in the queue
+    and ``retrieve_write_results`` takes them out in the same process (0.19.2 writes with threads, 0.16.1 with
+    forked processes that report on a queue of their own), so a ``queue.Queue`` carries them just as well and
+    no process is started. An asynchronous save (the writer in another process) would need the manager back."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         return
-    if getattr(filesystem_async, "_results_queue", "absent") is not None:  # made already, or not this version
-        return
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron_rl.lifetime import bare_main, die_with_parent
-
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    # Ctrl-C reaches the whole process group: started while SIGINT is ignored here, the manager inherits that (an
-    # ignored signal stays ignored across exec; a blocked one does not: spawn clears the mask), so it neither
-    # prints a traceback nor dies before the rank reports. The price: a Ctrl-C in that half second of the first
-    # save is not this rank's to report (torchrun's closing signal still ends it).
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if _main_thread() else None
-    try:
-        with bare_main():  # the manager does not import the job's main module (megatron_rl/lifetime.py)
-            manager.start(initializer=die_with_parent)
-    finally:
-        if handler is not None:
-            signal.signal(signal.SIGINT, handler)
-    filesystem_async._results_queue = manager.Queue()
-    _WRITER_MANAGERS.append(manager)
-
-
-def _main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()  # (signal.signal works there only)
-
-
-_WRITER_MANAGERS: list = []
-"""The managers made by ``writer_queue_dies_with_rank`` (kept alive with the process, as megatron-core's is)."""
+    if getattr(filesystem_async, "_results_queue", "absent") is None:  # not made yet (and this version has it)
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_parts(
@@ -250,7 +223,7 @@ def save_parts(
     with _deadline(timeout_s, f"saving checkpoint step {step} to {save_dir}"), _storage_errors(save_dir, step):
         tmp = _make_tmp_dir(save_dir, step)
         layout.fault_point("tmp_created")
-        writer_queue_dies_with_rank()
+        writer_queue_in_process()
         dist_checkpointing.save(_sharded_state(parts, is_loading=False), str(tmp))
         _write_side_files(tmp, parts, state_json)
         layout.fault_point("shards_written")
