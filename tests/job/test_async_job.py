@@ -94,22 +94,27 @@ def test_two_steps_ahead_and_a_resume_with_another_bound_loses_no_batch(tmp_path
 
 
 def test_sigkill_at_any_instant_then_the_same_command_resumes_bitwise(straight, tmp_path):
-    full = straight
-    for delay in (0.0, 0.35, 0.7):  # after the first checkpoint: in generation, training, saving (timing-dependent)
-        out = tmp_path / f"killed_{delay}"
-        args = overrides(out, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
+    """One run directory, its job SIGKILLed three times, each time after a later checkpoint appeared and a different
+    delay (in generation, training, saving: timing-dependent), each kill followed by the same command, the last
+    one left to finish: the rows of the uninterrupted run (each resume continues from what the previous kill
+    left, so one launch per kill instead of two)."""
+    out = tmp_path / "killed"
+    args = overrides(out, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
+    for delay in (0.0, 0.35, 0.7):
+        saved = [int(p.name[5:]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+        checkpoint = max([1, *saved]) + 1  # the 2nd checkpoint first (one batch generated ahead), then the next one
         env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "CONFIG": str(CONFIG)}
         proc = subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + 200
-        while not (out / "checkpoints" / "step_00000002").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach its 2nd checkpoint"
+        while not (out / "checkpoints" / f"step_{checkpoint:08d}").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, f"the run did not reach checkpoint {checkpoint}"
             time.sleep(0.05)
         time.sleep(delay)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        run(out, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
-        assert metric_rows(out) == full, f"kill after {delay} s"
+    run(out, "job.num_steps=6", "rollout.max_staleness=1", "checkpoint.save_interval=1")
+    assert metric_rows(out) == straight
 
 
 @pytest.mark.engine
