@@ -24,8 +24,10 @@ CORE = (
     "tests/hf/test_hf_moe_engine.py", "tests/hf/test_hf_lora.py", "tests/data/test_packing.py",
     "tests/inference/test_kv_cache.py",  # the built-in engine's incremental decoding through the Megatron model
     "tests/test_patches.py", "tests/test_warnings_filter.py", "tests/test_failures.py", "tests/test_lazy_compile.py",
-    "tests/demo/test_demo_multirank.py", "tests/demo/test_main_job.py",  # the main job on the built-in engine
-    "tests/job/test_moe_main_job.py::test_moe_demo_runs_at_ep2_and_resumes_at_ep1",
+    # the main job once per engine kind: on the built-in engine DP2 + resume (+ its GPU form); the other layouts,
+    # MoE and CP of a job are the megatron-core code the tests above run (tests/model, tests/moe, tests/checkpoint)
+    "tests/demo/test_demo_multirank.py", "tests/demo/test_main_job.py::test_run_megatron_dp2_then_resume",
+    "tests/demo/test_main_job.py::test_main_job_on_one_gpu_then_resume",
     # the trainer's weights into the vLLM engine: the layout that streams TP-gathered weights from two pipeline
     # stages, and tied embeddings (the per-layout export itself: tests/hf/test_stage_weights.py; the other layouts
     # and the planted bugs test megatron_rl's own sync code, which runs the same on both ends)
