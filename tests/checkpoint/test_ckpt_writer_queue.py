@@ -14,24 +14,13 @@ from multirank import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 SAVE = """
-import os, sys
+import multiprocessing, os, sys
 import torch, torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron_rl.checkpoint.dist import writer_queue_in_process
 from megatron_rl.patches import apply_cpu_patches
-
-def children():
-    found = []
-    for stat in os.listdir("/proc"):
-        try:
-            fields = open(f"/proc/{stat}/stat").read().rsplit(")", 1)[1].split()
-        except (OSError, ValueError):
-            continue
-        if stat.isdigit() and int(fields[1]) == os.getpid() and fields[0] != "Z":
-            found.append(int(stat))
-    return found
 
 def save(folder):
     weights = torch.arange(12.0).reshape(3, 4)
@@ -44,11 +33,11 @@ dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", ra
 writer_queue_in_process()
 os.makedirs(f"{sys.argv[1]}/ours")
 save(f"{sys.argv[1]}/ours")
-print("ours:", children(), flush=True)
+print("ours:", multiprocessing.active_children(), flush=True)  # the manager is one
 filesystem_async._results_queue = None  # megatron-core's own: why W31 exists
 os.makedirs(f"{sys.argv[1]}/theirs")
 save(f"{sys.argv[1]}/theirs")
-print("theirs:", children(), flush=True)
+print("theirs:", multiprocessing.active_children(), flush=True)
 """
 
 
