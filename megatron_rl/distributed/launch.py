@@ -11,6 +11,10 @@ directory this launcher creates) before it exits; when the job fails and such a 
 torchrun's failure log lines, prints the line once and exits with its code. A child that crashed without a
 report (a bug) gets torchrun's usual report, and the child's own traceback is printed by the child as always.
 Without the launcher (plain ``torchrun`` or ``python``), ``report_error`` prints the line on rank 0 instead.
+
+torchrun's own per-rank folders (``--log-dir``; without one torchrun makes ``<tmp>/torchelastic_*`` and never
+removes it, one folder left in /tmp per launch) go to that temporary directory too, removed when the launcher
+exits; a ``--log-dir`` of the user's still wins (the last one given counts).
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         @record  # torchrun's own report for a child that failed without saying why
         def launch() -> int:
             try:
-                run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+                args = list(sys.argv[1:] if argv is None else argv)
+                run(parse_args(["--log-dir", str(directory / "torchelastic"), *args]))
             except ChildFailedError:
                 reported = reported_error(directory)
                 if reported is None:

@@ -87,8 +87,9 @@ def check_run(output_dir: Path, steps: int) -> list[dict]:
 
 
 def test_run_megatron_dp2_then_resume(tmp_path: Path) -> None:
-    out_dir = tmp_path / "dp2"
-    env = {"NPROC": "2", "MASTER_PORT": str(free_port())}
+    out_dir, tmp = tmp_path / "dp2", tmp_path / "tmp"
+    tmp.mkdir()  # the launches' temporary folder: torchrun's own (torchelastic_*) and the ranks'
+    env = {"NPROC": "2", "MASTER_PORT": str(free_port()), "TMPDIR": str(tmp)}
     common = [*FAST, f"logging.output_dir={out_dir}"]
     out = finish(launch(env, [*common, "demo.num_steps=2"], readme_form=True))
     assert "outputs in" in out and "random policy" in out
@@ -114,6 +115,9 @@ def test_run_megatron_dp2_then_resume(tmp_path: Path) -> None:
     assert len([line for line in out.splitlines() if "finished at step 3" in line]) == 1, out
     assert "job.num_steps=6" in out and "Traceback" not in out
     assert {p: p.read_bytes() for p in out_dir.rglob("*") if p.is_file()} == written  # config.yaml still DP2
+    # three finished launches leave nothing in the temporary folder (torch's compile cache, one per user, is
+    # reused by the next run, not left by this one); launch.py: torchrun's folders, torchelastic_* before
+    assert [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")] == []
 
 
 def test_two_node_launch_tp2(tmp_path: Path) -> None:
