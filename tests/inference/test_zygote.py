@@ -37,13 +37,15 @@ def _options(engine_py: str) -> ServeOptions:
 
 
 def _samples(server: EngineServer) -> list:
-    """Also: vLLM's ZeroMQ sockets are in the server's own folder, removed with the server (``RPC_DIR_PREFIX``)."""
+    """Also: vLLM's ZeroMQ sockets and its rendezvous file (W49) are in the server's own folder, removed with the
+    server (``RPC_DIR_PREFIX``)."""
     rpc_dir = Path(server._plain_start[1]["VLLM_RPC_BASE_PATH"])
     try:
         server.wait_ready(300)
         title = " ".join(psutil.Process(server.proc.pid).cmdline())
         assert "-m megatron_rl.inference.vllm_serve" in title and "--port" in title, title
         assert rpc_dir.name.startswith(server_module.RPC_DIR_PREFIX) and any(rpc_dir.iterdir()), rpc_dir
+        assert list(rpc_dir.glob("vllm_dist_*")), sorted(p.name for p in rpc_dir.iterdir())
         return [(c.token_ids, c.logprobs) for c in server.sample([1, 5, 7, 9], SPEC, seed=11, n=3, timeout_s=60)]
     finally:
         server.kill()
