@@ -143,9 +143,13 @@ def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(en
     # ~0.8 s, a run of done+4 steps could end before its replacement was needed, and never say it is back).
     steps = 8
     resumed = _launch(out, engine_py, f"demo.num_steps={done + steps}", forked=True)
+    # Each kill waits for a step that ended with the engine serving: the second one, timed from the first
+    # replacement's start, once hit that replacement while it was still starting (it was replaced again, quietly,
+    # and the run said "is back" once).
     for kill, after_s in enumerate((0.0, 1.5)):
-        _wait_rows(out, resumed, lambda rows, k=kill: rows and rows[-1]["step"] >= done + 1 + k and _engine_pids(out),
-                   f"reach step {done + 1 + kill} with its engine up")
+        _wait_rows(out, resumed, lambda rows, k=kill: rows and rows[-1]["step"] >= done + 1 + k
+                   and rows[-1].get("rollout/engines_alive") == 1.0 and _engine_pids(out),
+                   f"reach step {done + 1 + kill} with its engine serving")
         time.sleep(after_s)
         for pid in _engine_pids(out):
             os.kill(pid, signal.SIGKILL)
