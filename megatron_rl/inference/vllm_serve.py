@@ -132,8 +132,8 @@ def _allow_amx() -> None:
 def _rendezvous_in_own_folder() -> None:
     """W49 (module doc): vLLM's rendezvous file in this server's own folder (in the process that runs the executor:
     the API server or ``EngineCore``, forked or spawned)."""
-    folder = os.environ.get("VLLM_RPC_BASE_PATH", "")
-    if not os.path.basename(folder).startswith(RPC_DIR_PREFIX) or not os.path.isdir(folder):
+    folder = own_folder()
+    if folder is None or not os.path.isdir(folder):
         return
     import uuid
 
@@ -223,15 +223,21 @@ RPC_DIR_PREFIX = "mrl-vllm-"
 while the test suite ran)."""
 
 
+def own_folder() -> str | None:
+    """This server's own folder (``RPC_DIR_PREFIX``), or None for a server the user started (vLLM's places)."""
+    folder = os.environ.get("VLLM_RPC_BASE_PATH", "")
+    return folder if os.path.basename(folder).startswith(RPC_DIR_PREFIX) else None
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Kill this process group once the trainer (``parent_pid``) is gone."""
     while True:
         try:
             os.kill(parent_pid, 0)
         except ProcessLookupError:
-            rpc_dir = os.environ.get("VLLM_RPC_BASE_PATH", "")
-            if os.path.basename(rpc_dir).startswith(RPC_DIR_PREFIX):  # this server's own folder
-                shutil.rmtree(rpc_dir, ignore_errors=True)
+            folder = own_folder()
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
             os.killpg(os.getpgrp(), signal.SIGKILL)
         time.sleep(0.5)
 
