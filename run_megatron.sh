@@ -10,6 +10,8 @@
 #                scripts/setup.sh --venv names)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   torchrun's multi-node settings (defaults: one node, a free port)
 #   RDZV_ENDPOINT  use c10d rendezvous at host:port instead of MASTER_ADDR/PORT
+#   Slurm: launch.scheduler=slurm launch.nodes=N submits the run with sbatch; inside an allocation (salloc, sbatch)
+#                this script starts itself once per node with srun and derives the settings above (docs/CLUSTER.md)
 #   extra arguments: dotted key=value overrides, e.g. optimizer.lr=1e-4 logging.output_dir=outputs/x
 # Set-up (the venv) is the README's job: this script installs nothing.
 # Exit code: 0 when the run completed, or had already reached demo.num_steps (one line says so; nothing is
@@ -30,6 +32,11 @@ NPROC=${NPROC:-2}
 layers=$(CONFIG=${CONFIG:-} "$PY" -m megatron_rl.job.paths "$@") || exit 2
 configs=(); config_args=()
 while IFS= read -r c; do configs+=("$c"); config_args+=(--config "$c"); done <<< "$layers"
+# Where the launcher runs (megatron_rl/launch/plan.py, docs/CLUSTER.md): here (nothing to do, or NNODES from
+# launch.nodes); inside a Slurm allocation, srun starts this script once per node (and there: NNODES/NODE_RANK from
+# Slurm); with launch.scheduler=slurm, the job is submitted with sbatch. A contradiction: one line, exit 2.
+plan=$("$PY" -m megatron_rl.launch.plan "${config_args[@]}" "$@") || exit $?
+eval "$plan"
 # parallel.device (docs/DESIGN.md section 11): the last override wins, else the config's `device:` line (only
 # the parallel section has one). bootstrap.py applies and checks it in every rank; this is the early, friendly
 # stop: cpu hides the GPUs from the ranks, otherwise NCCL needs one visible GPU per rank.

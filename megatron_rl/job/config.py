@@ -9,6 +9,7 @@ job.num_steps=20``): the library's sections at the top level, and
     data:        prompt files (environment single_turn)           reward:  the reward function (single_turn)
     eval:        periodic evaluation on held-out prompts          export:  HF exports of the policy
     rollout:     which engine generates (megatron_rl/inference/config.py)
+    launch:      where the launchers start: here or Slurm (job/launch_config.py, megatron_rl/launch/)
 
 The library never sees these sections. Keys that moved keep working (``MOVED_KEYS``: the demo's ``demo.*`` keys
 and ``batch.n_samples_per_prompt``). Validation follows ``megatron_rl.config``: each section checks its fields on
@@ -44,6 +45,7 @@ from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
 from megatron_rl.inference.config import RolloutConfig, check_engine_model
 from megatron_rl.job.implied import with_implied
+from megatron_rl.job.launch_config import LaunchConfig
 from megatron_rl.job.paths import BASE_KEY, resolve_path_keys
 
 
@@ -147,8 +149,12 @@ class JobConfig:
     """Hugging Face exports of the policy (with model.hf_path)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """Which engine generates the rollouts (``megatron_rl/inference/config.py``)."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Where the launchers start: this machine or Slurm (``job/launch_config.py``; read by ``megatron_rl/launch``
+    before the ranks start, not by them)."""
 
-    SECTIONS: ClassVar[tuple[str, ...]] = ("job", "next_digit", "data", "reward", "eval", "export", "rollout")
+    SECTIONS: ClassVar[tuple[str, ...]] = ("job", "next_digit", "data", "reward", "eval", "export", "rollout",
+                                           "launch")
 
     def __post_init__(self) -> None:
         check_job_config(self)

@@ -1,0 +1,169 @@
+"""A real two-node Slurm cluster on this one machine, for the tests (Debian's ``slurm-wlm``; no mocks).
+
+``SlurmCluster(folder).start()`` starts, from a private folder with free ports,
+
+    munged      its own socket in the folder (``AuthInfo=socket=...``), run as the ``munge`` user
+    slurmctld   ``-D -f <folder>/slurm.conf``
+    slurmd x 2  nodes ``n1`` and ``n2`` in slurmd's multiple-slurmd mode (``-N <node>``; Debian's build has it),
+                each pinned with ``taskset`` to its own core (core 0 and core 1; one core: both on core 0), each
+                with its own port, spool folder and log
+
+and ``stop()`` cancels the jobs still there and ends exactly those processes (the Popen handles it holds).
+Clients reach the cluster through ``env()`` (``SLURM_CONF``). ``scripts/setup_slurm.sh`` installs the packages;
+``require_slurm()`` fails (CI, ``MEGATRON_RL_REQUIRE_SLURM=1``) or skips when they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+NODES = ("n1", "n2")
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
+
+
+def require_slurm() -> None:
+    """Skip without Slurm (a developer machine), fail instead in CI (``scripts/test.sh`` sets the variable)."""
+    missing = [b for b in BINARIES if shutil.which(b) is None]
+    why = None
+    if missing:
+        why = f"Slurm is not installed ({', '.join(missing)} missing): run `bash scripts/setup_slurm.sh` (root, apt)"
+    elif os.geteuid() != 0:
+        why = "the Slurm test cluster runs its daemons as root (SlurmdUser=root): run the tests as root"
+    if why is None:
+        return
+    if os.environ.get("MEGATRON_RL_REQUIRE_SLURM") == "1":
+        pytest.fail(f"{why} (MEGATRON_RL_REQUIRE_SLURM=1: scripts/test.sh requires it)", pytrace=False)
+    pytest.skip(why)
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class SlurmCluster:
+    """Two slurmd nodes and a slurmctld in ``folder`` (module docstring)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.conf = folder / "slurm.conf"
+        self.procs: list[subprocess.Popen] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a Slurm client of this cluster."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        return {**env, "SLURM_CONF": str(self.conf), **extra}
+
+    def run(self, *command: str, timeout: float = 30) -> str:
+        return subprocess.run(command, env=self.env(), capture_output=True, text=True, check=True,
+                              timeout=timeout).stdout
+
+    def start(self) -> SlurmCluster:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._start_munge()
+        self._write_conf()
+        self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
+        cores = os.sched_getaffinity(0)
+        for i, node in enumerate(NODES):
+            core = sorted(cores)[i % len(cores)]
+            self._spawn(["taskset", "-c", str(core), "slurmd", "-D", "-f", str(self.conf), "-N", node], f"slurmd-{node}")
+        self._wait_idle()
+        return self
+
+    def _spawn(self, command: list[str], name: str, user: str | None = None) -> None:
+        log = open(self.folder / f"{name}.out", "ab")
+        self.procs.append(subprocess.Popen(command, env=self.env(), stdout=log, stderr=subprocess.STDOUT, user=user,
+                                           group=user))
+        log.close()
+
+    def _start_munge(self) -> None:
+        munge = self.folder / "munge"
+        munge.mkdir(exist_ok=True)
+        munge.chmod(0o755)  # munged wants its socket folder reachable by everyone
+        shutil.chown(munge, "munge", "munge")
+        self.munge_socket = munge / "munge.socket"
+        self._spawn(["munged", "--foreground", f"--socket={self.munge_socket}",
+                     f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}",
+                     f"--seed-file={munge / 'munged.seed'}"], "munged", user="munge")
+        deadline = time.monotonic() + 20
+        while not self.munge_socket.exists():
+            if time.monotonic() > deadline or self.procs[-1].poll() is not None:
+                raise RuntimeError(f"munged did not start: see {self.folder / 'munged.out'}")
+            time.sleep(0.1)
+
+    def _write_conf(self) -> None:
+        host = socket.gethostname().split(".")[0]
+        ctld, *node_ports = free_ports(1 + len(NODES))
+        f = self.folder
+        lines = [
+            "ClusterName=megatronrltest", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
+            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket}", f"StateSaveLocation={f / 'state'}",
+            f"SlurmdSpoolDir={f / 'spool-%n'}", f"SlurmctldPidFile={f / 'slurmctld.pid'}",
+            f"SlurmdPidFile={f / 'slurmd-%n.pid'}", f"SlurmctldLogFile={f / 'slurmctld.log'}",
+            f"SlurmdLogFile={f / 'slurmd-%n.log'}", f"SlurmctldPort={ctld}", "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "ReturnToService=2",
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "KillWait=10", "MinJobAge=600",
+            *[f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=1 RealMemory=4000"
+              for node, port in zip(NODES, node_ports)],
+            "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+        ]
+        self.conf.write_text("\n".join(lines) + "\n")
+
+    def _wait_idle(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        states = ""
+        while time.monotonic() < deadline:
+            try:
+                states = self.run("sinfo", "-h", "-N", "-o", "%N %T")
+            except subprocess.CalledProcessError:
+                states = ""
+            if sum(1 for line in states.splitlines() if line.split()[-1] == "idle") == len(NODES):
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the test Slurm cluster did not come up in {timeout} s (sinfo: {states!r}); logs in "
+                           f"{self.folder}")
+
+    def wait_job(self, job_id: str, timeout: float = 300) -> dict[str, str]:
+        """``scontrol show job`` fields once the job has ended."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            fields = dict(item.split("=", 1) for item in self.run("scontrol", "show", "job", "-o", job_id).split()
+                          if "=" in item)
+            if fields.get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+                return fields
+            time.sleep(0.5)
+        raise TimeoutError(f"Slurm job {job_id} still running after {timeout} s")
+
+    def stop(self) -> None:
+        """Cancel every job of this cluster, then end the daemons this object started (only those)."""
+        if self.procs and self.procs[0].poll() is None:
+            subprocess.run(["scancel", "--full", "--partition=test"], env=self.env(), capture_output=True, timeout=30)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                jobs = subprocess.run(["squeue", "-h"], env=self.env(), capture_output=True, text=True, timeout=30)
+                if jobs.returncode != 0 or not jobs.stdout.strip():
+                    break
+                time.sleep(0.5)
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs = []
