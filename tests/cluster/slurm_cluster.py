@@ -1,6 +1,6 @@
 """A real two-node Slurm cluster on this one machine, for the tests (Debian's ``slurm-wlm``; no mocks).
 
-``SlurmCluster(folder).start()`` starts, from a private folder with free ports,
+``SlurmCluster().start()`` starts, from a private temporary folder with free ports,
 
     munged      its own socket in the folder (``AuthInfo=socket=...``), run as the ``munge`` user
     slurmctld   ``-D -f <folder>/slurm.conf``
@@ -19,6 +19,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,9 +57,12 @@ def free_ports(n: int) -> list[int]:
 class SlurmCluster:
     """Two slurmd nodes and a slurmctld in ``folder`` (module docstring)."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.conf = folder / "slurm.conf"
+    def __init__(self) -> None:
+        # under /tmp, not pytest's root-only folder: munged (the munge user) must reach its socket folder; a short
+        # path also keeps the socket's name under the 108-byte limit
+        self.folder = Path(tempfile.mkdtemp(prefix="megatron_rl_slurm_", dir="/tmp"))
+        self.folder.chmod(0o755)
+        self.conf = self.folder / "slurm.conf"
         self.procs: list[subprocess.Popen] = []
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -71,7 +75,6 @@ class SlurmCluster:
                               timeout=timeout).stdout
 
     def start(self) -> SlurmCluster:
-        self.folder.mkdir(parents=True, exist_ok=True)
         self._start_munge()
         self._write_conf()
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
@@ -167,3 +170,4 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
         self.procs = []
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -1,0 +1,142 @@
+"""``run_megatron.sh`` on a real two-node Slurm cluster (``slurm_cluster.py``: slurmctld + two slurmd, one core
+each), both ways, against the by-hand two-node launch.
+
+(a) ``launch.scheduler=slurm launch.nodes=2``: the CPU demo (DP2, one rank per node) submitted from here; the
+    per-step metrics equal those of the same run launched by hand as two local nodes (NNODES=2, NODE_RANK=0/1);
+    each node ran its own launcher (the log's lines);
+(b) ``bash run_megatron.sh`` inside a batch script of the user's own (``sbatch --wrap``): the same command as on a
+    laptop, one launcher per node through srun;
+(c) ``launch.nodes=3`` in a two-node allocation: one line, exit 2, nothing started;
+(d) ``scancel`` of a running job: no process of the run is left on either node (``ps``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, require_slurm
+
+from multirank import free_port
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2
+DEMO = ["demo.baseline_episodes=20", "logging.progress_bar=false", "logging.tensorboard=false",
+        "parallel.device=cpu", f"demo.num_steps={STEPS}", "checkpoint.save_interval=0"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require_slurm()
+    cluster = SlurmCluster().start()
+    yield cluster
+    cluster.stop()
+
+
+def metrics(out_dir: Path) -> list[dict]:
+    """Per-step metrics, without the timings (those differ run to run)."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "throughput/", "timing/"))}
+            for row in rows]
+
+
+def run_env(cluster: SlurmCluster, **extra: str) -> dict[str, str]:
+    return cluster.env(PY=sys.executable, NPROC="1", OMP_NUM_THREADS="1", **extra)
+
+
+def test_submitted_run_equals_the_run_by_hand(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """(a) The README's one line with launch.scheduler=slurm: script written, job id and log printed, log followed
+    until the end, exit 0; metrics equal the by-hand two-node run's."""
+    t0 = time.monotonic()
+    by_hand = tmp_path / "by_hand"
+    port = str(free_port())
+    nodes = [subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *DEMO, f"logging.output_dir={by_hand}"],
+                              cwd=ROOT, env={**run_env(cluster), "NNODES": "2", "NODE_RANK": str(rank),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outs = [proc.communicate(timeout=300)[0] for proc in nodes]
+    assert [proc.returncode for proc in nodes] == [0, 0], outs
+    t1 = time.monotonic()
+
+    submitted = tmp_path / "slurm"
+    proc = subprocess.run(["bash", "run_megatron.sh", "launch.scheduler=slurm", "launch.nodes=2", *DEMO,
+                           f"logging.output_dir={submitted}"], cwd=ROOT, env=run_env(cluster), capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    job_id = out.split("submitted Slurm job ")[1].split()[0]
+    script = submitted / "slurm_job.sh"
+    assert f"batch script {script}" in out and f"log {submitted / f'slurm-{job_id}.log'}" in out
+    assert f"Slurm job {job_id} ended: COMPLETED, exit code 0" in out
+    assert "#SBATCH --nodes=2" in script.read_text() and os.access(script, os.R_OK)
+    assert "2 node(s) (n[1-2]), one launcher per node with srun" in out  # the in-allocation line, followed
+    assert out.count("run_megatron.sh: 1 process(es) per node x 2 node(s)") == 2  # one launcher on each node
+    assert metrics(submitted) == metrics(by_hand)
+    assert len(metrics(submitted)) == STEPS
+    print(f"\nby hand {t1 - t0:.1f} s, submitted {time.monotonic() - t1:.1f} s")
+
+
+def test_inside_a_users_own_batch_script(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """(b) ``bash run_megatron.sh`` in the user's own sbatch script: Slurm's values are derived, never asked for."""
+    out_dir = tmp_path / "own"
+    log = tmp_path / "own.log"
+    command = " ".join(["bash", str(ROOT / "run_megatron.sh"), *DEMO, f"logging.output_dir={out_dir}"])
+    job_id = cluster.run("sbatch", "--parsable", "--nodes=2", f"--output={log}", f"--chdir={tmp_path}",
+                         f"--export=ALL,PY={sys.executable},NPROC=1", f"--wrap={command}").strip()
+    fields = cluster.wait_job(job_id)
+    text = log.read_text()
+    assert fields["JobState"] == "COMPLETED", text
+    assert text.count("run_megatron.sh: 1 process(es) per node x 2 node(s)") == 2, text
+    assert len(metrics(out_dir)) == STEPS
+
+
+def test_contradiction_is_one_line(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """(c) ``launch.nodes=3`` in a two-node allocation; ``NNODES=1`` there: one line each, exit 2, no rank."""
+    log = tmp_path / "contra.log"
+    launcher = str(ROOT / "run_megatron.sh")
+    command = (f"bash {launcher} launch.nodes=3 parallel.device=cpu; echo exit=$?; "
+               f"NNODES=1 bash {launcher} parallel.device=cpu; echo exit=$?")
+    job_id = cluster.run("sbatch", "--parsable", "--nodes=2", f"--output={log}",
+                         f"--export=ALL,PY={sys.executable}", f"--wrap={command}").strip()
+    cluster.wait_job(job_id)
+    lines = log.read_text().splitlines()
+    assert lines == [
+        f"run_megatron.sh: launch.nodes=3 but this Slurm allocation (job {job_id}) has 2 node(s); remove launch.nodes "
+        "(it is derived) or ask Slurm for 3 (sbatch/salloc --nodes=3)", "exit=2",
+        f"run_megatron.sh: NNODES=1 but this Slurm allocation (job {job_id}) has 2 node(s); unset NNODES (it is "
+        "derived from Slurm)", "exit=2"], lines
+
+
+def run_processes(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if marker in line and "ps -eo" not in line]
+
+
+def test_scancel_leaves_no_process(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """(d) A running job cancelled with scancel: no launcher, rank or srun of it is left on either node."""
+    out_dir = tmp_path / "cancelled"
+    proc = subprocess.run(["bash", "run_megatron.sh", "launch.scheduler=slurm", "launch.nodes=2",
+                           "launch.follow=false", *DEMO, "demo.num_steps=1000", f"logging.output_dir={out_dir}"],
+                          cwd=ROOT, env=run_env(cluster), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "cancel it with: scancel" in proc.stdout
+    job_id = proc.stdout.split("submitted Slurm job ")[1].split()[0]
+    deadline = time.monotonic() + 180
+    while not (out_dir / "metrics.jsonl").exists():  # the ranks are training on both nodes
+        assert time.monotonic() < deadline, (out_dir / f"slurm-{job_id}.log").read_text()
+        time.sleep(1)
+    assert len(run_processes(str(out_dir))) >= 4  # a launcher and a rank per node at least
+    cluster.run("scancel", job_id)
+    fields = cluster.wait_job(job_id)
+    assert fields["JobState"] == "CANCELLED"
+    deadline = time.monotonic() + 30
+    while run_processes(str(out_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert run_processes(str(out_dir)) == []
