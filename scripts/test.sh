@@ -11,8 +11,14 @@ cd "$(dirname "$0")/.."
 # set up beside the trainer's venv, at the same time (each pip install is mostly one core unpacking wheels).
 bash scripts/setup_engine.sh &
 engine_setup=$!
-bash scripts/setup.sh || { wait "$engine_setup" || true; exit 1; }  # no pip left running
-wait "$engine_setup" || { echo "test: the engine's set-up (scripts/setup_engine.sh) failed: see above"; exit 1; }
+# Slurm and munge for the Slurm tests (tests/cluster, marker `slurm`; apt, as root), also at the same time; those
+# tests fail instead of skipping without it (MEGATRON_RL_REQUIRE_SLURM=1).
+bash scripts/setup_slurm.sh &
+slurm_setup=$!
+bash scripts/setup.sh || { wait "$engine_setup" "$slurm_setup" || true; exit 1; }  # no pip left running
+wait "$engine_setup" || { wait "$slurm_setup" || true; echo "test: the engine's set-up (scripts/setup_engine.sh) failed: see above"; exit 1; }
+wait "$slurm_setup" || { echo "test: the Slurm set-up (scripts/setup_slurm.sh) failed: see above"; exit 1; }
+export MEGATRON_RL_REQUIRE_SLURM=1
 export MEGATRON_RL_ENGINE_PYTHON=${MEGATRON_RL_ENGINE_PYTHON:-$PWD/$(bash scripts/setup_engine.sh --venv)/bin/python}
 export MEGATRON_RL_REQUIRE_ENGINE=1
 venv=$(bash scripts/setup.sh --venv)

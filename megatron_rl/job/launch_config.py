@@ -37,8 +37,10 @@ class SlurmConfig:
     """``--partition``; None = the cluster's default partition."""
     account: str | None = None
     """``--account`` to charge; None = your default account."""
-    time: str | None = None
-    """``--time`` limit in Slurm's format (``30``, ``4:00:00``, ``1-12:00:00``); None = the partition's default.
+    time: str | int | None = None
+    """``--time`` limit as Slurm's days-hours form ``D-HH:MM:SS`` (``0-04:00:00``, ``1-12:00:00``); None = the
+    partition's default. YAML reads ``4:00:00`` and ``30`` as numbers (base 60), so those forms are refused with
+    this fix; in a YAML file a quoted ``'4:00:00'`` works too.
     A job stopped by its time limit after saving a checkpoint says so and prints the command that continues it."""
     gpus_per_node: int | None = None
     """``--gpus-per-node``; None = no GPU request (a CPU run, or a cluster that gives nodes whole). Inside the
@@ -58,6 +60,9 @@ class SlurmConfig:
     room for one step and one checkpoint save."""
 
     def validate(self) -> None:
+        if isinstance(self.time, int) and not isinstance(self.time, bool):
+            raise ConfigError(f"launch.slurm.time={self.time!r} was read as a number (YAML reads 4:00:00 and 30 as "
+                              "numbers); write it as D-HH:MM:SS, e.g. launch.slurm.time=0-04:00:00")
         for key in ("partition", "account", "time"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value.strip() or "\n" in value):
