@@ -31,6 +31,12 @@ from megatron_rl.launch import slurm_env
 from megatron_rl.launch.slurm_cli import SlurmError, hostnames, node_address
 
 LAUNCHER = REPO_ROOT / "run_megatron.sh"
+STEP_WAIT_S = 120
+SRUN_OPTIONS = ("--ntasks-per-node=1", "--kill-on-bad-exit=0", f"--wait={STEP_WAIT_S}")
+"""One launcher per node. When one node's launcher ends, the others get ``STEP_WAIT_S`` seconds to end too, then
+srun ends them: a run stopped by a preemption signal exits 3 on every node after the checkpoint, and srun's exit
+code (the highest of its tasks) stays 3 for the batch script (``--kill-on-bad-exit=1`` would kill the nodes still
+finishing at the first exit 3: srun then reports 143). A crashed node's peers end at most ``STEP_WAIT_S`` later."""
 
 
 def split_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -65,8 +71,8 @@ def srun_line(env: Mapping[str, str], launch: LaunchConfig, overrides: Sequence[
     first = hostnames(alloc.nodelist)[0] if alloc.nodelist else "127.0.0.1"
     address = env.get("MASTER_ADDR") or node_address(first)
     port = slurm_env.master_port(env)
-    srun = ["srun", f"--nodes={alloc.nnodes}", f"--ntasks={alloc.nnodes}", "--ntasks-per-node=1",
-            "--kill-on-bad-exit=1", f"--chdir={workdir}", "bash", str(LAUNCHER), *overrides]
+    srun = ["srun", f"--nodes={alloc.nnodes}", f"--ntasks={alloc.nnodes}", *SRUN_OPTIONS, f"--chdir={workdir}",
+            "bash", str(LAUNCHER), *overrides]
     print(f"run_megatron.sh: Slurm job {alloc.job_id}: {alloc.nnodes} node(s) ({alloc.nodelist}), one launcher "
           f"per node with srun, rendezvous at {address}:{port}", file=sys.stderr)
     return [exports(**{slurm_env.STEP_ENV: 1, "MASTER_ADDR": address, "MASTER_PORT": port}), "exec " + shlex.join(srun)]

@@ -141,3 +141,59 @@ def test_scancel_leaves_no_process(cluster: SlurmCluster, tmp_path: Path) -> Non
     while run_processes(str(out_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert run_processes(str(out_dir)) == []
+
+
+STAND_IN = """#!/bin/bash
+# A stand-in for run_megatron.sh with the preemption contract (the launchers save and exit 3 on SIGUSR1): srun with
+# our options starts it once per node; on USR1 node 1 takes a second longer than node 0 to "save".
+if [ -z "${STAND_IN_STEP:-}" ]; then
+  export STAND_IN_STEP=1; exec srun --nodes=2 --ntasks=2 %(srun)s bash "$0" "$@"
+fi
+mark=$1/restart-${SLURM_RESTART_COUNT:-0}-node-$SLURM_NODEID
+trap 'touch $mark.usr1; sleep $SLURM_NODEID; exit 3' USR1
+if [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]; then touch $mark.resumed; exit 0; fi
+touch $mark.started
+for i in $(seq 600); do sleep 0.1; done
+exit 1
+"""
+
+
+@pytest.mark.parametrize("requeue", [True, False])
+def test_preemption_signal_reaches_every_node_then_requeue(cluster: SlurmCluster, tmp_path: Path,
+                                                           requeue: bool) -> None:
+    """SIGUSR1 to the batch script (as ``--signal=B:USR1@<s>`` sends it) reaches the launcher of each node through
+    srun; both exit 3 -> requeued and run again (``launch.slurm.requeue``), or one line with the command that
+    continues the run."""
+    from megatron_rl.job.launch_config import SlurmConfig
+    from megatron_rl.launch import batch_script
+    from megatron_rl.launch.plan import SRUN_OPTIONS
+
+    stand_in = tmp_path / "stand_in.sh"
+    stand_in.write_text(STAND_IN % {"srun": " ".join(SRUN_OPTIONS)})
+    job = batch_script.BatchJob(nodes=2, slurm=SlurmConfig(requeue=requeue), output_dir=tmp_path, workdir=tmp_path,
+                                launcher=stand_in, args=(str(tmp_path),), env=())
+    script = tmp_path / batch_script.SCRIPT_NAME
+    script.write_text(batch_script.render(job))
+    job_id = cluster.run("sbatch", "--parsable", str(script)).strip()
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("restart-0-node-*.started"))) < 2:
+        assert time.monotonic() < deadline, "the stand-in did not start on both nodes"
+        time.sleep(0.2)
+    cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    if requeue:  # Slurm holds a requeued job ~2 minutes (Reason=BeginTime); the test lets it start now
+        deadline = time.monotonic() + 60
+        while "Restarts=1" not in cluster.run("scontrol", "show", "job", "-o", job_id):
+            assert time.monotonic() < deadline, "the job was not requeued"
+            time.sleep(0.2)
+        cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    fields = cluster.wait_job(job_id, timeout=120)
+    log = (tmp_path / f"slurm-{job_id}.log").read_text()
+    assert sorted(p.name for p in tmp_path.glob("restart-0-*.usr1")) == ["restart-0-node-0.usr1",
+                                                                          "restart-0-node-1.usr1"], log
+    if requeue:
+        assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", (fields, log)
+        assert len(list(tmp_path.glob("restart-1-node-*.resumed"))) == 2, log
+        assert "requeueing job" in log
+    else:
+        assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "3:0", (fields, log)
+        assert f"continue it with: sbatch {script}" in log
