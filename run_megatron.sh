@@ -14,8 +14,19 @@
 # Set-up (the venv) is the README's job: this script installs nothing.
 # Exit code: 0 when the run completed, or had already reached demo.num_steps (one line says so; nothing is
 # rewritten); 2 for a usage error (config, directories, a checkpoint of another run: one line, before or after
-# the ranks start); 1 for a full or read-only disk during a save; otherwise torchrun's (a crash keeps its report).
+# the ranks start); 1 for a full or read-only disk during a save; 3 when SIGUSR1 or SIGTERM (a scheduler's
+# preemption) stopped it after it saved a checkpoint at the end of a step (one line: how far it got and the
+# command that resumes; docs/PREEMPTION_AND_PLACEMENT.md); otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
+if [ -z "${MEGATRON_RL_COMMAND:-}" ]; then  # the command that resumes, quoted in the line of a preemption stop
+  MEGATRON_RL_COMMAND=""
+  for v in PY CONFIG NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT RDZV_ENDPOINT; do
+    [ -z "${!v:-}" ] || MEGATRON_RL_COMMAND+="$v=$(printf %q "${!v}") "
+  done
+  MEGATRON_RL_COMMAND+="bash $(printf %q "$0")"
+  [ $# -eq 0 ] || MEGATRON_RL_COMMAND+=$(printf ' %q' "$@")
+  export MEGATRON_RL_COMMAND
+fi
 export MEGATRON_RL_CALLER_CWD=$PWD  # relative paths are the caller's (megatron_rl/job/paths.py)
 export MEGATRON_RL_LAUNCH_TIME=${EPOCHREALTIME:-$(date +%s)}  # the summary's start-up time (job/reporting.py)
 cd "$(dirname "$0")"
