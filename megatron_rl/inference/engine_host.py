@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
 
 
 def run(args: argparse.Namespace, stopping: list[str]) -> int:
-    host = None
+    host = store = None
     try:
         store = connect_store(CONNECT_TIMEOUT_S)
         while not store.check([PREFIX + "spec"]):
@@ -123,10 +123,13 @@ def run(args: argparse.Namespace, stopping: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as err:  # noqa: BLE001 - the store is gone: the first node's launcher ended
-        if host is None:
-            print(f"megatron_rl engine host: the trainer's store at $MASTER_ADDR:$MASTER_PORT is not there ({err})",
-                  file=sys.stderr)
+        if store is None:
+            print(f"megatron_rl engine host: no trainer's store at $MASTER_ADDR:$MASTER_PORT within "
+                  f"{CONNECT_TIMEOUT_S:.0f} s ({err}): is node 0 running `bash run_megatron.sh` with the same "
+                  "MASTER_ADDR/MASTER_PORT?", file=sys.stderr)
             return 1
+        if host is None:  # the trainer's launcher ended before its rank 0 started the engines: it says why
+            return EXIT_CODE if stopping else 1
         code = 0  # the job ended without closing the fleet (a crash or a stop): the trainer's nodes report it
     finally:
         if host is not None:

@@ -81,3 +81,22 @@ def test_engine_nodes_errors_name_the_key():
             RolloutConfig(engine_nodes=2, **kwargs).validate()
         assert words in str(err.value)
     RolloutConfig(engine="vllm", num_engines=2, engine_nodes=2).validate()
+
+
+def test_a_node_count_engine_nodes_cannot_fit_stops_in_one_line(tmp_path, capsys):
+    """``run_megatron.sh`` before anything starts (~2 s: the config files' one Python call); the engine host too."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_rl.inference.engine_host import main
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PY": sys.executable, "NNODES": "2", "NODE_RANK": "1", "CONFIG": "configs/demo_vllm.yaml"}
+    proc = subprocess.run(["bash", str(root / "run_megatron.sh"), "rollout.engine_nodes=2",
+                           f"logging.output_dir={tmp_path}"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "rollout.engine_nodes=2 but the job has 2 node(s) (NNODES)" in proc.stderr, proc
+    assert main(["--nodes", "2", "--engine-nodes", "1", "--node-rank", "0"]) == 2
+    assert "NODE_RANK=0 is not one of the 1 engine node(s) 1..1" in capsys.readouterr().err
