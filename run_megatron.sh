@@ -16,8 +16,19 @@
 # Set-up (the venv) is the README's job: this script installs nothing.
 # Exit code: 0 when the run completed, or had already reached demo.num_steps (one line says so; nothing is
 # rewritten); 2 for a usage error (config, directories, a checkpoint of another run: one line, before or after
-# the ranks start); 1 for a full or read-only disk during a save; otherwise torchrun's (a crash keeps its report).
+# the ranks start); 1 for a full or read-only disk during a save; 3 when SIGUSR1 or SIGTERM (a scheduler's
+# preemption) stopped it after it saved a checkpoint at the end of a step (one line: how far it got and the
+# command that resumes; docs/PREEMPTION_AND_PLACEMENT.md); otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
+if [ -z "${MEGATRON_RL_COMMAND:-}" ]; then  # the command that resumes, quoted in the line of a preemption stop
+  MEGATRON_RL_COMMAND=""
+  for v in PY CONFIG NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT RDZV_ENDPOINT; do
+    [ -z "${!v:-}" ] || MEGATRON_RL_COMMAND+="$v=$(printf %q "${!v}") "
+  done
+  MEGATRON_RL_COMMAND+="bash $(printf %q "$0")"
+  [ $# -eq 0 ] || MEGATRON_RL_COMMAND+=$(printf ' %q' "$@")
+  export MEGATRON_RL_COMMAND
+fi
 export MEGATRON_RL_CALLER_CWD=$PWD  # relative paths are the caller's (megatron_rl/job/paths.py)
 export MEGATRON_RL_LAUNCH_TIME=${EPOCHREALTIME:-$(date +%s)}  # the summary's start-up time (job/reporting.py)
 cd "$(dirname "$0")"
@@ -37,6 +48,33 @@ while IFS= read -r c; do configs+=("$c"); config_args+=(--config "$c"); done <<<
 # Slurm); with launch.scheduler=slurm, the job is submitted with sbatch. A contradiction: one line, exit 2.
 plan=$("$PY" -m megatron_rl.launch.plan "${config_args[@]}" "$@") || exit $?
 eval "$plan"
+# rollout.engine_nodes=K (the last override wins, else the config's `engine_nodes:` line): the last K of the NNODES
+# nodes run the vLLM fleet's engines and no trainer rank. Here such a node runs the engine host
+# (megatron_rl/inference/engine_host.py) instead of torchrun; the other nodes run torchrun over NNODES-K nodes.
+engine_nodes=$(sed -n 's/^[[:space:]]*engine_nodes:[[:space:]]*\([0-9]*\).*/\1/p' "${configs[@]}" 2>/dev/null | tail -n 1 || true)
+for arg in "$@"; do case $arg in rollout.engine_nodes=*) engine_nodes=${arg#rollout.engine_nodes=} ;; esac; done
+if [ "${engine_nodes:-0}" != 0 ]; then
+  NNODES=${NNODES:-1}; NODE_RANK=${NODE_RANK:-0}
+  if ! [[ "$engine_nodes$NNODES$NODE_RANK" =~ ^[0-9]+$ ]] || [ -n "${RDZV_ENDPOINT:-}" ]; then
+    echo "run_megatron.sh: rollout.engine_nodes=$engine_nodes needs NNODES and NODE_RANK as numbers, and" \
+      "MASTER_ADDR/MASTER_PORT rather than RDZV_ENDPOINT (each node must know whether it is an engine node)" >&2
+    exit 2
+  fi
+  if [ "$engine_nodes" -ge "$NNODES" ]; then
+    echo "run_megatron.sh: rollout.engine_nodes=$engine_nodes but the job has $NNODES node(s) (NNODES): the trainer" \
+      "needs at least one; use NNODES >= $((engine_nodes + 1)) or fewer engine nodes" >&2
+    exit 2
+  fi
+  if [ "$NODE_RANK" -ge $((NNODES - engine_nodes)) ]; then
+    echo "run_megatron.sh: node $NODE_RANK of $NNODES is an engine node (rollout.engine_nodes=$engine_nodes): it runs" \
+      "the fleet's engines, no trainer rank"
+    export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=${MASTER_PORT:-29500}
+    exec "$PY" -m megatron_rl.inference.engine_host --nodes "$NNODES" --engine-nodes "$engine_nodes" \
+      --node-rank "$NODE_RANK"
+  fi
+  NNODES=$((NNODES - engine_nodes))  # torchrun's nodes: the trainer's (world size, DP)
+  [ "$NNODES" != 1 ] || MASTER_PORT=${MASTER_PORT:-29500}  # shared with the engine nodes, not a free one
+fi
 # parallel.device (docs/DESIGN.md section 11): the last override wins, else the config's `device:` line (only
 # the parallel section has one). bootstrap.py applies and checks it in every rank; this is the early, friendly
 # stop: cpu hides the GPUs from the ranks, otherwise NCCL needs one visible GPU per rank.

@@ -15,6 +15,10 @@ Without the launcher (plain ``torchrun`` or ``python``), ``report_error`` prints
 torchrun's own per-rank folders (``--log-dir``; without one torchrun makes ``<tmp>/torchelastic_*`` and never
 removes it, one folder left in /tmp per launch) go to that temporary directory too, removed when the launcher
 exits; a ``--log-dir`` of the user's still wins (the last one given counts).
+
+SIGUSR1 and SIGTERM (a scheduler's preemption warning) are the launcher's, not torchrun's: the ranks save a
+checkpoint at their next step boundary and exit with code 3, the line they report printed once as above
+(``distributed/preemption.py``).
 """
 
 from __future__ import annotations
@@ -85,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.run import parse_args, run
 
+    from megatron_rl.distributed.preemption import torchrun_arguments, watch_launcher
+
     with tempfile.TemporaryDirectory(prefix="megatron_rl-errors-") as tmp:
         directory = Path(tmp)
         os.environ[ERROR_DIR_ENV] = tmp  # the ranks inherit the launcher's environment
@@ -92,12 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         failure_logs.addFilter(_DropFailureLogs(directory))
         failure_logs.addFilter(_DropSignalLogs())
         logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_DropSignalLogs())
+        watch_launcher(directory)  # SIGUSR1/SIGTERM: the ranks save and stop at their next step boundary
 
         @record  # torchrun's own report for a child that failed without saying why
         def launch() -> int:
             try:
                 args = list(sys.argv[1:] if argv is None else argv)
-                run(parse_args(["--log-dir", str(directory / "torchelastic"), *args]))
+                run(parse_args(["--log-dir", str(directory / "torchelastic"), *torchrun_arguments(), *args]))
             except ChildFailedError:
                 reported = reported_error(directory)
                 if reported is None:

@@ -32,6 +32,14 @@ class RolloutConfig(ConfigSection):
     started by that node's local rank 0 (``inference/nodes.py``). On CPU a node's cores are split between its
     engines; on GPUs the node's ``k``-th engine gets its devices ``k*tp ...`` (modulo the visible ones: with fewer
     GPUs than that it shares the trainer's, ``gpu_memory_utilization``). 0 = only ``engine_urls``."""
+    engine_nodes: int = field(default=0, metadata=valid(0))
+    """Nodes of the fleet's own, the job's last ``engine_nodes``: they run the engines and no trainer rank; the
+    trainer's ranks (and its world size, DP) are on the other nodes. Engine ``i`` runs on the ``i % engine_nodes``-th
+    of them, started and restarted by that node's engine host (``run_megatron.sh`` runs ``python -m
+    megatron_rl.inference.engine_host`` there instead of torchrun: ``inference/engine_host.py``; needs a file
+    system the nodes share, as every multi-node job). 0 = engine ``i`` on node ``i % nnodes``, beside the trainer
+    (``inference/nodes.py``). vLLM only; at most ``num_engines``, fewer than ``NNODES``
+    (docs/PREEMPTION_AND_PLACEMENT.md)."""
     engine_host: str = "auto"
     """Multi-node jobs: the address each node's engines bind to, which global rank 0 must reach: 'auto' = the
     local address of the interface that routes to ``$MASTER_ADDR``, or this node's IP / host name (given in
@@ -107,6 +115,8 @@ class RolloutConfig(ConfigSection):
         if self.engine == "vllm" and self.num_engines + len(self.engine_urls) < 1:
             raise ConfigError("rollout.num_engines=0 and no rollout.engine_urls: the vLLM fleet has no engine; set "
                               "rollout.num_engines >= 1 or list servers in rollout.engine_urls")
+        if self.engine_nodes:
+            self._check_engine_nodes()
         if self.partial_rollouts and (self.engine != "vllm" or self.max_staleness < 1):
             raise ConfigError(f"rollout.partial_rollouts=true pauses the vLLM fleet's generation ahead at a weight sync, "
                               f"but rollout.engine={self.engine} and rollout.max_staleness={self.max_staleness}; set "
@@ -117,6 +127,22 @@ class RolloutConfig(ConfigSection):
         if self.engine == "builtin" and self.weight_transport == "disk" and self.sync_dir is not None:
             raise ConfigError("rollout.sync_dir is set but rollout.engine=builtin syncs no weights; "
                               "set rollout.engine=vllm or unset rollout.sync_dir")
+
+    def _check_engine_nodes(self) -> None:
+        from megatron_rl.inference.nodes import check_engine_nodes
+
+        if self.engine != "vllm":
+            raise ConfigError(f"rollout.engine_nodes={self.engine_nodes} puts the vLLM fleet on nodes of its own, but "
+                              f"rollout.engine={self.engine} samples on the trainer's ranks; set rollout.engine=vllm "
+                              "or rollout.engine_nodes=0")
+        if self.sleep_while_training:
+            raise ConfigError(f"rollout.engine_nodes={self.engine_nodes} gives the engines nodes of their own, but "
+                              "rollout.sleep_while_training=true frees the trainer's devices they would share; unset "
+                              "one of them")
+        try:
+            check_engine_nodes(self.engine_nodes, self.num_engines, all_nodes=self.engine_nodes + 1)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 AGREEMENT_BOUNDS = {"float32": 1e-4, "bfloat16": 2.0**-5}

@@ -7,7 +7,9 @@ bound to ``engine_host``; global rank 0's ``Fleet`` routes over all of them.
 The rule (deterministic, the same on every rank): **engine i runs on node i % nnodes** (round-robin, so
 ``rollout.num_engines=2`` on two nodes is one engine per node); on its node it is the ``i // nnodes``-th engine
 and, on GPUs, takes that node's local devices ``(i // nnodes) * tp ...`` (``tp`` =
-``rollout.engine_tensor_parallel_size``). A single-node job binds its engines to loopback; a multi-node job binds
+``rollout.engine_tensor_parallel_size``). With ``rollout.engine_nodes`` K > 0 the fleet has nodes of its own:
+``nnodes`` trainer nodes (torchrun's, numbered first) run no engine, and engine i runs on engine node
+``nnodes + i % K``, started by that node's engine host (``inference/engine_host.py``, not a torchrun rank). A single-node job binds its engines to loopback; a multi-node job binds
 them to ``rollout.engine_host`` ("auto": the local interface that routes to ``MASTER_ADDR``).
 """
 
@@ -44,14 +46,27 @@ class NodeLayout:
         return self.local_rank == 0
 
 
-def engine_node(index: int, nnodes: int) -> int:
-    """The node that runs engine ``index`` (module docstring: round-robin)."""
-    return index % nnodes
+def engine_node(index: int, nnodes: int, engine_nodes: int = 0) -> int:
+    """The node that runs engine ``index`` (module docstring: round-robin over the trainer's ``nnodes`` nodes, or
+    over the ``engine_nodes`` nodes after them)."""
+    return nnodes + index % engine_nodes if engine_nodes else index % nnodes
 
 
-def engines_on_node(num_engines: int, node: int, nnodes: int) -> list[int]:
+def engines_on_node(num_engines: int, node: int, nnodes: int, engine_nodes: int = 0) -> list[int]:
     """The indices of the engines ``node`` starts, in order (its position in this list picks its devices)."""
-    return [i for i in range(num_engines) if engine_node(i, nnodes) == node]
+    return [i for i in range(num_engines) if engine_node(i, nnodes, engine_nodes) == node]
+
+
+def check_engine_nodes(engine_nodes: int, num_engines: int, all_nodes: int) -> None:
+    """``rollout.engine_nodes`` fits the job: fewer than its nodes (the trainer needs one), at most one per engine.
+    ValueError naming the key and the fix (before anything starts: ``run_megatron.sh``, the engine host)."""
+    if engine_nodes and engine_nodes >= all_nodes:
+        raise ValueError(f"rollout.engine_nodes={engine_nodes} but the job has {all_nodes} node(s) (NNODES): the "
+                         f"trainer needs at least one; use NNODES >= {engine_nodes + 1} or fewer engine nodes")
+    if engine_nodes > num_engines:
+        raise ValueError(f"rollout.engine_nodes={engine_nodes} but rollout.num_engines={num_engines}: an engine node "
+                         f"would run no engine; set rollout.num_engines >= {engine_nodes} (a multiple spreads them "
+                         "evenly) or fewer engine nodes")
 
 
 def engine_host(setting: str, nnodes: int, master_addr: str | None = None) -> str:

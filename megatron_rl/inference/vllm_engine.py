@@ -57,6 +57,7 @@ from megatron_rl.distributed.rank0 import broadcast_from_rank0
 from megatron_rl.hf.lora import ADAPTER_DIR, adapter_config, export_peft_adapter, peft_adapter_tensors
 from megatron_rl.inference.config import RolloutConfig, engine_dtype, is_hybrid
 from megatron_rl.inference.engine import Completion, SamplingSpec
+from megatron_rl.inference.engine_nodes import EngineHosts
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
 from megatron_rl.inference.router import requests, route
 from megatron_rl.inference.server import (LORA_NAME, MODEL_NAME, REPO_ROOT, EngineDown, EngineError, EngineServer,
@@ -105,10 +106,12 @@ class Launcher:
     num_engines: int
     layout: NodeLayout
     host: str = LOOPBACK
+    engine_nodes: int = 0
+    """``rollout.engine_nodes`` (nodes.py: engine i on node ``nnodes + i % engine_nodes``; 0: ``i % nnodes``)."""
 
     def launch(self, index: int) -> EngineServer:
         """Start engine ``index`` on this node (nodes.py: its share of the cores, or its local devices)."""
-        mine = engines_on_node(self.num_engines, self.layout.node, self.layout.nnodes)
+        mine = engines_on_node(self.num_engines, self.layout.node, self.layout.nnodes, self.engine_nodes)
         position = mine.index(index)
         devices = None
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -196,7 +199,7 @@ class Fleet:
         all answer (EngineStartError otherwise)."""
         nnodes = self.launcher.layout.nnodes
         for i in range(self.config.num_engines):
-            slot = Slot(index=i, node=engine_node(i, nnodes))
+            slot = Slot(index=i, node=engine_node(i, nnodes, self.launcher.engine_nodes))
             slot.server = self.launcher.launch(i) if slot.node == self.launcher.layout.node else self._remote(i, remote[i])
             self.slots.append(slot)
         for url in self.config.engine_urls:
@@ -529,6 +532,8 @@ class VLLMEngine:
         """A node's local rank 0 on a multi-node job (not global rank 0: its ``Fleet`` has one): starts this node's
         engines (``own``)."""
         self.own: dict[int, EngineServer] = {}
+        self.hosts: EngineHosts | None = None
+        """Rank 0 with ``rollout.engine_nodes``: the engine nodes' hosts (``engine_nodes.py``)."""
 
     # ---------------------------------------------------------------------------------------------- start
     @classmethod
@@ -580,20 +585,24 @@ class VLLMEngine:
                 prefix_caching=not is_hybrid(model_cfg),
             )  # fmt: skip
             launcher = Launcher(options, model_dir, work_dir, token[0], config.num_engines, layout,
-                                host)
+                                host, config.engine_nodes)
         own = {}
         if launcher is not None and groups.rank != 0 and layout.nnodes > 1:  # another node: its share, gathered to rank 0 by URL
-            own = {i: launcher.launch(i) for i in engines_on_node(config.num_engines, layout.node, layout.nnodes)}
+            own = {i: launcher.launch(i) for i in engines_on_node(config.num_engines, layout.node, layout.nnodes,
+                                                                   config.engine_nodes)}
         remote = _gather_urls(own) if layout.nnodes > 1 else {}
         fleet, error = None, None
+        engine = cls(policy, config, fleet=None, hf_source=hf_source, work_dir=work_dir, transport=transport)
         if groups.rank == 0:
             fleet = Fleet(config, launcher, lora_dir=model_dir / ADAPTER_DIR if lora.enabled else None)
             try:
+                if config.engine_nodes:  # engine_nodes.py: the engine hosts start them
+                    engine.hosts = EngineHosts.publish(launcher, config.engine_host, config.start_timeout_s)
+                    remote.update(engine.hosts.urls())
                 fleet.start(remote)
             except EngineStartError as err:
                 error = str(err)
-        engine = cls(policy, config, fleet=fleet, hf_source=hf_source, work_dir=work_dir, transport=transport)
-        engine.layout, engine.own = layout, own
+        engine.fleet, engine.layout, engine.own = fleet, layout, own
         engine.launcher = launcher if groups.rank != 0 else None
         try:
             _raise_everywhere(error, EngineStartError)
@@ -623,18 +632,20 @@ class VLLMEngine:
     def _restart_remote(self) -> None:
         """Collective (multi-node jobs): the owners of the other nodes' engines that rank 0 saw go down kill them
         and start replacements; rank 0 waits for those in the background (they join at a later ``_admit``)."""
-        if self.layout.nnodes == 1:
+        if self.layout.nnodes == 1 and not self.config.engine_nodes:
             return
         payload = [self.fleet.remote_restarts() if self.fleet is not None else []]
         dist.broadcast_object_list(payload, src=0)
         if not payload[0]:
             return
-        mine = [i for i in payload[0] if engine_node(i, self.layout.nnodes) == self.layout.node]
+        mine = [i for i in payload[0] if engine_node(i, self.layout.nnodes, self.config.engine_nodes) == self.layout.node]
         if self.launcher is not None:
             for index in mine:
                 self.own.pop(index).kill()
                 self.own[index] = self.launcher.launch(index)
         urls = _gather_urls({i: self.own[i] for i in mine} if self.launcher is not None else {})
+        if self.hosts is not None:
+            urls.update(self.hosts.restart(payload[0]))
         if self.fleet is not None:
             for index, url in urls.items():
                 self.fleet.adopt(index, url)
@@ -674,7 +685,8 @@ class VLLMEngine:
         worker = None
         if self.fleet is not None:
             slots = [self.fleet.slots[index] for index, _ in joining]
-            host = LOOPBACK if self.layout.nnodes == 1 else os.environ.get("MASTER_ADDR", LOOPBACK)  # rank 0's store
+            host = LOOPBACK if self.layout.nnodes == 1 and not self.config.engine_nodes else os.environ.get(
+                "MASTER_ADDR", LOOPBACK)  # rank 0's store
             workers = self.config.engine_tensor_parallel_size
             call = lambda slot: slot.server.collective_rpc(  # noqa: E731
                 "megatron_rl_join", host, self.store.port, slot.prefix, self.groups.pp_size, workers, self.transport,
@@ -909,6 +921,9 @@ class VLLMEngine:
         if self.fleet is not None:
             self.fleet.kill_all()
             self.fleet = None
+        if self.hosts is not None:
+            self.hosts.close()
+            self.hosts = None
         for server in self.own.values():
             server.kill()
         self.own = {}

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_rl.config import ConfigError
+from megatron_rl.distributed import preemption
 from megatron_rl.environments.base import Environment, Evaluation, Rollouts
 from megatron_rl.environments.failures import AllSamplesFailed
 from megatron_rl.environments.registry import make_environment
@@ -109,6 +110,7 @@ class Job:
 # cuda graphs). Silenced so the job's own output stays readable; every other warning is kept.
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    preemption.watch_rank()  # SIGUSR1/SIGTERM: save at the next step boundary, exit code 3
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
     try:
@@ -251,6 +253,9 @@ def run(job: Job) -> int:
     start_step = resume(job)
     if start_step >= config.job.num_steps:
         return report_finished(job, start_step)
+    vote = preemption.stop_vote(job.groups.device)  # signalled while starting: nothing new to save
+    if vote:
+        return report_stopped(job, vote, start_step)
     job.engine = start_engine(config, job.policy, job.environment.pad_token_id)  # on the resumed weights
     job.pipeline = build_pipeline(job, start_step)
     job.trained_step = job.saved_step = start_step
@@ -282,6 +287,10 @@ def run(job: Job) -> int:
             if config.rl.model.hf_path and config.export.enabled and due(config.export.interval, step,
                                                                           config.job.num_steps, always_last=True):
                 export(job, step, reporter)
+            if stopped := stop_at_boundary(job, step):
+                if reporter is not None:
+                    reporter.close()
+                return report_stopped(job, stopped, step)
     except KeyboardInterrupt:  # saves are atomic: an interrupted save leaves the previous checkpoint as latest
         if reporter is not None:
             reporter.close()
@@ -297,6 +306,27 @@ def run(job: Job) -> int:
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
               f"summary.txt); checkpoints: {job.save_dir}", flush=True)
     return 0
+
+
+def stop_at_boundary(job: Job, step: int) -> int:
+    """Collective, at the end of ``step``: the stop signal some rank or launcher got (0: none, go on); when one
+    did, the checkpoint of ``step`` is saved first unless it was due anyway (``distributed/preemption.py``)."""
+    vote = preemption.stop_vote(job.groups.device)
+    action = preemption.boundary_action(vote, step, job.config.job.num_steps, job.saved_step)
+    if action is preemption.Action.SAVE_AND_STOP:
+        job.pipeline.drain()  # a checkpoint holds whole batches (partial rollouts: the one in flight ends)
+        save(job, step)
+    return 0 if action is preemption.Action.CONTINUE else vote
+
+
+def report_stopped(job: Job, vote: int, step: int) -> int:
+    """The one line of a preemption stop (printed once by the launcher); exit code 3."""
+    from megatron_rl.checkpoint.layout import checkpoint_dirs
+    from megatron_rl.distributed.launch import report_error as report
+
+    saved = checkpoint_dirs(job.save_dir)
+    message = preemption.stopped_message(vote, step, job.config.job.num_steps, str(saved[-1]) if saved else None)
+    return report(message, code=preemption.EXIT_CODE)
 
 
 def interrupted_message(step: int, save_dir: Path) -> str:

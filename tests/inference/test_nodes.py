@@ -54,3 +54,49 @@ def test_multi_node_binds_the_interface_that_routes_to_the_master():
 def test_an_unroutable_master_names_the_key():
     with pytest.raises(ValueError, match="rollout.engine_host"):
         engine_host("auto", 2, master_addr="no-such-host.invalid")
+
+
+@pytest.mark.parametrize("num_engines,nnodes,engine_nodes", [(1, 1, 1), (2, 1, 1), (4, 2, 2), (5, 3, 2), (8, 1, 3)])
+def test_engine_nodes_take_every_engine_and_the_trainer_nodes_none(num_engines, nnodes, engine_nodes):
+    """``rollout.engine_nodes``: engine i on node ``nnodes + i % engine_nodes``, after the trainer's nodes."""
+    shares = {node: engines_on_node(num_engines, node, nnodes, engine_nodes) for node in range(nnodes + engine_nodes)}
+    assert all(shares[node] == [] for node in range(nnodes))  # no engine beside a trainer rank
+    assert sorted(i for share in shares.values() for i in share) == list(range(num_engines))
+    sizes = [len(shares[node]) for node in range(nnodes, nnodes + engine_nodes)]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1  # balanced, each engine node used
+    assert [engine_node(i, nnodes, engine_nodes) for i in range(engine_nodes)] == list(range(nnodes, nnodes + engine_nodes))
+
+
+def test_engine_nodes_errors_name_the_key():
+    from megatron_rl.config import ConfigError
+    from megatron_rl.inference.config import RolloutConfig
+    from megatron_rl.inference.nodes import check_engine_nodes
+
+    with pytest.raises(ValueError, match=r"rollout.engine_nodes=2 but the job has 2 node\(s\)"):
+        check_engine_nodes(2, 4, all_nodes=2)
+    for kwargs, words in [({"engine": "builtin"}, "rollout.engine=vllm"),
+                          ({"engine": "vllm", "num_engines": 1}, "rollout.num_engines >= 2"),
+                          ({"engine": "vllm", "num_engines": 2, "sleep_while_training": True}, "sleep_while_training")]:
+        with pytest.raises(ConfigError, match="rollout.engine_nodes=2") as err:
+            RolloutConfig(engine_nodes=2, **kwargs).validate()
+        assert words in str(err.value)
+    RolloutConfig(engine="vllm", num_engines=2, engine_nodes=2).validate()
+
+
+def test_a_node_count_engine_nodes_cannot_fit_stops_in_one_line(tmp_path, capsys):
+    """``run_megatron.sh`` before anything starts (~2 s: the config files' one Python call); the engine host too."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_rl.inference.engine_host import main
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PY": sys.executable, "NNODES": "2", "NODE_RANK": "1", "CONFIG": "configs/demo_vllm.yaml"}
+    proc = subprocess.run(["bash", str(root / "run_megatron.sh"), "rollout.engine_nodes=2",
+                           f"logging.output_dir={tmp_path}"], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "rollout.engine_nodes=2 but the job has 2 node(s) (NNODES)" in proc.stderr, proc
+    assert main(["--nodes", "2", "--engine-nodes", "1", "--node-rank", "0"]) == 2
+    assert "NODE_RANK=0 is not one of the 1 engine node(s) 1..1" in capsys.readouterr().err
