@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -144,6 +145,27 @@ def test_contradictions_are_one_line(cluster: SlurmCluster, tmp_path: Path) -> N
     text = (out_dir / f"slurm-{job_id}.log").read_text()
     assert (f"run_megatron.sh: launch.nodes=1 but this Slurm allocation (job {job_id}) has 2 node(s)" in text
             and "process(es) per node" not in text), text
+
+
+def test_ctrl_c_while_following_cancels_nothing(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) while following a job's log: one line says how to cancel and follow again; the job runs on."""
+    log = tmp_path / "sleep.log"
+    job_id = cluster.run("sbatch", "--parsable", f"--output={log}", "--wrap=echo started; sleep 60").strip()
+    follower = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from megatron_rl.launch."
+                                 f"submit import follow; sys.exit(follow({job_id!r}, Path({str(log)!r})))"],
+                                env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while "started" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(2)  # the follower has printed the log's first line
+    follower.send_signal(signal.SIGINT)
+    out = follower.communicate(timeout=30)[0]
+    assert follower.returncode == 130, out
+    assert out.splitlines()[0] == "started" and f"Slurm job {job_id} keeps running. Cancel it with: scancel {job_id}; " \
+        f"follow it again with: tail -f {log}" in out, out
+    assert "JobState=RUNNING" in cluster.run("scontrol", "show", "job", "-o", job_id)
+    cluster.run("scancel", job_id)
 
 
 STAND_IN = """#!/bin/bash
