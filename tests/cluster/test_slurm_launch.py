@@ -162,8 +162,9 @@ def test_ctrl_c_while_following_cancels_nothing(cluster: SlurmCluster, tmp_path:
     follower.send_signal(signal.SIGINT)
     out = follower.communicate(timeout=30)[0]
     assert follower.returncode == 130, out
-    assert out.splitlines()[0] == "started" and f"Slurm job {job_id} keeps running. Cancel it with: scancel {job_id}; " \
-        f"follow it again with: tail -f {log}" in out, out
+    assert out.splitlines()[0] == "started", out
+    assert (f"Slurm job {job_id} keeps running. Cancel it with: scancel {job_id}; follow it again with: tail -f "
+            f"{log}") in out, out
     assert "JobState=RUNNING" in cluster.run("scontrol", "show", "job", "-o", job_id)
     cluster.run("scancel", job_id)
 
