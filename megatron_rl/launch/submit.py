@@ -44,8 +44,9 @@ def batch_job(argv: Sequence[str], launch: LaunchConfig, out: Path, env: Mapping
                                  launcher=LAUNCHER, args=tuple(overrides), env=tuple(carried))
 
 
-def follow(job_id: str, log: Path, script: Path) -> int:
-    """Print ``log`` as it grows until the job ends; the job's exit code (130 on Ctrl-C: the job keeps running)."""
+def follow(job_id: str, log: Path, script: Path | None = None) -> int:
+    """Print ``log`` as it grows until the job ends; the job's exit code (130 on Ctrl-C: the job keeps running).
+    A job Slurm stopped (time limit, preemption without requeue) gets the command that continues it (``script``)."""
     offset = 0
     try:
         while True:
@@ -57,6 +58,9 @@ def follow(job_id: str, log: Path, script: Path) -> int:
                 code = state.exit_code if state else 0
                 print(f"run_megatron.sh: Slurm job {job_id} ended: {state.state if state else 'gone'}, exit code "
                       f"{code}", flush=True)
+                if state and state.state in ("TIMEOUT", "PREEMPTED") and script is not None:
+                    print(f"run_megatron.sh: the job was stopped by Slurm ({state.state}); continue it from its last "
+                          f"checkpoint with: sbatch {script}", flush=True)
                 return code
             time.sleep(POLL_S)
     except KeyboardInterrupt:

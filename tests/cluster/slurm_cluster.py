@@ -81,7 +81,8 @@ class SlurmCluster:
         cores = os.sched_getaffinity(0)
         for i, node in enumerate(NODES):
             core = sorted(cores)[i % len(cores)]
-            self._spawn(["taskset", "-c", str(core), "slurmd", "-D", "-f", str(self.conf), "-N", node], f"slurmd-{node}")
+            self._spawn(["taskset", "-c", str(core), "slurmd", "-D", "-f", str(self.conf), "-N", node],
+                        f"slurmd-{node}")
         self._wait_idle()
         return self
 

@@ -107,3 +107,4 @@ def test_batch_script_says_everything(tmp_path: Path) -> None:
     assert "bash /repo/run_megatron.sh 'a.b=1 2' &" in text and "export NPROC=8" in text
     assert 'if [ "$code" = 3 ]' in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert "kill -USR1 $pid" in text and "kill -TERM $pid" in text
+    assert f"export MEGATRON_RL_COMMAND='sbatch {tmp_path}/slurm_job.sh'" in text

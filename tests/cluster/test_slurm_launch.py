@@ -5,15 +5,17 @@ each), both ways, against the by-hand two-node launch.
     per-step metrics equal those of the same run launched by hand as two local nodes (NNODES=2, NODE_RANK=0/1);
     each node ran its own launcher (the log's lines);
 (b) ``bash run_megatron.sh`` inside a batch script of the user's own (``sbatch --wrap``): the same command as on a
-    laptop, one launcher per node through srun;
-(c) ``launch.nodes=3`` in a two-node allocation: one line, exit 2, nothing started;
-(d) ``scancel`` of a running job: no process of the run is left on either node (``ps``).
+    laptop, one launcher per node through srun; (d) then ``scancel``: no process of the run is left on either node
+    (``ps``);
+(c) contradictions (``launch.nodes=3`` in a two-node allocation, ...): one line each, exit 2, nothing started;
+(f) SIGUSR1 to the batch script reaches every node's launcher; exit 3 -> requeue (or the line that continues it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -83,23 +85,40 @@ def test_submitted_run_equals_the_run_by_hand(cluster: SlurmCluster, tmp_path: P
     print(f"\nby hand {t1 - t0:.1f} s, submitted {time.monotonic() - t1:.1f} s")
 
 
-def test_inside_a_users_own_batch_script(cluster: SlurmCluster, tmp_path: Path) -> None:
-    """(b) ``bash run_megatron.sh`` in the user's own sbatch script: Slurm's values are derived, never asked for."""
+def run_processes(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if marker in line and "ps -ww" not in line]
+
+
+def test_inside_a_users_own_batch_script_then_scancel(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """(b) ``bash run_megatron.sh`` in the user's own sbatch script: one launcher per node, Slurm's values derived;
+    (d) ``scancel`` of the running job leaves no launcher, rank or srun of it on either node (``ps``)."""
     out_dir = tmp_path / "own"
     log = tmp_path / "own.log"
-    command = " ".join(["bash", str(ROOT / "run_megatron.sh"), *DEMO, "demo.num_steps=1",
+    command = " ".join(["bash", str(ROOT / "run_megatron.sh"), *DEMO, "demo.num_steps=1000",
                         f"logging.output_dir={out_dir}"])
     job_id = cluster.run("sbatch", "--parsable", "--nodes=2", f"--output={log}", f"--chdir={tmp_path}",
                          f"--export=ALL,PY={sys.executable},NPROC=1", f"--wrap={command}").strip()
-    fields = cluster.wait_job(job_id)
+    deadline = time.monotonic() + 240
+    while not (out_dir / "metrics.jsonl").exists():  # the ranks are training on both nodes
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(1)
     text = log.read_text()
-    assert fields["JobState"] == "COMPLETED", text
     assert text.count("run_megatron.sh: 1 process(es) per node x 2 node(s)") == 2, text
-    assert len(metrics(out_dir)) == 1
+    assert f"Slurm job {job_id}: 2 node(s) (n[1-2]), one launcher per node with srun" in text
+    assert len(run_processes(str(out_dir))) >= 4, text  # a launcher and a rank per node at least
+    cluster.run("scancel", job_id)
+    assert cluster.wait_job(job_id)["JobState"] == "CANCELLED"
+    deadline = time.monotonic() + 30
+    while run_processes(str(out_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert run_processes(str(out_dir)) == []
 
 
-def test_contradiction_is_one_line(cluster: SlurmCluster, tmp_path: Path) -> None:
-    """(c) ``launch.nodes=3`` in a two-node allocation; ``NNODES=1`` there: one line each, exit 2, no rank."""
+def test_contradictions_are_one_line(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """(c) In the user's own script: ``launch.nodes=3`` in a two-node allocation, ``NNODES=1`` there; through our
+    submission (``launch.follow=false``): ``launch.nodes=1`` while an extra ``#SBATCH --nodes=2`` wins. One line
+    each, exit 2, no rank started."""
     log = tmp_path / "contra.log"
     launcher = str(ROOT / "run_megatron.sh")
     command = (f"bash {launcher} launch.nodes=3 parallel.device=cpu; echo exit=$?; "
@@ -114,33 +133,40 @@ def test_contradiction_is_one_line(cluster: SlurmCluster, tmp_path: Path) -> Non
         f"run_megatron.sh: NNODES=1 but this Slurm allocation (job {job_id}) has 2 node(s); unset NNODES (it is "
         "derived from Slurm)", "exit=2"], lines
 
-
-def run_processes(marker: str) -> list[str]:
-    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if marker in line and "ps -eo" not in line]
-
-
-def test_scancel_leaves_no_process(cluster: SlurmCluster, tmp_path: Path) -> None:
-    """(d) A running job cancelled with scancel: no launcher, rank or srun of it is left on either node."""
-    out_dir = tmp_path / "cancelled"
-    proc = subprocess.run(["bash", "run_megatron.sh", "launch.scheduler=slurm", "launch.nodes=2",
-                           "launch.follow=false", *DEMO, "demo.num_steps=1000", f"logging.output_dir={out_dir}"],
+    out_dir = tmp_path / "ours"
+    proc = subprocess.run(["bash", "run_megatron.sh", "launch.scheduler=slurm", "launch.follow=false", "launch.nodes=1",
+                           "launch.slurm.extra=[--nodes=2]", "parallel.device=cpu", f"logging.output_dir={out_dir}"],
                           cwd=ROOT, env=run_env(cluster), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "cancel it with: scancel" in proc.stdout
     job_id = proc.stdout.split("submitted Slurm job ")[1].split()[0]
-    deadline = time.monotonic() + 180
-    while not (out_dir / "metrics.jsonl").exists():  # the ranks are training on both nodes
-        assert time.monotonic() < deadline, (out_dir / f"slurm-{job_id}.log").read_text()
-        time.sleep(1)
-    assert len(run_processes(str(out_dir))) >= 4, (out_dir / f"slurm-{job_id}.log").read_text()  # launchers, ranks
-    cluster.run("scancel", job_id)
+    assert f"cancel it with: scancel {job_id}" in proc.stdout  # returned at once
     fields = cluster.wait_job(job_id)
-    assert fields["JobState"] == "CANCELLED"
-    deadline = time.monotonic() + 30
-    while run_processes(str(out_dir)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert run_processes(str(out_dir)) == []
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0")
+    text = (out_dir / f"slurm-{job_id}.log").read_text()
+    assert (f"run_megatron.sh: launch.nodes=1 but this Slurm allocation (job {job_id}) has 2 node(s)" in text
+            and "process(es) per node" not in text), text
+
+
+def test_ctrl_c_while_following_cancels_nothing(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) while following a job's log: one line says how to cancel and follow again; the job runs on."""
+    log = tmp_path / "sleep.log"
+    job_id = cluster.run("sbatch", "--parsable", f"--output={log}", "--wrap=echo started; sleep 60").strip()
+    follower = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from megatron_rl.launch."
+                                 f"submit import follow; sys.exit(follow({job_id!r}, Path({str(log)!r})))"],
+                                env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while "started" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(2)  # the follower has printed the log's first line
+    follower.send_signal(signal.SIGINT)
+    out = follower.communicate(timeout=30)[0]
+    assert follower.returncode == 130, out
+    assert out.splitlines()[0] == "started", out
+    assert (f"Slurm job {job_id} keeps running. Cancel it with: scancel {job_id}; follow it again with: tail -f "
+            f"{log}") in out, out
+    assert "JobState=RUNNING" in cluster.run("scontrol", "show", "job", "-o", job_id)
+    cluster.run("scancel", job_id)
 
 
 STAND_IN = """#!/bin/bash
@@ -182,8 +208,8 @@ def test_preemption_signal_reaches_every_node_then_requeue(cluster: SlurmCluster
     cluster.run("scancel", "--signal=USR1", "--batch", job_id)
     if requeue:  # Slurm holds a requeued job ~2 minutes (Reason=BeginTime); the test lets it start now
         deadline = time.monotonic() + 60
-        while "Restarts=1" not in cluster.run("scontrol", "show", "job", "-o", job_id):
-            assert time.monotonic() < deadline, "the job was not requeued"
+        while "Reason=BeginTime" not in (state := cluster.run("scontrol", "show", "job", "-o", job_id)):
+            assert time.monotonic() < deadline, state
             time.sleep(0.2)
         cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
     fields = cluster.wait_job(job_id, timeout=120)

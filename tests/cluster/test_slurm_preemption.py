@@ -1,0 +1,70 @@
+"""The preemption contract end to end on the real two-node Slurm cluster (``slurm_cluster.py``): the CPU demo
+submitted with ``launch.slurm.requeue=true``; SIGUSR1 to the batch script (what ``--signal=B:USR1@<s>`` sends
+before the time limit) -> every node's launcher saves at the next step boundary and exits 3 -> the batch script
+requeues the job -> the requeued job resumes from that checkpoint and finishes; its per-step metrics equal those of
+the same run launched by hand as two local nodes without a stop. ~195 s with the machine's load average at ~20
+(a submitted run stopped and resumed, and the reference run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, require_slurm
+from test_slurm_launch import DEMO, ROOT, metrics, run_env
+
+from multirank import free_port
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# TODO(merge): remove once the `preempt` branch (megatron_rl/distributed/preemption.py) is merged with this one;
+# until then the launchers have no preemption handling and this test cannot pass
+pytest.importorskip("megatron_rl.distributed.preemption", reason="needs the preempt branch's preemption handling")
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    require_slurm()
+    cluster = SlurmCluster().start()
+    yield cluster
+    cluster.stop()
+
+
+def test_usr1_saves_requeues_and_resumes_bitwise(cluster: SlurmCluster, tmp_path: Path) -> None:
+    overrides = [*DEMO, f"demo.num_steps={STEPS}"]
+    out = tmp_path / "preempted"
+    proc = subprocess.run(["bash", "run_megatron.sh", "launch.scheduler=slurm", "launch.nodes=2", "launch.follow=false",
+                           "launch.slurm.requeue=true", *overrides, f"logging.output_dir={out}"], cwd=ROOT,
+                          env=run_env(cluster), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.split("submitted Slurm job ")[1].split()[0]
+    log = out / f"slurm-{job_id}.log"
+    rows = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (rows.exists() and rows.read_text().count("\n") >= 1):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.5)
+    cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    deadline = time.monotonic() + 300
+    while "Reason=BeginTime" not in (state := cluster.run("scontrol", "show", "job", "-o", job_id)):
+        assert time.monotonic() < deadline and "JobState=COMPLETED" not in state, (state, log.read_text())
+        time.sleep(0.5)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")  # Slurm holds a requeued job ~2 min
+    fields = cluster.wait_job(job_id, timeout=400)
+    text = log.read_text()
+    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "1"), text
+    assert "stopped on SIGUSR1 after step" in text and "requeueing job" in text and "resuming after step" in text
+    assert "Traceback" not in text
+
+    ref = tmp_path / "straight"
+    port = str(free_port())
+    nodes = [subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *overrides, f"logging.output_dir={ref}"],
+                              cwd=ROOT, env={**run_env(cluster), "NNODES": "2", "NODE_RANK": str(rank),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outs = [node.communicate(timeout=400)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs
+    assert metrics(out) == metrics(ref) and len(metrics(ref)) == STEPS
