@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.inference import zygote
-from megatron_rl.inference.engine import Completion, SamplingSpec
+from megatron_rl.inference.engine import Completion, EngineError, EngineStartError, SamplingSpec
 from megatron_rl.inference.vllm_serve import RPC_DIR_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,14 +49,6 @@ MODEL_NAME = "megatron_rl"
 """``--served-model-name`` of the engines the job starts (an attached server may serve any one model)."""
 LORA_NAME = "megatron_rl_lora"
 """The name of the policy's LoRA adapter in every engine (``model.lora.rank > 0``): rollout requests name it."""
-
-
-class EngineStartError(RuntimeError):
-    """An engine did not start (the message ends with the tail of its log)."""
-
-
-class EngineError(RuntimeError):
-    """An engine refused a request (HTTP 4xx): the request is at fault, not the engine."""
 
 
 class EngineDown(RuntimeError):

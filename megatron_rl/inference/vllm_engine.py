@@ -59,6 +59,7 @@ from megatron_rl.inference.config import RolloutConfig, engine_dtype, is_hybrid
 from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
 from megatron_rl.inference.router import requests, route
+from megatron_rl.inference.vllm import CAPABILITIES
 from megatron_rl.inference.server import (LORA_NAME, MODEL_NAME, REPO_ROOT, EngineDown, EngineError, EngineServer,
                                           EngineStartError, EngineTimeout, ServeOptions, log_tail)
 from megatron_rl.inference.vllm_serve import TOKEN_ENV
@@ -489,6 +490,8 @@ class Fleet:
 class VLLMEngine:
     """``RolloutEngine`` backed by a fleet of ``vllm serve`` servers (module docstring). Build with ``start``."""
 
+    capabilities = CAPABILITIES
+
     def __init__(self, policy: Any, config: RolloutConfig, *, fleet: Fleet | None, hf_source: str, work_dir: Path,
                  transport: str) -> None:
         self.policy = policy
@@ -724,6 +727,11 @@ class VLLMEngine:
             return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
                                extra=c.extra) for c in value]  # (the versions go on into the turns: multi-turn)
 
+    @property
+    def agent_calls(self) -> Fleet | None:
+        """Global rank 0's fleet, which serves an agent's single calls (``Fleet.complete``); None elsewhere."""
+        return self.fleet
+
     def admit_replacements(self) -> None:
         """Collective, when no engine serves (``generate``; an agent's calls waiting, ``Fleet.calls_waiting``):
         wait for a replacement and give it the current weights; from a rollout thread it runs on the main thread,
@@ -952,3 +960,33 @@ def _raise_everywhere(error: str | None, kind: type[Exception]) -> None:
     payload = broadcast_from_rank0([error])  # over this thread's group (distributed/rank0.py)
     if payload[0] is not None:
         raise kind(payload[0])
+
+
+def start_fleet(config: Any, policy: Any) -> VLLMEngine:
+    """``rollout.engine=vllm`` (the registry's factory, ``inference/registry.py``): say what starts (rank 0), then
+    ``VLLMEngine.start`` on the job's config (``JobConfig``). Collective; EngineStartError when it cannot start."""
+    work_dir = Path(config.rl.logging.output_dir) / "engine"
+    if policy.groups.rank == 0:
+        rollout = config.rollout
+        what = f"{rollout.num_engines} vLLM engine(s)" + (f" + {len(rollout.engine_urls)} attached"
+                                                          if rollout.engine_urls else "")
+        print(f"megatron_rl main job: starting {what} (logs: {work_dir}/engine<i>.log)", flush=True)
+        print(describe_engine_dtype(config), flush=True)
+    try:
+        return VLLMEngine.start(policy, config.rollout, hf_dir=config.rl.model.hf_path, work_dir=work_dir,
+                                seed=config.rl.seed)
+    except ValueError as err:  # no engine environment, or a setting the fleet cannot take
+        raise EngineStartError(str(err)) from err
+
+
+def describe_engine_dtype(config: Any) -> str:
+    """The start-up line: the vLLM engine's dtype, why, and the log-prob agreement it allows."""
+    from megatron_rl.inference.config import agreement_bound, on_policy
+
+    model = config.rl.model
+    dtype, why = engine_dtype(config.rollout, model, config.rl.parallel.device)
+    bound = agreement_bound(dtype, model.params_dtype)
+    checked = ("checked every step" if on_policy(config.rollout, config.job.temperature, config.job.top_p)
+               else "not checked: the rollouts are not on-policy")
+    return (f"megatron_rl main job: vLLM engine dtype {dtype} ({why}); trainer {model.params_dtype}; "
+            f"engine vs trainer log-probs of the sampled tokens within {bound:.3g} on average ({checked})")
