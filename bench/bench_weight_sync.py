@@ -225,7 +225,7 @@ def _measure(rank: int, world: int, point: dict) -> dict:
     from megatron_rl.inference import weight_sync
     from megatron_rl.inference.config import RolloutConfig
     from megatron_rl.inference.engine import SamplingSpec
-    from megatron_rl.inference.vllm_engine import VLLMEngine
+    from megatron_rl.inference.vllm.engine import VLLMEngine
 
     real_broadcast = weight_sync.broadcast
 

@@ -47,8 +47,8 @@ class RolloutConfig(ConfigSection):
     loopback. The job's engine token travels to the other nodes over the process group, never on a command line."""
     engine_urls: list[str] = field(default_factory=list)
     """Servers started elsewhere to use as well (``http://host:port``), each running ``python -m
-    megatron_rl.inference.vllm_serve`` with ``$MEGATRON_RL_ENGINE_TOKEN`` set (the job reads the same variable;
-    docs/INFERENCE.md has the command line). The job never kills or restarts them."""
+    megatron_rl.inference.engine_process.vllm_serve`` with ``$MEGATRON_RL_ENGINE_TOKEN`` set (the job reads the
+    same variable; docs/INFERENCE.md has the command line). The job never kills or restarts them."""
     engine_tensor_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
     """Devices per engine (vLLM's ``--tensor-parallel-size``)."""
     request_timeout_s: float = field(default=600.0, metadata=POSITIVE)

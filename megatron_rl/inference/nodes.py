@@ -1,7 +1,7 @@
 """Where the job's engines run on a multi-node torchrun job: which node starts which engine, and on what address.
 
-Place in the data flow: ``vllm_engine.VLLMEngine.start`` reads the torchrun layout (``NodeLayout.from_env``) once;
-every node's local rank 0 starts the engines ``engines_on_node`` gives its node (``vllm_engine.launch_engine``),
+Place in the data flow: ``vllm/engine.py: VLLMEngine.start`` reads the torchrun layout (``NodeLayout.from_env``) once;
+every node's local rank 0 starts the engines ``engines_on_node`` gives its node (``vllm/launcher.py: Launcher.launch``),
 bound to ``engine_host``; global rank 0's ``Fleet`` routes over all of them.
 
 The rule (deterministic, the same on every rank): **engine i runs on node i % nnodes** (round-robin, so

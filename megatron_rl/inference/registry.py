@@ -121,7 +121,7 @@ def _start_builtin(config: Any, policy: Any, *, pad_token_id: int) -> RolloutEng
 
 
 def _start_vllm(config: Any, policy: Any, *, pad_token_id: int) -> RolloutEngine:
-    from megatron_rl.inference.vllm_engine import start_fleet
+    from megatron_rl.inference.vllm.engine import start_fleet
 
     return start_fleet(config, policy)
 

@@ -3,7 +3,8 @@
 Place in the data flow: the outermost loop, an application of the library (nothing in ``megatron_rl`` outside
 ``job/`` imports it). Set-up: the environment (``megatron_rl/environments``: the digit game, or prompt files + a
 reward function, checked before any process group exists), the policy (random, or ``model.hf_path``), the
-rollout engine (``rollout.engine``: builtin, vllm or a registered one, ``inference/registry.py``). Each RL step, on every rank with the same seeds::
+rollout engine (``rollout.engine``: builtin, vllm or a registered one, ``inference/registry.py``). Each RL step,
+on every rank with the same seeds::
 
     environment.rollout(engine, sampling spec, rollout seed of (seed, step))               -> GeneratorOutput
         (or taken from the batches generated ahead, rollout.max_staleness: job/pipeline.py)
