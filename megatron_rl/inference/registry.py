@@ -10,9 +10,11 @@ the job imports on every process that reads the config (the pre-flight, every ra
 ``rollout.engine_module`` names it (``path/to/file.py`` or ``package.module``, loaded as ``reward.function``'s
 files are: ``environments/user_code.py``)::
 
-    # my_engine.py                                       bash run_megatron.sh rollout.engine_module=my_engine.py \\
-    from megatron_rl.inference.registry import register_engine            rollout.engine=mine
+    # my_engine.py
+    from megatron_rl.inference.registry import register_engine
     register_engine("mine", start_mine, capabilities=EngineCapabilities(own_weights=True))
+
+    bash run_megatron.sh rollout.engine_module=my_engine.py rollout.engine=mine
 
 A factory is called as ``factory(config, policy, pad_token_id=...)`` with the job's config (``JobConfig``: it
 reads the sections it needs), the policy on the weights the run starts from, and the environment's pad id; it

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.inference import server as server_module
+from megatron_rl.inference.vllm import server as server_module
 from megatron_rl.inference.engine_process import zygote
 from megatron_rl.inference.engine import SamplingSpec
 from megatron_rl.inference.vllm.server import EngineServer, ServeOptions, start_zygote
@@ -78,7 +78,7 @@ def test_a_forked_server_samples_what_a_plain_start_samples(engine_hf_model, eng
 _HOLDER = """
 import os, sys, time
 from pathlib import Path
-from megatron_rl.inference import server as server_module
+from megatron_rl.inference.vllm import server as server_module
 from megatron_rl.inference.engine_process import zygote
 from megatron_rl.inference.vllm.server import EngineServer, ServeOptions, start_zygote
 python, model, folder = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
