@@ -50,7 +50,7 @@ plan=$("$PY" -m megatron_rl.launch.plan "${config_args[@]}" "$@") || exit $?
 eval "$plan"
 # rollout.engine_nodes=K (the last override wins, else the config's `engine_nodes:` line): the last K of the NNODES
 # nodes run the vLLM fleet's engines and no trainer rank. Here such a node runs the engine host
-# (megatron_rl/inference/engine_host.py) instead of torchrun; the other nodes run torchrun over NNODES-K nodes.
+# (megatron_rl/inference/vllm/engine_host.py) instead of torchrun; the other nodes run torchrun over NNODES-K nodes.
 engine_nodes=$(sed -n 's/^[[:space:]]*engine_nodes:[[:space:]]*\([0-9]*\).*/\1/p' "${configs[@]}" 2>/dev/null | tail -n 1 || true)
 for arg in "$@"; do case $arg in rollout.engine_nodes=*) engine_nodes=${arg#rollout.engine_nodes=} ;; esac; done
 if [ "${engine_nodes:-0}" != 0 ]; then
@@ -69,7 +69,7 @@ if [ "${engine_nodes:-0}" != 0 ]; then
     echo "run_megatron.sh: node $NODE_RANK of $NNODES is an engine node (rollout.engine_nodes=$engine_nodes): it runs" \
       "the fleet's engines, no trainer rank"
     export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=${MASTER_PORT:-29500}
-    exec "$PY" -m megatron_rl.inference.engine_host --nodes "$NNODES" --engine-nodes "$engine_nodes" \
+    exec "$PY" -m megatron_rl.inference.vllm.engine_host --nodes "$NNODES" --engine-nodes "$engine_nodes" \
       --node-rank "$NODE_RANK"
   fi
   NNODES=$((NNODES - engine_nodes))  # torchrun's nodes: the trainer's (world size, DP)

@@ -5,7 +5,7 @@ run, and what the router adds to a request's latency.
         [--models tiny mid 0.6b] [--engines 1 2] [--prompts 64] [--tokens 32 256] [--repeats 3] [--small] \
         [--dtype float32] [--engine-tp 1] [--gpu-memory-utilization 0.4]
 
-Place in the data flow: ``VLLMEngine.generate`` on trainer rank 0 is ``Fleet.generate`` (``vllm_engine.py``):
+Place in the data flow: ``VLLMEngine.generate`` on trainer rank 0 is ``Fleet.generate`` (``inference/vllm/calls.py``):
 ``router.route`` assigns each prompt's group to an engine (least work first), then one token-in
 ``POST /v1/completions`` per group goes to its engine (``EngineServer.sample``, ``n`` samples with seeds
 ``s, s + 1, ...``; a thread per request, 64 per engine at most). This benchmark drives exactly that ``Fleet`` (no trainer, no weight
@@ -66,9 +66,10 @@ def seeds_for(call_seed: int, n: int) -> list[int]:
 def start_fleet(num_engines: int, model_dir: Path, work_dir: Path, max_model_len: int, *, dtype: str = "float32",
                 engine_tp: int = 1, gpu_memory_utilization: float = 0.4):
     from megatron_rl.inference.config import RolloutConfig
-    from megatron_rl.inference.server import ServeOptions
+    from megatron_rl.inference.vllm.server import ServeOptions
     from megatron_rl.inference.nodes import NodeLayout
-    from megatron_rl.inference.vllm_engine import Fleet, Launcher, engine_python, job_token
+    from megatron_rl.inference.vllm.fleet import Fleet
+    from megatron_rl.inference.vllm.launcher import Launcher, engine_python, job_token
 
     config = RolloutConfig(engine="vllm", num_engines=num_engines, max_model_len=max_model_len, kv_cache_gib=1.0,
                            start_timeout_s=1200, request_timeout_s=600, engine_tensor_parallel_size=engine_tp,
@@ -179,7 +180,7 @@ def throughput(fleet, num_engines: int, workloads: list[int], prompts, repeats: 
 # ------------------------------------------------------------------------------------------------ latency
 def route_cost(num_prompts: int, lengths=(16, 1024), iters: int = 200) -> list[dict]:
     """In-process ``route`` CPU seconds per request: a batch of GRPO-like groups (4 samples) over 2 engines."""
-    from megatron_rl.inference.router import route
+    from megatron_rl.inference.vllm.router import route
 
     out = []
     for length in lengths:
@@ -198,7 +199,7 @@ def route_cost(num_prompts: int, lengths=(16, 1024), iters: int = 200) -> list[d
 def request_latency(fleet, prompt: list[int], reps: int) -> dict:
     """Milliseconds per request (median, p90) through each path to engine 0 (module docstring)."""
     from megatron_rl.inference.engine import SamplingSpec
-    from megatron_rl.inference.server import MODEL_NAME
+    from megatron_rl.inference.vllm.server import MODEL_NAME
 
     slot = fleet.slots[0]
     for s in fleet.slots:

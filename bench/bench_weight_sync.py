@@ -137,7 +137,7 @@ def _timed_sync(engine, policy, groups, rpcs: list | None = None) -> dict:
     """One ``update_weights`` on every rank: seconds, this rank's peak extra RSS, time blocked in broadcasts;
     rank 0: every engine's statistics (``rpcs``: the ``_time_rpcs`` record, emptied here)."""
     import torch.distributed as dist
-    from megatron_rl.inference import weight_sync
+    from megatron_rl.inference.vllm import weight_sync
 
     release_heap()
     dist.barrier()
@@ -222,10 +222,10 @@ def _measure(rank: int, world: int, point: dict) -> dict:
     from megatron_rl.config import load_config
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
     from megatron_rl.hf import policy_from_hf
-    from megatron_rl.inference import weight_sync
+    from megatron_rl.inference.vllm import weight_sync
     from megatron_rl.inference.config import RolloutConfig
     from megatron_rl.inference.engine import SamplingSpec
-    from megatron_rl.inference.vllm_engine import VLLMEngine
+    from megatron_rl.inference.vllm.engine import VLLMEngine
 
     real_broadcast = weight_sync.broadcast
 

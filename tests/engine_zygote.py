@@ -1,8 +1,8 @@
-"""The test session's engine zygote (megatron_rl/inference/zygote.py): started once when engine tests are
+"""The test session's engine zygote (megatron_rl/inference/engine_process/zygote.py): started once when engine tests are
 collected; every CPU engine a test's job starts is forked from it (~6 s instead of ~17 s on the 2-core machine),
 through ``$MEGATRON_RL_ENGINE_ZYGOTE``, which the jobs the tests launch inherit.
 
-``MEGATRON_RL_TEST_ZYGOTE=0`` starts every engine the usual way (``python -m megatron_rl.inference.vllm_serve``).
+``MEGATRON_RL_TEST_ZYGOTE=0`` starts every engine the usual way (``python -m megatron_rl.inference.engine_process.vllm_serve``).
 A test that must prove the plain start unsets ``$MEGATRON_RL_ENGINE_ZYGOTE`` for its job
 (``tests/inference/test_zygote.py`` compares the two).
 """
@@ -28,8 +28,8 @@ def start(items) -> None:
     python = os.environ.get("MEGATRON_RL_ENGINE_PYTHON") or str(REPO / ".venv-engine" / "bin" / "python")
     if not Path(python).is_file():
         return  # the engine tests skip (or fail, naming the set-up command)
-    from megatron_rl.inference import zygote
-    from megatron_rl.inference.server import start_zygote
+    from megatron_rl.inference.engine_process import zygote
+    from megatron_rl.inference.vllm.server import start_zygote
 
     folder = Path(tempfile.mkdtemp(prefix="mrl-zygote-"))  # short: a Unix socket's path has ~100 bytes at most
     socket_path = folder / "engines.sock"
@@ -41,7 +41,7 @@ def stop() -> None:
     proc = _started.pop("proc", None)
     if proc is None:
         return
-    from megatron_rl.inference import zygote
+    from megatron_rl.inference.engine_process import zygote
 
     os.environ.pop(zygote.ZYGOTE_ENV, None)
     try:

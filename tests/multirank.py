@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as mp
 
-from megatron_rl.inference.server import free_port  # the tests' ports: below the kernel's
+from megatron_rl.inference.vllm.server import free_port  # the tests' ports: below the kernel's
 # ephemeral range, where another test's outgoing connection cannot take one before the ranks bind it (CI:
 # "EADDRINUSE" for a job's MASTER_PORT from bind(0))
 

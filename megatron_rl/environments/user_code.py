@@ -1,7 +1,8 @@
 """Find a user's object from ``path/to/file.py:name`` or ``package.module:name`` (a config value).
 
 Place in the data flow: set-up, before any process group: ``job.environment=<file.py>:<Class>`` (``step_api/``)
-and ``reward.function`` (``single_turn/reward.py``). Every failure is a ``ConfigError`` naming the config key and
+and ``reward.function`` (``single_turn/reward.py``); a whole module: ``rollout.engine_module``
+(``inference/registry.py``: ``load_module``). Every failure is a ``ConfigError`` naming the config key and
 the spec: a malformed spec, a missing file, an import that raises, a missing name. A file is imported once per
 process (every environment of one process shares the module), with its folder on ``sys.path`` (first, as
 ``python file.py`` would put it), so that it imports the modules beside it (``from guess_env import GuessEnv``)
@@ -28,6 +29,12 @@ def load_object(spec: str | None, key: str, what: str = "object") -> Any:
     if not hasattr(module, name):
         raise ConfigError(f"{key}={spec!r}: {where} has no {what} {name!r}")
     return getattr(module, name)
+
+
+def load_module(where: str, key: str) -> Any:
+    """The module ``where`` names (``path/to/file.py`` or ``package.module``), imported once per process;
+    ConfigError naming ``key`` when it cannot be."""
+    return _load_file(where, where, key) if where.endswith(".py") else _import_module(where, where, key)
 
 
 def _load_file(path: str, spec: str, key: str) -> Any:

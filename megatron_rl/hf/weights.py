@@ -321,7 +321,7 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
     fc1 yields several; local expert j yields global experts ``j, n_local + j, 2 n_local + j, ...`` (EP rank
     order); the last stage's copy of a tied output layer is skipped (the first stage yields
     ``model.embed_tokens.weight``); vocabulary padding rows are dropped. Used by the weight sync into a rollout
-    engine (``megatron_rl/inference/weight_sync.py``), which passes ``bridge`` (``bridge_for`` of the same
+    engine (``megatron_rl/inference/vllm/weight_sync.py``), which passes ``bridge`` (``bridge_for`` of the same
     chunks, built once) so that a sync reads no config file and runs no extra collective.
 
     Extra memory on a root, per parameter of TP > 1 (``_gather_on_first``): one buffer of the full tensor,

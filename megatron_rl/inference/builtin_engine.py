@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from megatron_rl.data.batch import left_pad as left_padded
-from megatron_rl.inference.engine import Completion, SamplingSpec
+from megatron_rl.inference.engine import Completion, EngineCapabilities, SamplingSpec
 
 NextTokenLogprobs = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 """``contexts (n token lists) -> [n, V]`` float log-probs of the next token (temperature 1)."""
@@ -243,6 +243,15 @@ def _dedupe(contexts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], t
 
 class BuiltinEngine:
     """``RolloutEngine`` over a ``next_token_logprobs`` function (the live policy, or a stand-in in tests)."""
+
+    capabilities = EngineCapabilities()
+    """None of the optional parts: it samples from the live policy, on the training groups (``rollout.engine=
+    builtin``, ``registry.py``)."""
+    version = 0
+    """It never syncs: the weights are the policy's own."""
+    last_sync_bytes = 0
+    run_on_main_thread = None
+    agent_calls = None
 
     def __init__(self, next_token_logprobs: NextTokenLogprobs, routed_experts: RoutedExperts | None = None,
                  decoder: Callable[[], Decoder] | None = None) -> None:

@@ -1,11 +1,13 @@
 """The ``rollout`` config section: which engine generates the rollouts, and how the vLLM engine runs.
 
-Place in the data flow: read once by the job that builds the engine (``vllm_engine.VLLMEngine.start``); the
-library's ``MegatronRLConfig`` does not include it (a loop that generates elsewhere never sees it). YAML::
+Place in the data flow: read once by the job that builds the engine (``registry.start_engine``); the
+library's ``MegatronRLConfig`` does not include it (a loop that generates elsewhere never sees it). The rules that
+depend on the engine are the registry's (``registry.check_engine_config``: by the engine's declared capabilities,
+then its own check, e.g. ``check_vllm_model``). YAML::
 
     rollout:
-      engine: vllm            # builtin | vllm
-      num_engines: 2          # vllm serve servers the job starts (a fleet: vllm_engine.py)
+      engine: vllm            # builtin | vllm | a registered one (rollout.engine_module)
+      num_engines: 2          # vllm serve servers the job starts (a fleet: inference/vllm/)
       sync_interval: 1        # RL steps between weight syncs
       bucket_mb: 64
 """
@@ -22,10 +24,16 @@ from megatron_rl.config import AT_LEAST_1, POSITIVE, ConfigError, ConfigSection,
 class RolloutConfig(ConfigSection):
     SECTION: ClassVar[str] = "rollout"
 
-    engine: Literal["builtin", "vllm"] = "builtin"
-    """'builtin': the policy's own packed forward samples on every rank (no extra process); 'vllm': a vLLM
-    engine in its own process and environment (``bash scripts/setup_engine.sh``), fed the policy's weights in
-    place after every ``sync_interval`` RL steps."""
+    engine: str = "builtin"
+    """A registered engine (``inference/registry.py``): 'builtin': the policy's own packed forward samples on
+    every rank (no extra process); 'vllm': a vLLM engine in its own process and environment (``bash
+    scripts/setup_engine.sh``), fed the policy's weights in place after every ``sync_interval`` RL steps; or the
+    name an ``engine_module`` registers."""
+    engine_module: str | None = None
+    """A module of your own that registers an engine (``register_engine(name, factory, capabilities=...)``,
+    docs/INFERENCE.md section 7): ``path/to/file.py`` (relative to the directory the job starts in) or
+    ``package.module``; imported by every process that reads the config (the pre-flight, every rank) before
+    ``engine`` is looked up. None: the shipped engines only."""
     num_engines: int = field(default=1, metadata=valid(0))
     """``vllm serve`` servers the job starts, each with ``engine_tensor_parallel_size`` devices; a GRPO group goes
     to one of them, groups are balanced by work. On a multi-node job engine ``i`` runs on node ``i % nnodes``,
@@ -36,7 +44,7 @@ class RolloutConfig(ConfigSection):
     """Nodes of the fleet's own, the job's last ``engine_nodes``: they run the engines and no trainer rank; the
     trainer's ranks (and its world size, DP) are on the other nodes. Engine ``i`` runs on the ``i % engine_nodes``-th
     of them, started and restarted by that node's engine host (``run_megatron.sh`` runs ``python -m
-    megatron_rl.inference.engine_host`` there instead of torchrun: ``inference/engine_host.py``; needs a file
+    megatron_rl.inference.vllm.engine_host`` there instead of torchrun: ``inference/vllm/engine_host.py``; needs a file
     system the nodes share, as every multi-node job). 0 = engine ``i`` on node ``i % nnodes``, beside the trainer
     (``inference/nodes.py``). vLLM only; at most ``num_engines``, fewer than ``NNODES``
     (docs/PREEMPTION_AND_PLACEMENT.md)."""
@@ -47,8 +55,8 @@ class RolloutConfig(ConfigSection):
     loopback. The job's engine token travels to the other nodes over the process group, never on a command line."""
     engine_urls: list[str] = field(default_factory=list)
     """Servers started elsewhere to use as well (``http://host:port``), each running ``python -m
-    megatron_rl.inference.vllm_serve`` with ``$MEGATRON_RL_ENGINE_TOKEN`` set (the job reads the same variable;
-    docs/INFERENCE.md has the command line). The job never kills or restarts them."""
+    megatron_rl.inference.engine_process.vllm_serve`` with ``$MEGATRON_RL_ENGINE_TOKEN`` set (the job reads the
+    same variable; docs/INFERENCE.md has the command line). The job never kills or restarts them."""
     engine_tensor_parallel_size: int = field(default=1, metadata=AT_LEAST_1)
     """Devices per engine (vLLM's ``--tensor-parallel-size``)."""
     request_timeout_s: float = field(default=600.0, metadata=POSITIVE)
@@ -112,29 +120,15 @@ class RolloutConfig(ConfigSection):
         for url in self.engine_urls:
             if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
                 raise ConfigError(f"rollout.engine_urls: {url!r} is not a server URL (http://host:port)")
-        if self.engine == "vllm" and self.num_engines + len(self.engine_urls) < 1:
-            raise ConfigError("rollout.num_engines=0 and no rollout.engine_urls: the vLLM fleet has no engine; set "
-                              "rollout.num_engines >= 1 or list servers in rollout.engine_urls")
         if self.engine_nodes:
             self._check_engine_nodes()
-        if self.partial_rollouts and (self.engine != "vllm" or self.max_staleness < 1):
-            raise ConfigError(f"rollout.partial_rollouts=true pauses the vLLM fleet's generation ahead at a weight sync, "
-                              f"but rollout.engine={self.engine} and rollout.max_staleness={self.max_staleness}; set "
-                              "rollout.engine=vllm and rollout.max_staleness >= 1, or unset rollout.partial_rollouts")
         if self.max_staleness and self.sleep_while_training:
             raise ConfigError(f"rollout.max_staleness={self.max_staleness} generates while the trainer trains, but "
                               "rollout.sleep_while_training=true puts the engines to sleep then; unset one of them")
-        if self.engine == "builtin" and self.weight_transport == "disk" and self.sync_dir is not None:
-            raise ConfigError("rollout.sync_dir is set but rollout.engine=builtin syncs no weights; "
-                              "set rollout.engine=vllm or unset rollout.sync_dir")
 
     def _check_engine_nodes(self) -> None:
         from megatron_rl.inference.nodes import check_engine_nodes
 
-        if self.engine != "vllm":
-            raise ConfigError(f"rollout.engine_nodes={self.engine_nodes} puts the vLLM fleet on nodes of its own, but "
-                              f"rollout.engine={self.engine} samples on the trainer's ranks; set rollout.engine=vllm "
-                              "or rollout.engine_nodes=0")
         if self.sleep_while_training:
             raise ConfigError(f"rollout.engine_nodes={self.engine_nodes} gives the engines nodes of their own, but "
                               "rollout.sleep_while_training=true frees the trainer's devices they would share; unset "
@@ -167,11 +161,10 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 any other fails at the first generation step, not at start-up)."""
 
 
-def check_engine_model(rollout: RolloutConfig, model: ModelConfig, device: str) -> None:
-    """ConfigError for a model the configured engine cannot run, before anything starts. With ``model.hf_path``
-    the shapes are the checkpoint's (its ``config.json``), not the ``model.*`` keys (which it replaces)."""
-    if rollout.engine != "vllm":
-        return
+def check_vllm_model(rollout: RolloutConfig, model: ModelConfig, device: str) -> None:
+    """ConfigError for a model the vLLM fleet cannot run, before anything starts (the vLLM engine's registered
+    check, ``registry.py``). With ``model.hf_path`` the shapes are the checkpoint's (its ``config.json``), not the
+    ``model.*`` keys (which it replaces)."""
     if on_cpu(device) and is_hybrid(model):
         _check_cpu_gdn(rollout, model)
     if rollout.sleep_while_training and device == "cpu":
@@ -208,6 +201,13 @@ def engine_dtype(rollout: RolloutConfig, model: ModelConfig, device: str) -> tup
     if on_cpu(device) and is_hybrid(model):
         return "bfloat16", "vLLM's CPU Gated-DeltaNet kernels run in bf16 only"
     return model.params_dtype, f"model.params_dtype={model.params_dtype}"
+
+
+def on_policy(rollout: RolloutConfig, temperature: float, top_p: float) -> bool:
+    """Whether an engine with its own weights samples from the trainer's current weights and distribution (then
+    its log-probs must agree with the trainer's old log-probs): every step synced, no generation ahead,
+    temperature 1, no top-p."""
+    return rollout.sync_interval == 1 and rollout.max_staleness == 0 and temperature == 1.0 and top_p == 1.0
 
 
 def agreement_bound(engine: str, trainer: str) -> float:

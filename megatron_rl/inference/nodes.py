@@ -1,7 +1,7 @@
 """Where the job's engines run on a multi-node torchrun job: which node starts which engine, and on what address.
 
-Place in the data flow: ``vllm_engine.VLLMEngine.start`` reads the torchrun layout (``NodeLayout.from_env``) once;
-every node's local rank 0 starts the engines ``engines_on_node`` gives its node (``vllm_engine.launch_engine``),
+Place in the data flow: ``vllm/engine.py: VLLMEngine.start`` reads the torchrun layout (``NodeLayout.from_env``) once;
+every node's local rank 0 starts the engines ``engines_on_node`` gives its node (``vllm/launcher.py: Launcher.launch``),
 bound to ``engine_host``; global rank 0's ``Fleet`` routes over all of them.
 
 The rule (deterministic, the same on every rank): **engine i runs on node i % nnodes** (round-robin, so
@@ -9,7 +9,7 @@ The rule (deterministic, the same on every rank): **engine i runs on node i % nn
 and, on GPUs, takes that node's local devices ``(i // nnodes) * tp ...`` (``tp`` =
 ``rollout.engine_tensor_parallel_size``). With ``rollout.engine_nodes`` K > 0 the fleet has nodes of its own:
 ``nnodes`` trainer nodes (torchrun's, numbered first) run no engine, and engine i runs on engine node
-``nnodes + i % K``, started by that node's engine host (``inference/engine_host.py``, not a torchrun rank). A single-node job binds its engines to loopback; a multi-node job binds
+``nnodes + i % K``, started by that node's engine host (``inference/vllm/engine_host.py``, not a torchrun rank). A single-node job binds its engines to loopback; a multi-node job binds
 them to ``rollout.engine_host`` ("auto": the local interface that routes to ``MASTER_ADDR``).
 """
 

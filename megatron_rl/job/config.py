@@ -43,7 +43,8 @@ from megatron_rl.config import (
 from megatron_rl.environments.next_digit.config import NextDigitConfig
 from megatron_rl.environments.next_digit.tokenizer import DigitTokenizer
 from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
-from megatron_rl.inference.config import RolloutConfig, check_engine_model
+from megatron_rl.inference.config import RolloutConfig
+from megatron_rl.inference.registry import check_engine_config, engine_entry
 from megatron_rl.job.implied import with_implied
 from megatron_rl.job.launch_config import LaunchConfig
 from megatron_rl.job.paths import BASE_KEY, resolve_path_keys
@@ -158,7 +159,7 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         check_job_config(self)
-        check_engine_model(self.rollout, self.rl.model, self.rl.parallel.device)
+        check_engine_config(self.rollout, self.rl.model, self.rl.parallel.device)  # by the engine's capabilities
 
     @property
     def environment(self) -> str:
@@ -271,7 +272,7 @@ def check_agent_config(config: JobConfig) -> None:
     for key, value in (("model.hf_path", config.rl.model.hf_path), ("data.train_files", config.data.train_files)):
         if not value:
             raise ConfigError(f"job.agent={agent!r} needs {key}; set it (docs/JOB.md)")
-    if config.rollout.engine != "vllm":
+    if not engine_entry(config.rollout).capabilities.agent_calls:  # (an unknown name: ConfigError listing them)
         raise ConfigError(f"job.agent={agent!r} samples its calls on the vLLM fleet, but rollout.engine="
                           f"{config.rollout.engine!r}; remove it (vllm is implied; bash scripts/setup_engine.sh "
                           "installs the engine)")

@@ -3,7 +3,8 @@
 Place in the data flow: the outermost loop, an application of the library (nothing in ``megatron_rl`` outside
 ``job/`` imports it). Set-up: the environment (``megatron_rl/environments``: the digit game, or prompt files + a
 reward function, checked before any process group exists), the policy (random, or ``model.hf_path``), the
-rollout engine (``rollout.engine``: builtin or vllm). Each RL step, on every rank with the same seeds::
+rollout engine (``rollout.engine``: builtin, vllm or a registered one, ``inference/registry.py``). Each RL step,
+on every rank with the same seeds::
 
     environment.rollout(engine, sampling spec, rollout seed of (seed, step))               -> GeneratorOutput
         (or taken from the batches generated ahead, rollout.max_staleness: job/pipeline.py)
@@ -52,8 +53,8 @@ from megatron_rl.environments.base import Environment, Evaluation, Rollouts
 from megatron_rl.environments.failures import AllSamplesFailed
 from megatron_rl.environments.registry import make_environment
 from megatron_rl.inference.builtin_engine import rollout_seed
-from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
-from megatron_rl.inference.server import EngineError, EngineStartError
+from megatron_rl.inference.engine import EngineError, EngineStartError, RolloutEngine, SamplingSpec
+from megatron_rl.inference.registry import engine_entry
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
 from megatron_rl.job.paths import base_config, resolve_config
 from megatron_rl.job.pipeline import RolloutPipeline
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_error(str(err), kind="checkpoint error", code=err.code)
     except ConfigError as err:  # found while running, the same on every rank
         return report_config_error(err)
-    except (EngineProblem, EngineError, EngineStartError) as err:  # the same message on every rank
+    except (EngineError, EngineStartError) as err:  # the same message on every rank
         return report_error(str(err), kind="engine error", code=1)
     except AllSamplesFailed as err:
         return report_error(f"{err}. Nothing to train on: stopped, the last complete checkpoint in {config.save_dir} "
@@ -152,10 +153,6 @@ def report_error(message: str, *, kind: str, code: int) -> int:
     from megatron_rl.distributed.launch import report_error as report
 
     return report(f"megatron_rl: {kind}: {message}", code=code)
-
-
-class EngineProblem(Exception):
-    """The rollout engine could not start (its log tail is in the message); the same on every rank."""
 
 
 class CheckpointProblem(Exception):
@@ -226,25 +223,11 @@ def build_policy(config: JobConfig, groups: ParallelGroups, pad_id: int) -> Mega
 
 
 def start_engine(config: JobConfig, policy: MegatronPolicy, pad_id: int) -> RolloutEngine:
-    """The engine ``rollout.engine`` names: the policy's own sampler, or vLLM in its own process. Collective."""
-    if config.rollout.engine == "builtin":
-        from megatron_rl.inference.builtin_engine import BuiltinEngine
+    """The engine ``rollout.engine`` names (``inference/registry.py``), on the policy's current weights.
+    Collective; an engine that cannot start raises ``EngineStartError`` (one line on every rank)."""
+    from megatron_rl.inference.registry import start_engine as start
 
-        return BuiltinEngine.from_policy(policy, pad_id)
-    from megatron_rl.inference.vllm_engine import VLLMEngine
-
-    work_dir = Path(config.rl.logging.output_dir) / "engine"
-    if policy.groups.rank == 0:
-        rollout = config.rollout
-        what = f"{rollout.num_engines} vLLM engine(s)" + (f" + {len(rollout.engine_urls)} attached"
-                                                          if rollout.engine_urls else "")
-        print(f"megatron_rl main job: starting {what} (logs: {work_dir}/engine<i>.log)", flush=True)
-        print(describe_engine_dtype(config), flush=True)
-    try:
-        return VLLMEngine.start(policy, config.rollout, hf_dir=config.rl.model.hf_path, work_dir=work_dir,
-                                seed=config.rl.seed)
-    except (ValueError, EngineStartError, EngineError) as err:  # ValueError: no engine environment
-        raise EngineProblem(str(err)) from err
+    return start(config, policy, pad_token_id=pad_id)
 
 
 def run(job: Job) -> int:
@@ -370,7 +353,8 @@ def build_pipeline(job: Job, start_step: int) -> RolloutPipeline:
         )
 
     return RolloutPipeline(generate, max_staleness=config.rollout.max_staleness, weights_step=start_step,
-                           threaded=config.rollout.engine == "vllm", engine=job.engine, state=job.resumed_pipeline)
+                           threaded=job.engine.capabilities.concurrent, partial=config.rollout.partial_rollouts,
+                           engine=job.engine, state=job.resumed_pipeline)
 
 
 def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
@@ -385,7 +369,8 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
     rollouts = batch.rollouts
     check_ranks_agree(job.groups, [rollouts.output["response_ids"], rollouts.output["rewards"]])
     waited_s = time.perf_counter() - started
-    sleeping = config.rollout.engine == "vllm" and config.rollout.sleep_while_training
+    capabilities = job.engine.capabilities
+    sleeping = capabilities.sleeps and config.rollout.sleep_while_training
     if sleeping:  # colocated engines give the trainer their device memory (rank 0 asks them; docs/INFERENCE.md)
         job.engine.sleep()
     metrics = job.trainer.train_step(rollouts.output)
@@ -402,35 +387,24 @@ def rl_step(job: Job, step: int) -> tuple[dict[str, float], Rollouts]:
         if not job.pipeline.partial or settles(config, step):
             job.pipeline.drain()  # a generation in flight ends on the weights it started with
         metrics["timing/rollout_wait_s"] = waited_s + time.perf_counter() - drain_started
-    if config.rollout.engine == "builtin":  # the engine is the policy: it samples from the newest weights
+    if not capabilities.own_weights:  # the engine is the policy: it samples from the newest weights
         job.pipeline.synced(step)
     elif step % config.rollout.sync_interval == 0:
         metrics["timing/weight_sync_s"] = job.engine.update_weights(job.policy)
         metrics["rollout/weight_sync_bytes"] = float(job.engine.last_sync_bytes)  # the model, or LoRA's adapter
         job.pipeline.synced(step)
-    metrics.update(job.engine.step_metrics())  # the vLLM fleet's restarts and live engines (rank 0)
+    metrics.update(job.engine.step_metrics())  # e.g. the vLLM fleet's restarts and live engines (rank 0)
     metrics["timing/step_s"] = time.perf_counter() - started
     return metrics, rollouts
 
 
-def describe_engine_dtype(config: JobConfig) -> str:
-    """The start-up line: the vLLM engine's dtype, why, and the log-prob agreement it allows."""
-    from megatron_rl.inference.config import agreement_bound, engine_dtype
-
-    model = config.rl.model
-    dtype, why = engine_dtype(config.rollout, model, config.rl.parallel.device)
-    bound = agreement_bound(dtype, model.params_dtype)
-    checked = "checked every step" if agreement_checked(config) else "not checked: the rollouts are not on-policy"
-    return (f"megatron_rl main job: vLLM engine dtype {dtype} ({why}); trainer {model.params_dtype}; "
-            f"engine vs trainer log-probs of the sampled tokens within {bound:.3g} on average ({checked})")
-
-
 def agreement_checked(config: JobConfig) -> bool:
-    """Whether the engine samples from the trainer's current weights and distribution (then its log-probs must
-    agree with the trainer's old log-probs): every step synced, no generation ahead, temperature 1, no top-p."""
-    rollout, job = config.rollout, config.job
-    return (rollout.engine == "vllm" and rollout.sync_interval == 1 and rollout.max_staleness == 0
-            and job.temperature == 1.0 and job.top_p == 1.0)
+    """Whether the engine's log-probs must agree with the trainer's old log-probs: it samples with its own
+    weights (``capabilities.own_weights``), from the trainer's current ones and distribution (``on_policy``)."""
+    from megatron_rl.inference.config import on_policy
+
+    return (engine_entry(config.rollout).capabilities.own_weights
+            and on_policy(config.rollout, config.job.temperature, config.job.top_p))
 
 
 def check_agreement(config: JobConfig, step: int, metrics: dict[str, float]) -> None:

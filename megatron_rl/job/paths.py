@@ -13,7 +13,8 @@ on the base the command would have picked (its own task keys count), unless it s
 ``base:`` (a path, relative to the YAML's folder, or ``null``: the defaults alone). The layers are printed one
 per line; the launcher passes each as ``--config`` (later ones override earlier ones).
 
-Paths: every relative value of ``PATH_KEYS`` (and the file part of ``path/to/file.py:name`` in ``SPEC_KEYS``),
+Paths: every relative value of ``PATH_KEYS`` (and the file part of ``path/to/file.py:name`` in ``SPEC_KEYS``, a
+``path/to/file.py`` of ``MODULE_KEYS``),
 from the YAML or the command line, is made absolute against the caller's directory (``caller_cwd``), so the
 config a run writes holds absolute paths and the ranks (which run in the repository) find the same files.
 ``$CONFIG`` itself is taken from the caller's directory too; a relative one that is not there but is in the
@@ -46,6 +47,8 @@ BASE_KEY = "base"
 """Top-level key of a user's YAML naming what it builds on (a path, or null for the defaults alone)."""
 SPEC_KEYS = ("reward.function", "job.environment", "job.agent")
 """Keys of the form ``path/to/file.py:name`` (or ``package.module:name``, left alone)."""
+MODULE_KEYS = ("rollout.engine_module",)
+"""Keys of the form ``path/to/file.py`` (or ``package.module``, left alone)."""
 
 
 def caller_cwd() -> Path:
@@ -127,8 +130,8 @@ def _resolve_spec(value: str, base: Path) -> str:
 
 
 def resolve_path_keys(flat: Mapping[str, Any], base: Path | None = None) -> dict[str, Any]:
-    """``flat`` (dotted key -> raw value) with every relative path of ``PATH_KEYS`` and ``SPEC_KEYS`` made
-    absolute against ``base`` (default ``caller_cwd()``); other values untouched."""
+    """``flat`` (dotted key -> raw value) with every relative path of ``PATH_KEYS``, ``SPEC_KEYS`` and
+    ``MODULE_KEYS`` made absolute against ``base`` (default ``caller_cwd()``); other values untouched."""
     base = caller_cwd() if base is None else base
     out = dict(flat)
     for key in PATH_KEYS:
@@ -140,6 +143,9 @@ def resolve_path_keys(flat: Mapping[str, Any], base: Path | None = None) -> dict
     for key in SPEC_KEYS:
         if isinstance(out.get(key), str):
             out[key] = _resolve_spec(out[key], base)
+    for key in MODULE_KEYS:
+        if isinstance(out.get(key), str) and out[key].endswith(".py"):
+            out[key] = absolute(out[key], base)
     return out
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from megatron_rl.distributed.rank0 import collectives_on, new_thread_group
 from megatron_rl.environments.base import Rollouts
+from megatron_rl.inference.engine import RolloutEngine
 
 
 @dataclass
@@ -67,17 +68,20 @@ class RolloutPipeline:
     """Launches, holds and hands out the batches of the coming steps (module docstring)."""
 
     def __init__(self, generate: Callable[[int], Rollouts], *, max_staleness: int, weights_step: int,
-                 threaded: bool, engine: Any = None, state: dict | None = None) -> None:
+                 threaded: bool, partial: bool = False, engine: RolloutEngine | None = None,
+                 state: dict | None = None) -> None:
         """``generate(step)``: the environment's rollout of ``step`` (collective). ``threaded``: generate on a
-        rollout thread (vLLM); a process group for it is made here (collective: every rank builds the pipeline
-        with the same arguments). ``state``: a checkpoint's ``state_dict``."""
+        rollout thread (an engine with ``capabilities.concurrent``: the vLLM fleet); a process group for it is
+        made here (collective: every rank builds the pipeline with the same arguments). ``partial``:
+        ``rollout.partial_rollouts`` (the engine labels each token with its weight version). ``state``: a
+        checkpoint's ``state_dict``."""
         self.generate = generate
         self.max_staleness = max_staleness
         self.weights_step = weights_step
         """The RL step whose weights the engine has now (``synced`` moves it)."""
         self.engine = engine
-        self.partial = bool(getattr(getattr(engine, "config", None), "partial_rollouts", False)) and max_staleness > 0
-        self._version_steps = {getattr(engine, "version", 0): weights_step}
+        self.partial = partial and max_staleness > 0
+        self._version_steps = {engine.version if engine is not None else 0: weights_step}
         """Engine weight version (syncs so far) -> the RL step of those weights (partial rollouts)."""
         self.batches: dict[int, Batch] = {}
         self.launched_through = 0
@@ -97,7 +101,7 @@ class RolloutPipeline:
             self._group = new_thread_group()
             self._thread = threading.Thread(target=self._work, name="megatron_rl-rollouts", daemon=True)
             self._thread.start()  # daemon: a Ctrl-C or an error never waits for an engine's answer
-            if engine is not None and hasattr(engine, "run_on_main_thread"):
+            if engine is not None:  # (threaded: the engine declared capabilities.concurrent)
                 engine.run_on_main_thread = self._run_on_main_thread
 
     # ------------------------------------------------------------------------------------------------ schedule
@@ -144,7 +148,7 @@ class RolloutPipeline:
     def synced(self, step: int) -> None:
         """The engine now samples from the weights of ``step``."""
         self.weights_step = step
-        self._version_steps[getattr(self.engine, "version", 0)] = step
+        self._version_steps[self.engine.version if self.engine is not None else 0] = step
 
     @staticmethod
     def staleness(batch: Batch, step: int) -> tuple[float, float]:

@@ -45,11 +45,12 @@ def test_hermes_parses_tool_call_blocks_and_leaves_other_text_alone():
 
 # ----------------------------------------------------------------------------------------------- the endpoint
 class ScriptedFleet:
-    """``Fleet.complete``'s contract: ``reply(prompt text)`` (words) as the sampled ids, made-up log-probs;
-    records (prompt, seed, session) of every call."""
+    """``engine.AgentCalls`` (what ``Fleet.complete`` serves): ``reply(prompt text)`` (words) as the sampled ids,
+    made-up log-probs; records (prompt, seed, session) of every call."""
 
     def __init__(self, tokenizer, reply) -> None:
         self.tokenizer, self.reply = tokenizer, reply
+        self.calls_waiting = threading.Event()
         self.calls: list[tuple[list[int], int, str]] = []
         self.sampled: list[list[int]] = []
         self.ended: list[str] = []
@@ -67,10 +68,15 @@ class ScriptedFleet:
     def end_session(self, session):
         self.ended.append(session)
 
+    def serving(self):
+        return [0]
+
 
 class FakeEngine:
+    """The part of ``RolloutEngine`` an agent uses: its ``agent_calls`` on rank 0."""
+
     def __init__(self, fleet) -> None:
-        self.fleet = fleet
+        self.fleet = self.agent_calls = fleet
 
 
 def next_digit(prompt: str) -> str:
@@ -337,7 +343,6 @@ class LostEngineFleet(ScriptedFleet):
 
     def __init__(self, tokenizer, reply) -> None:
         super().__init__(tokenizer, reply)
-        self.calls_waiting = threading.Event()
         self.back = threading.Event()
 
     def serving(self):

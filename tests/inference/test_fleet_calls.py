@@ -1,4 +1,4 @@
-"""The fleet's calls without vLLM. An agent's call when no engine serves (``vllm_engine.Fleet.complete``): it waits
+"""The fleet's calls without vLLM. An agent's call when no engine serves (``inference/vllm/calls.py: Fleet.complete``): it waits
 for the replacement (flagging ``calls_waiting`` for the job's admission), bounded by ``rollout.start_timeout_s``,
 and fails at once when none is coming back. The replacement's "is back" line: ``VLLMEngine._admit`` (fleet tests).
 A rollout call (``Fleet.generate``) sends one request per group and heals: the groups of an engine that fails go
@@ -14,8 +14,9 @@ import pytest
 
 from megatron_rl.inference.config import RolloutConfig
 from megatron_rl.inference.engine import Completion, SamplingSpec
-from megatron_rl.inference.server import EngineError
-from megatron_rl.inference.vllm_engine import Fleet, Slot
+from megatron_rl.inference.vllm.server import EngineError
+from megatron_rl.inference.vllm.fleet import Fleet
+from megatron_rl.inference.vllm.slot import Slot
 
 SPEC = SamplingSpec(max_tokens=2, stop_token_ids=(0,))
 
@@ -100,7 +101,7 @@ class SeededServer(AnsweringServer):
         self.requests, self.fail = requests, fail
 
     def sample(self, prompt, spec, *, seed, n, timeout_s, versioned, model=None):
-        from megatron_rl.inference.server import EngineDown
+        from megatron_rl.inference.vllm.server import EngineDown
 
         self.requests.append((self, n))
         if self.fail:
@@ -134,7 +135,7 @@ class DyingServer(SeededServer):
 
 
 def test_a_request_that_kills_every_replacement_stops_after_max_restarts():
-    from megatron_rl.inference.vllm_engine import MAX_RESTARTS
+    from megatron_rl.inference.vllm.slot import MAX_RESTARTS
 
     sent: list = []
     fleet = Fleet(RolloutConfig(engine="vllm"), SimpleNamespace(
@@ -161,8 +162,8 @@ class HungServer(AnsweringServer):
 
 
 def test_an_engine_that_misses_the_sync_deadline_is_marked_down_and_the_sync_stands():
-    from megatron_rl.inference.server import EngineDown, EngineTimeout
-    from megatron_rl.inference.vllm_engine import VLLMEngine
+    from megatron_rl.inference.vllm.server import EngineDown, EngineTimeout
+    from megatron_rl.inference.vllm.engine import VLLMEngine
 
     fleet = fleet_of("serving", start_timeout_s=60)
     fleet.slots.append(Slot(index=1, server=HungServer(), state="serving"))

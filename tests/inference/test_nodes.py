@@ -74,8 +74,11 @@ def test_engine_nodes_errors_name_the_key():
 
     with pytest.raises(ValueError, match=r"rollout.engine_nodes=2 but the job has 2 node\(s\)"):
         check_engine_nodes(2, 4, all_nodes=2)
-    for kwargs, words in [({"engine": "builtin"}, "rollout.engine=vllm"),
-                          ({"engine": "vllm", "num_engines": 1}, "rollout.num_engines >= 2"),
+    from megatron_rl.inference.registry import check_engine_config
+
+    with pytest.raises(ConfigError, match=r"rollout.engine_nodes=2 .*rollout.engine=builtin .*\['vllm'\]"):
+        check_engine_config(RolloutConfig(engine="builtin", num_engines=2, engine_nodes=2), None, "cpu")  # by its capabilities
+    for kwargs, words in [({"engine": "vllm", "num_engines": 1}, "rollout.num_engines >= 2"),
                           ({"engine": "vllm", "num_engines": 2, "sleep_while_training": True}, "sleep_while_training")]:
         with pytest.raises(ConfigError, match="rollout.engine_nodes=2") as err:
             RolloutConfig(engine_nodes=2, **kwargs).validate()
@@ -90,7 +93,7 @@ def test_a_node_count_engine_nodes_cannot_fit_stops_in_one_line(tmp_path, capsys
     import sys
     from pathlib import Path
 
-    from megatron_rl.inference.engine_host import main
+    from megatron_rl.inference.vllm.engine_host import main
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PY": sys.executable, "NNODES": "2", "NODE_RANK": "1", "CONFIG": "configs/demo_vllm.yaml"}

@@ -1,11 +1,11 @@
-"""The fleet's router (``megatron_rl/inference/router.py``): a GRPO group stays on one engine, groups are balanced
+"""The fleet's router (``megatron_rl/inference/vllm/router.py``): a GRPO group stays on one engine, groups are balanced
 by work, and the assignment is a function of the batch alone."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_rl.inference.router import requests, route
+from megatron_rl.inference.vllm.router import requests, route
 
 
 def _groups(sizes: list[int], length: int = 4) -> list[list[int]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.inference.server import RPC_DIR_PREFIX
+from megatron_rl.inference.vllm.server import RPC_DIR_PREFIX
 
 pytestmark = pytest.mark.engine
 
@@ -152,7 +152,7 @@ def test_start_failure_is_one_error_with_the_engine_log(engine_hf_model, engine_
 
 def test_missing_engine_environment_names_the_fix(tmp_path):
     from megatron_rl.inference.config import RolloutConfig
-    from megatron_rl.inference.vllm_engine import engine_python
+    from megatron_rl.inference.vllm.launcher import engine_python
 
     with pytest.raises(ValueError, match=r"scripts/setup_engine.sh.*rollout.engine_python"):
         engine_python(RolloutConfig(engine="vllm", engine_python=str(tmp_path / "nope" / "python")))

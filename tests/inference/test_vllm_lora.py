@@ -39,13 +39,13 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
     from megatron_rl.hf.lora import peft_adapter_tensors
     from megatron_rl.inference.config import RolloutConfig
     from megatron_rl.inference.engine import SamplingSpec
-    from megatron_rl.inference.vllm_engine import VLLMEngine
-    from megatron_rl.inference.vllm_worker import tensor_digest
+    from megatron_rl.inference.vllm.engine import VLLMEngine
+    from megatron_rl.inference.engine_process.vllm_worker import tensor_digest
     from megatron_rl.trainer import Trainer
 
     import subprocess
 
-    from megatron_rl.inference.server import REPO_ROOT, EngineServer, free_port
+    from megatron_rl.inference.vllm.server import REPO_ROOT, EngineServer, free_port
 
     token = "lora-test-token"
     os.environ["MEGATRON_RL_ENGINE_TOKEN"] = token  # the job reads it for attached servers
@@ -55,7 +55,7 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
     env.update(PYTHONPATH=str(REPO_ROOT), VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", VLLM_CPU_KVCACHE_SPACE="1")
     with open(f"{work_dir}.attached.log", "wb") as log:
         server = subprocess.Popen(
-            [engine_py, "-m", "megatron_rl.inference.vllm_serve", "--parent-pid", str(os.getpid()), hf_dir,
+            [engine_py, "-m", "megatron_rl.inference.engine_process.vllm_serve", "--parent-pid", str(os.getpid()), hf_dir,
              "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "megatron_rl", "--dtype", "float32",
              "--max-model-len", "256", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
              "--no-enable-chunked-prefill", "--enforce-eager", "--enable-prefix-caching", "--enable-lora",

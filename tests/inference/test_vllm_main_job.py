@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from multirank import free_port
-from megatron_rl.inference.zygote import ZYGOTE_ENV
+from megatron_rl.inference.engine_process.zygote import ZYGOTE_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.fleet]
 

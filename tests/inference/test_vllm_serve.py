@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import multiprocessing as mp, os, sys, time
-from megatron_rl.inference import vllm_serve
+from megatron_rl.inference.engine_process import vllm_serve
 
 def grandchild():
     time.sleep(600)

@@ -33,7 +33,7 @@ def rl_loop(rank: int, world_size: int, hf_dir: str, engine_py: str, work_dir: s
     from megatron_rl.hf import policy_from_hf
     from megatron_rl.inference.config import RolloutConfig
     from megatron_rl.inference.engine import SamplingSpec
-    from megatron_rl.inference.vllm_engine import VLLMEngine
+    from megatron_rl.inference.vllm.engine import VLLMEngine
     from megatron_rl.trainer import Trainer
 
     cfg = load_config(None, [

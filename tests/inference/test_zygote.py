@@ -1,8 +1,8 @@
-"""The engine zygote (megatron_rl/inference/zygote.py): a server forked from it is the server a plain start gives,
+"""The engine zygote (megatron_rl/inference/engine_process/zygote.py): a server forked from it is the server a plain start gives,
 and nothing it forked outlives the process that started it.
 
 - the same seeded samples, token for token and log-prob for log-prob, from a forked server and from a plain
-  ``python -m megatron_rl.inference.vllm_serve`` start, here the start that follows a forked server that did not
+  ``python -m megatron_rl.inference.engine_process.vllm_serve`` start, here the start that follows a forked server that did not
   answer in time (``server.FORKED_START_S``, set to 1 s); ``ps`` shows the plain start's command line for both;
 - a zygote whose parent is SIGKILLed exits and takes the servers it holds with it (the trainer's own death is
   tests/inference/test_vllm_engine.py's, which runs through the session's zygote);
@@ -21,10 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.inference import server as server_module
-from megatron_rl.inference import zygote
+from megatron_rl.inference.vllm import server as server_module
+from megatron_rl.inference.engine_process import zygote
 from megatron_rl.inference.engine import SamplingSpec
-from megatron_rl.inference.server import EngineServer, ServeOptions, start_zygote
+from megatron_rl.inference.vllm.server import EngineServer, ServeOptions, start_zygote
 
 pytestmark = pytest.mark.engine
 
@@ -43,7 +43,7 @@ def _samples(server: EngineServer) -> list:
     try:
         server.wait_ready(300)
         title = " ".join(psutil.Process(server.proc.pid).cmdline())
-        assert "-m megatron_rl.inference.vllm_serve" in title and "--port" in title, title
+        assert "-m megatron_rl.inference.engine_process.vllm_serve" in title and "--port" in title, title
         assert rpc_dir.name.startswith(server_module.RPC_DIR_PREFIX) and any(rpc_dir.iterdir()), rpc_dir
         assert list(rpc_dir.glob("vllm_dist_*")), sorted(p.name for p in rpc_dir.iterdir())
         return [(c.token_ids, c.logprobs) for c in server.sample([1, 5, 7, 9], SPEC, seed=11, n=3, timeout_s=60)]
@@ -78,9 +78,9 @@ def test_a_forked_server_samples_what_a_plain_start_samples(engine_hf_model, eng
 _HOLDER = """
 import os, sys, time
 from pathlib import Path
-from megatron_rl.inference import server as server_module
-from megatron_rl.inference import zygote
-from megatron_rl.inference.server import EngineServer, ServeOptions, start_zygote
+from megatron_rl.inference.vllm import server as server_module
+from megatron_rl.inference.engine_process import zygote
+from megatron_rl.inference.vllm.server import EngineServer, ServeOptions, start_zygote
 python, model, folder = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 held = start_zygote(python, folder / "z.sock", folder / "zygote.log")
 os.environ[zygote.ZYGOTE_ENV] = str(folder / "z.sock")

@@ -162,7 +162,7 @@ def test_one_step_off_on_a_fleet_of_two_with_two_ranks_resumes_bitwise_after_a_s
 @pytest.mark.fleet
 def test_partial_rollouts_count_staleness_per_token_and_a_kill_loses_no_batch(tmp_path):
     """Partial rollouts (timing-dependent): staleness per token within [0, K]; a SIGKILL during the weight sync
-    after step 4 (the engines paused, requests in flight: ``vllm_engine.STALL_ENV``): the checkpoint of step 3
+    after step 4 (the engines paused, requests in flight: ``inference/vllm/sync.py: STALL_ENV``): the checkpoint of step 3
     holds the batch generated ahead, and the resumed run trains exactly that batch next (its rewards), then goes on
     to the last step: no step's batch lost or generated twice."""
     import base64
@@ -176,7 +176,7 @@ def test_partial_rollouts_count_staleness_per_token_and_a_kill_loses_no_batch(tm
             "checkpoint.save_interval=3", "rollout.max_staleness=1", "rollout.partial_rollouts=true"]
     env = {**os.environ, "PY": sys.executable, "MEGATRON_RL_ENGINE_PYTHON": engine_python(), "NPROC": "1",
            "CONFIG": str(ROOT / "configs" / "demo_vllm.yaml")}
-    from megatron_rl.inference.vllm_engine import STALL_ENV
+    from megatron_rl.inference.vllm.sync import STALL_ENV
 
     stalled = tmp_path / "stalled"
     proc = subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT,

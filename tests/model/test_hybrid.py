@@ -137,7 +137,8 @@ def test_vllm_engine_dtype_and_shapes_at_start_up(tmp_path):
     import json
 
     from megatron_rl.config import ConfigError, ModelConfig
-    from megatron_rl.inference.config import RolloutConfig, agreement_bound, check_engine_model, engine_dtype
+    from megatron_rl.inference.config import RolloutConfig, agreement_bound, engine_dtype
+    from megatron_rl.inference.registry import check_engine_config
 
     def hf(dim: int):
         path = tmp_path / f"hd{dim}"
@@ -151,16 +152,16 @@ def test_vllm_engine_dtype_and_shapes_at_start_up(tmp_path):
     local = ModelConfig(num_layers=2, linear_attention_freq=[1, 0], kv_channels=32, linear_key_head_dim=64,
                         linear_value_head_dim=64)
     for model in (local, hf(64)):
-        check_engine_model(vllm, model, "cpu")
+        check_engine_config(vllm, model, "cpu")
         assert engine_dtype(vllm, model, "cpu")[0] == engine_dtype(vllm, model, "auto")[0] == "bfloat16"
         assert engine_dtype(vllm, model, "cuda")[0] == "float32"  # GPUs: the policy's dtype
         with pytest.raises(ConfigError, match="rollout.dtype=float32 with a hybrid .* set rollout.dtype=auto"):
-            check_engine_model(RolloutConfig(engine="vllm", dtype="float32"), model, "cpu")
+            check_engine_config(RolloutConfig(engine="vllm", dtype="float32"), model, "cpu")
     with pytest.raises(ConfigError, match=r"Gated-DeltaNet head dim in \(64, 128\).* has linear_key_head_dim=32;"):
-        check_engine_model(vllm, hf(32), "cpu")
+        check_engine_config(vllm, hf(32), "cpu")
     with pytest.raises(ConfigError, match=r"but model.linear_value_head_dim=32;"):
-        check_engine_model(vllm, dataclasses.replace(local, linear_value_head_dim=32), "cpu")
-    check_engine_model(RolloutConfig(engine="builtin"), hf(32), "cpu")
+        check_engine_config(vllm, dataclasses.replace(local, linear_value_head_dim=32), "cpu")
+    check_engine_config(RolloutConfig(engine="builtin"), hf(32), "cpu")
     assert engine_dtype(vllm, ModelConfig(), "cpu")[0] == "float32"  # not hybrid: the policy's dtype
     assert agreement_bound("bfloat16", "float32") == 2.0**-5 and agreement_bound("float32", "float32") == 1e-4
 

@@ -38,7 +38,7 @@ from megatron_rl.environments.conversation import Conversation, Message
 from megatron_rl.inference.engine import Completion, SamplingSpec
 
 Complete = Callable[..., Completion]
-"""``complete(prompt_ids, spec, *, seed, session) -> Completion``: ``Fleet.complete`` (vllm_engine.py)."""
+"""``complete(prompt_ids, spec, *, seed, session) -> Completion``: ``Fleet.complete`` (``inference/vllm/calls.py``)."""
 
 
 class RequestError(Exception):

@@ -162,9 +162,9 @@ class AgentEnvironment:
 
     def play_everywhere(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
         """Collective: global rank 0 plays the episodes (``play``, in a thread); meanwhile, whenever its calls wait
-        for a replacement engine (none serves: ``Fleet.calls_waiting``), every rank joins the admission that gives
-        the replacement the current weights (``VLLMEngine.admit_replacements``), and the calls go on. An error of
-        the play (an engine that cannot come back) is raised on every rank."""
+        for a replacement engine (none serves: ``AgentCalls.calls_waiting``), every rank joins the admission that
+        gives the replacement the current weights (``RolloutEngine.admit_replacements``), and the calls go on. An
+        error of the play (an engine that cannot come back) is raised on every rank."""
         from megatron_rl.distributed.rank0 import is_global_rank0, on_rank0
 
         outcome: dict[str, Any] = {}
@@ -181,13 +181,13 @@ class AgentEnvironment:
 
         def played() -> bool:
             """Rank 0: True when the play ended, False when a replacement engine must be admitted first."""
-            waiting = getattr(getattr(engine, "fleet", None), "calls_waiting", None)
+            calls = engine.agent_calls
             while player.is_alive():
                 player.join(timeout=0.2)
-                if waiting is not None and waiting.is_set() and player.is_alive():
-                    if not engine.fleet.serving():
+                if calls.calls_waiting.is_set() and player.is_alive():
+                    if not calls.serving():
                         return False
-                    waiting.clear()  # an engine serves again: the calls went on
+                    calls.calls_waiting.clear()  # an engine serves again: the calls went on
             if "error" in outcome:
                 raise outcome["error"]
             return True
@@ -196,10 +196,11 @@ class AgentEnvironment:
             engine.admit_replacements()
 
     def play(self, episodes: list[Episode], engine: RolloutEngine, spec: SamplingSpec, seed: int) -> None:
-        """Run every episode (``max_concurrency`` at once) against ``engine``'s fleet: each gets its reward or
-        its error. Rank 0 only. EngineError when a call could not be served."""
-        fleet = getattr(engine, "fleet", None)
-        assert fleet is not None, "JobConfig checks rollout.engine=vllm; the fleet lives on global rank 0"
+        """Run every episode (``max_concurrency`` at once) against ``engine``'s agent calls (the vLLM fleet):
+        each gets its reward or its error. Rank 0 only. EngineError when a call could not be served."""
+        fleet = engine.agent_calls
+        assert fleet is not None, ("JobConfig checks that rollout.engine serves agent calls "
+                                   "(capabilities.agent_calls); they live on global rank 0")
         if self.endpoint is None:
             self.endpoint = AgentEndpoint()
         for ep in episodes:
@@ -210,11 +211,11 @@ class AgentEnvironment:
         run_episodes(episodes, lambda ep: self._run(ep, fleet), concurrency=self.max_concurrency,
                      timeout_s=self.episode_timeout_s, on_timeout=lambda ep, seconds: self._give_up(ep, fleet),
                      describe=lambda ep: f"row {ep.index} (sample {ep.sample})", what=f"{KEY} episode(s)",
-                     paused=(lambda: not fleet.serving()) if hasattr(fleet, "serving") else None)
+                     paused=lambda: not fleet.serving())
         engine_error = next((ep.session.engine_error for ep in episodes
                              if ep.session.engine_error and not ep.timed_out), None)
         if engine_error is not None:
-            from megatron_rl.inference.server import EngineError
+            from megatron_rl.inference.engine import EngineError
 
             raise EngineError(f"an agent call could not be served: {engine_error}")
 

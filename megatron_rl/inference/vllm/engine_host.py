@@ -1,11 +1,11 @@
 """The engine host: what an engine node (``rollout.engine_nodes``) runs instead of torchrun ranks.
 
-    python -m megatron_rl.inference.engine_host --nodes N --engine-nodes K --node-rank R   (run_megatron.sh)
+    python -m megatron_rl.inference.vllm.engine_host --nodes N --engine-nodes K --node-rank R   (run_megatron.sh)
 
 Place in the data flow: ``run_megatron.sh`` on one of the job's last K nodes runs this (no torchrun, no rank, no
 process group). It waits on torchrun's store (``engine_nodes.py``) until global rank 0 publishes the engines'
 settings, starts this node's engines (``nodes.engines_on_node``: engine i on node ``N - K + i % K``) exactly as a
-node's local rank 0 does on a trainer node (``vllm_engine.Launcher``: its share of the cores or its devices, a
+node's local rank 0 does on a trainer node (``vllm/launcher.py: Launcher``: its share of the cores or its devices, a
 watchdog on this process's pid, ``<work_dir>/engine<i>.log``), tells rank 0 their URLs, and from then on replaces
 an engine whenever rank 0 asks (the fleet's healing).
 
@@ -25,16 +25,16 @@ import time
 from pathlib import Path
 
 from megatron_rl.distributed.preemption import EXIT_CODE, STOP_SIGNALS
-from megatron_rl.inference.engine_nodes import POLL_S, PREFIX, connect_store, url_key
+from megatron_rl.inference.vllm.engine_nodes import POLL_S, PREFIX, connect_store, url_key
 from megatron_rl.inference.nodes import NodeLayout, check_engine_nodes, engine_host, engines_on_node
-from megatron_rl.inference.server import EngineServer, ServeOptions
+from megatron_rl.inference.vllm.server import EngineServer, ServeOptions
 
 CONNECT_TIMEOUT_S = 900.0
 """How long the host waits for the first node's launcher (its store) to come up."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.inference.engine_host",
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.inference.vllm.engine_host",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, required=True, help="the job's nodes, engine nodes included (NNODES)")
     parser.add_argument("--engine-nodes", type=int, required=True, help="rollout.engine_nodes")
@@ -46,7 +46,7 @@ class Host:
     """This node's engines (module docstring)."""
 
     def __init__(self, store, spec: dict, node: int, all_nodes: int) -> None:
-        from megatron_rl.inference.vllm_engine import Launcher
+        from megatron_rl.inference.vllm.launcher import Launcher
 
         self.store = store
         layout = NodeLayout(node=node, nnodes=spec["trainer_nodes"])

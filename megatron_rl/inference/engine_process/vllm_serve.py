@@ -1,9 +1,9 @@
 """One rollout engine: ``vllm serve`` (the standard OpenAI-compatible server) with megatron_rl's two additions.
 
 Place in the data flow: the trainer's rank 0 starts it (``server.EngineServer.start``) as
-``<engine python> -m megatron_rl.inference.vllm_serve <model dir> [vllm serve arguments]``; a user starts the
-same command to attach a server of their own (``rollout.engine_urls``, docs/INFERENCE.md). Runs in the engine's
-environment (``.venv-engine``) and imports nothing of megatron_rl but ``vllm_worker``.
+``<engine python> -m megatron_rl.inference.engine_process.vllm_serve <model dir> [vllm serve arguments]``;
+a user starts the same command to attach a server of their own (``rollout.engine_urls``, docs/INFERENCE.md).
+Runs in the engine's environment (``.venv-engine``) and imports nothing of megatron_rl but ``vllm_worker``.
 
 What it adds to ``vllm serve``:
 - **Every route needs the job's token** (``RequireToken``, an ASGI middleware passed as ``--middleware``):
@@ -257,8 +257,9 @@ def main(argv: list[str]) -> None:
     _rendezvous_in_own_folder()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", "serve", *argv, "--worker-extension-cls", "megatron_rl.inference.vllm_worker.WorkerExtension",
-                "--middleware", "megatron_rl.inference.vllm_serve.RequireToken"]
+    sys.argv = ["vllm", "serve", *argv,
+                "--worker-extension-cls", "megatron_rl.inference.engine_process.vllm_worker.WorkerExtension",
+                "--middleware", "megatron_rl.inference.engine_process.vllm_serve.RequireToken"]
     vllm_main()
 
 

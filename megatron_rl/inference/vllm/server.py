@@ -3,8 +3,8 @@
 Place in the data flow: ``fleet.py`` (trainer rank 0 only, never inside a collective) holds N of these; each
 generation request, weight-sync call and health check of the job goes through ``EngineServer.call``.
 
-- ``EngineServer.start``: ``<engine python> -m megatron_rl.inference.vllm_serve`` (``vllm serve`` + the job's
-  token + a watchdog that kills the server with the trainer) in a new session, on loopback (a multi-node job:
+- ``EngineServer.start``: ``<engine python> -m megatron_rl.inference.engine_process.vllm_serve`` (``vllm serve`` +
+  the job's token + a watchdog that kills the server with the trainer) in a new session, on loopback (a multi-node job:
   ``rollout.engine_host``), a free port, its
   log in ``<work_dir>/engine<i>.log``; ``kill`` removes its whole process group. A CPU server is forked from the
   engine zygote instead where ``$MEGATRON_RL_ENGINE_ZYGOTE`` names one (``zygote.py``; ``start_zygote``).
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.inference import zygote
-from megatron_rl.inference.engine import Completion, SamplingSpec
-from megatron_rl.inference.vllm_serve import RPC_DIR_PREFIX
+from megatron_rl.inference.engine_process import zygote
+from megatron_rl.inference.engine import Completion, EngineError, EngineStartError, SamplingSpec
+from megatron_rl.inference.engine_process.vllm_serve import RPC_DIR_PREFIX
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 """The directory that holds the ``megatron_rl`` package (put on the engine's PYTHONPATH)."""
 
 _TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
@@ -49,14 +49,6 @@ MODEL_NAME = "megatron_rl"
 """``--served-model-name`` of the engines the job starts (an attached server may serve any one model)."""
 LORA_NAME = "megatron_rl_lora"
 """The name of the policy's LoRA adapter in every engine (``model.lora.rank > 0``): rollout requests name it."""
-
-
-class EngineStartError(RuntimeError):
-    """An engine did not start (the message ends with the tail of its log)."""
-
-
-class EngineError(RuntimeError):
-    """An engine refused a request (HTTP 4xx): the request is at fault, not the engine."""
 
 
 class EngineDown(RuntimeError):
@@ -149,11 +141,12 @@ def engine_environment(devices: str | None = None) -> dict[str, str]:
 
 
 def start_zygote(python: str, socket_path: Path, log_path: Path) -> subprocess.Popen:
-    """Start an engine zygote (inference/zygote.py) for CPU engines in this process's environment; it serves once
-    ``socket_path`` exists, and exits when this process is gone. Set ``$MEGATRON_RL_ENGINE_ZYGOTE`` to
+    """Start an engine zygote (inference/engine_process/zygote.py) for CPU engines in this process's environment;
+    it serves once ``socket_path`` exists, and exits when this process is gone. Set ``$MEGATRON_RL_ENGINE_ZYGOTE`` to
     ``socket_path`` for the jobs that should use it."""
-    proc = _popen_in_own_session([python, "-m", "megatron_rl.inference.zygote", "--socket", str(socket_path),
-                                  "--parent-pid", str(os.getpid())], engine_environment(), log_path)
+    proc = _popen_in_own_session([python, "-m", "megatron_rl.inference.engine_process.zygote",
+                                  "--socket", str(socket_path), "--parent-pid", str(os.getpid())],
+                                 engine_environment(), log_path)
     pid_file = Path(f"{socket_path}.pid")  # an engine start waits for a zygote still importing
     pid_file.with_suffix(".tmp").write_text(str(proc.pid))
     os.replace(pid_file.with_suffix(".tmp"), pid_file)
@@ -201,7 +194,7 @@ class EngineServer:
         if cpu_cores is not None:  # CPU: one share of the cores per engine (vLLM binds its OMP threads there)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
         command = [
-            options.python, "-m", "megatron_rl.inference.vllm_serve", "--parent-pid", str(os.getpid()),
+            options.python, "-m", "megatron_rl.inference.engine_process.vllm_serve", "--parent-pid", str(os.getpid()),
             str(model_dir), "--host", host, "--port", str(port), "--served-model-name", MODEL_NAME,
             "--dtype", options.dtype, "--max-model-len", str(options.max_model_len), "--seed", str(options.seed),
             "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
@@ -369,7 +362,7 @@ class EngineServer:
 
 
 def _forked(command: list[str], env: dict[str, str], log_fd: int) -> zygote.ZygoteChild | None:
-    """A CPU server forked by the engine zygote (``$MEGATRON_RL_ENGINE_ZYGOTE``, inference/zygote.py), or None:
+    """A CPU server forked by the engine zygote (``$MEGATRON_RL_ENGINE_ZYGOTE``, inference/engine_process/zygote.py), or None:
     start it the usual way (no zygote, or one that cannot start this server: the reason goes to stderr once)."""
     socket_path = os.environ.get(zygote.ZYGOTE_ENV)
     if not socket_path:

@@ -1,8 +1,8 @@
 """Engines on nodes of their own (``rollout.engine_nodes``): how global rank 0 and the engine hosts talk.
 
-Place in the data flow: ``vllm_engine.VLLMEngine.start`` (rank 0) publishes what an engine needs (``EngineHosts``:
+Place in the data flow: ``vllm/engine.py: VLLMEngine.start`` (rank 0) publishes what an engine needs (``EngineHosts``:
 the serve options, model and work directories, the job's token) and takes back each engine's URL; the engine
-host of each engine node (``inference/engine_host.py``, started by ``run_megatron.sh`` there instead of torchrun)
+host of each engine node (``inference/vllm/engine_host.py``, started by ``run_megatron.sh`` there instead of torchrun)
 starts its engines (``nodes.engines_on_node``) and answers restart requests. Healing is unchanged: rank 0 marks an
 engine-node engine down like another node's engine, and at the next collective point (``_restart_remote``) asks
 its host for a replacement here instead of a torchrun rank.
@@ -60,7 +60,7 @@ class EngineHosts:
 
     @classmethod
     def publish(cls, launcher: Any, engine_host: str, timeout_s: float) -> "EngineHosts":
-        """Tell the engine hosts what to start (``launcher``: ``vllm_engine.Launcher``; ``engine_host``:
+        """Tell the engine hosts what to start (``launcher``: ``vllm/launcher.py: Launcher``; ``engine_host``:
         ``rollout.engine_host``, each host resolves it itself)."""
         spec = {"options": asdict(launcher.options), "model_dir": str(launcher.model_dir),
                 "work_dir": str(launcher.work_dir), "token": launcher.token, "num_engines": launcher.num_engines,
@@ -70,7 +70,7 @@ class EngineHosts:
             store = connect_store(timeout_s)
             store.set(PREFIX + "spec", json.dumps(spec))
         except Exception as err:  # noqa: BLE001 - torch's store errors have no common type
-            from megatron_rl.inference.server import EngineStartError
+            from megatron_rl.inference.engine import EngineStartError
 
             raise EngineStartError(f"rollout.engine_nodes: torchrun's store at $MASTER_ADDR:$MASTER_PORT, where the "
                                    f"engine hosts wait, is not reachable ({err})") from None
@@ -86,7 +86,7 @@ class EngineHosts:
         return {i: self._url(i, self.store.add(f"{PREFIX}restart/{i}", 1), required=False) for i in indices}
 
     def _url(self, index: int, generation: int, *, required: bool = True) -> str:
-        from megatron_rl.inference.server import EngineStartError
+        from megatron_rl.inference.engine import EngineStartError
 
         value = wait_key(self.store, url_key(index, generation), self.timeout_s)
         if value is not None:
