@@ -38,8 +38,11 @@ user set."""
 
 _CONFIGS: dict[tuple[str, int], Any] = {}
 """``load_hf_config``'s reads: (config.json's resolved path, its mtime in ns) -> the transformers config."""
-reads = 0
-"""``config.json`` files this process has parsed (tests count them: one per checkpoint)."""
+
+
+def configs_read() -> int:
+    """``config.json`` files this process has parsed (one per checkpoint; tests count them)."""
+    return len(_CONFIGS)
 
 
 def config_json(hf_dir: str | os.PathLike, *, key: str = HF_DIR_KEY) -> Path:
@@ -57,12 +60,10 @@ def load_hf_config(hf_dir: str | os.PathLike, *, key: str = HF_DIR_KEY) -> Any:
     """The ``transformers`` config of a local checkpoint directory (a copy of the one read once per process:
     callers may set attributes on it); ValueError (naming ``key``) for a missing directory, a missing
     config.json or a ``model_type`` no registered family reads (``hf/families``)."""
-    global reads
     path = config_json(hf_dir, key=key)
     cache_key = (str(path.resolve()), path.stat().st_mtime_ns)
     if cache_key not in _CONFIGS:
         _CONFIGS[cache_key] = _read(path.parent, hf_dir, key)
-        reads += 1
     hf_config = _CONFIGS[cache_key]
     if families.family_for_type(hf_config.model_type) is None:
         raise ValueError(

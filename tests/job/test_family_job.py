@@ -75,7 +75,7 @@ def test_one_job_set_up_reads_config_json_once(tmp_path):
     from megatron_rl.job.main import build_policy
 
     task = make_task(tmp_path)
-    before = hf_config.reads
+    before = hf_config.configs_read()
     config = load_job_config(ROOT / "configs" / "user_job.yaml", overrides(task, tmp_path / "out"))
     assert config.rl.model.family.endswith(":MY_LLAMA")
     assert (config.rl.model.num_layers, config.rl.model.kv_channels) == (2, 32)  # the checkpoint's, resolved at load
@@ -86,7 +86,7 @@ def test_one_job_set_up_reads_config_json_once(tmp_path):
         export_policy_to_hf(policy, tmp_path / "hf")
     finally:
         destroy_distributed()
-    assert hf_config.reads - before == 1
+    assert hf_config.configs_read() - before == 1
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "my_llama"
 
 
