@@ -171,10 +171,11 @@ def engine_dtype(rollout: RolloutConfig, model: ModelConfig, device: str) -> tup
     """The vLLM engine's dtype and why (a phrase for the start-up line)."""
     if rollout.dtype != "auto":
         return rollout.dtype, f"rollout.dtype={rollout.dtype}"
-    dtypes = family_of(model).support.vllm_cpu_dtypes
+    family = family_of(model)
+    dtypes = family.support.vllm_cpu_dtypes
     if on_cpu(device) and model.params_dtype not in dtypes:
-        family = family_of(model)
-        return dtypes[0], f"vLLM's CPU kernels run a {family.title or family.name} model in {' or '.join(dtypes)} only"
+        return dtypes[0], (family.support.vllm_cpu_dtype_why
+                           or f"vLLM's CPU kernels run a {family.title or family.name} model in {' or '.join(dtypes)} only")
     return model.params_dtype, f"model.params_dtype={model.params_dtype}"
 
 
@@ -188,9 +189,9 @@ def _check_cpu_dtype_and_linear_heads(rollout: RolloutConfig, model: ModelConfig
     hybrid Gated-DeltaNet model: bf16 only), or a Gated-DeltaNet head dim other than 64 or 128."""
     support = family.support
     if rollout.dtype != "auto" and rollout.dtype not in support.vllm_cpu_dtypes:
-        raise ConfigError(f"rollout.dtype={rollout.dtype} with a {family.title or family.name} model on CPU: vLLM's CPU "
-                          f"kernels run it in {' or '.join(support.vllm_cpu_dtypes)} only; set rollout.dtype=auto "
-                          f"({support.vllm_cpu_dtypes[0]} here) or rollout.engine=builtin")
+        why = support.vllm_cpu_dtype_why or f"vLLM's CPU kernels run it in {' or '.join(support.vllm_cpu_dtypes)} only"
+        raise ConfigError(f"rollout.dtype={rollout.dtype} with a {family.title or family.name} model on CPU: {why}; set "
+                          f"rollout.dtype=auto ({support.vllm_cpu_dtypes[0]} here) or rollout.engine=builtin")
     if support.vllm_cpu_linear_head_dims is None:
         return
     where = f"model.hf_path={model.hf_path} has " if model.hf_path else "model."

@@ -39,6 +39,9 @@ class Support:
     vllm_cpu_dtypes: tuple[str, ...] = ("float32", "bfloat16")
     """Engine dtypes vLLM's CPU kernels run it in; the first is the one ``rollout.dtype=auto`` picks when the
     policy's ``params_dtype`` is not among them (``inference/config.py: engine_dtype``)."""
+    vllm_cpu_dtype_why: str = ""
+    """The start-up line's reason when ``rollout.dtype=auto`` picks ``vllm_cpu_dtypes[0]`` over the policy's
+    dtype ('' = a generic phrase)."""
     vllm_cpu_linear_head_dims: tuple[int, ...] | None = None
     """Gated-DeltaNet head dims vLLM's CPU kernels accept (``linear_key_head_dim``, ``linear_value_head_dim``);
     None: the family has no such layers."""

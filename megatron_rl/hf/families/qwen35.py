@@ -55,6 +55,7 @@ class Qwen35Family(Family):
 QWEN35 = Qwen35Family(
     name="qwen35", model_types=(TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE), title="hybrid Gated-DeltaNet (Qwen3.5)",
     support=Support(kv_cache_decoding=False, vllm_prefix_caching=False, vllm_cpu_dtypes=("bfloat16",),
+                    vllm_cpu_dtype_why="vLLM's CPU Gated-DeltaNet kernels run in bf16 only",
                     vllm_cpu_linear_head_dims=(64, 128), vllm_adapter_sync=False),
 )
 """Its support: the built-in engine recomputes (a GDN state is no KV cache); vLLM without prefix caching (W45);
