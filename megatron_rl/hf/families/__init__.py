@@ -7,7 +7,8 @@ bridges=...)``) in a file and name it with ``model.family=path/to/file.py:NAME``
 the pre-flight and every rank import that file once and ``register_family`` the object, before the checkpoint
 is read, the way ``reward.function`` files reach every rank. In-process library users call ``register_family``.
 
-    family_for_type("qwen3")           -> DENSE          (ValueError naming the supported types otherwise)
+    family_for_type("qwen3")           -> DENSE          (None for a type no family reads: hf/config.py's
+                                                         load_hf_config says which ones are supported)
     family_of(model_cfg)               -> model.family when set (a name or a file.py:NAME), else the built-in
                                           family that builds the config's shapes (hybrid, MoE, dense)
 """
