@@ -95,7 +95,7 @@ def _whole_experts_under_tp(bridge: Any) -> None:
     merge = bridge._weight_merge_across_tp
 
     def merge_whole_experts(name: str, weights: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
-        if _is_grouped_expert(name) and bridge.mpu.etp_size == 1:
+        if is_grouped_expert(name) and bridge.mpu.etp_size == 1:
             return weights[0]
         return merge(name, weights, param)
 
@@ -113,7 +113,7 @@ def grouped_expert_name(name: str) -> str:
     return name if match is None else f"{match[1]}{match[3]}{match[2]}"
 
 
-def _is_grouped_expert(name: str) -> bool:
+def is_grouped_expert(name: str) -> bool:
     return ".mlp.experts.linear_fc" in name
 
 

@@ -32,7 +32,7 @@ from megatron_rl.checkpoint.dist import model_shape_mismatches
 from megatron_rl.config import MegatronRLConfig, ModelConfig
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.hf.config import HF_DIR_KEY, describe_hf_load, family_of_checkpoint, load_hf_config, model_config_from_hf
-from megatron_rl.hf.mbridge import _is_grouped_expert, mbridge_views
+from megatron_rl.hf.mbridge import is_grouped_expert, mbridge_views
 from megatron_rl.hf.tokenizer import resolve_pad_token_id
 from megatron_rl.model import lora
 from megatron_rl.model.optimizer import follow_new_weights
@@ -190,7 +190,7 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
                 if tied and local_name == "output_layer.weight":
                     continue
                 name = local_to_global[local_name]
-                if _is_grouped_expert(name):  # whole on this rank (expert TP 1): only EP to cross
+                if is_grouped_expert(name):  # whole on this rank (expert TP 1): only EP to cross
                     yield from _stream_experts(bridge, name, param.detach(), groups)
                 elif getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
                     plan = _merge_plan(bridge, name, param)
