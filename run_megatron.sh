@@ -45,53 +45,12 @@ configs=(); config_args=()
 while IFS= read -r c; do configs+=("$c"); config_args+=(--config "$c"); done <<< "$layers"
 # Where the launcher runs (megatron_rl/launch/plan.py, docs/CLUSTER.md): here (nothing to do, or NNODES from
 # launch.nodes); inside a Slurm allocation, srun starts this script once per node (and there: NNODES/NODE_RANK from
-# Slurm); with launch.scheduler=slurm, the job is submitted with sbatch. A contradiction: one line, exit 2.
+# Slurm); with launch.scheduler=slurm, the job is submitted with sbatch; with rollout.engine_nodes=K the last K nodes
+# run the engine host instead of torchrun (megatron_rl/launch/placement.py). A contradiction: one line, exit 2.
 plan=$("$PY" -m megatron_rl.launch.plan "${config_args[@]}" "$@") || exit $?
 eval "$plan"
-# rollout.engine_nodes=K (the last override wins, else the config's `engine_nodes:` line): the last K of the NNODES
-# nodes run the vLLM fleet's engines and no trainer rank. Here such a node runs the engine host
-# (megatron_rl/inference/vllm/engine_host.py) instead of torchrun; the other nodes run torchrun over NNODES-K nodes.
-engine_nodes=$(sed -n 's/^[[:space:]]*engine_nodes:[[:space:]]*\([0-9]*\).*/\1/p' "${configs[@]}" 2>/dev/null | tail -n 1 || true)
-for arg in "$@"; do case $arg in rollout.engine_nodes=*) engine_nodes=${arg#rollout.engine_nodes=} ;; esac; done
-if [ "${engine_nodes:-0}" != 0 ]; then
-  NNODES=${NNODES:-1}; NODE_RANK=${NODE_RANK:-0}
-  if ! [[ "$engine_nodes$NNODES$NODE_RANK" =~ ^[0-9]+$ ]] || [ -n "${RDZV_ENDPOINT:-}" ]; then
-    echo "run_megatron.sh: rollout.engine_nodes=$engine_nodes needs NNODES and NODE_RANK as numbers, and" \
-      "MASTER_ADDR/MASTER_PORT rather than RDZV_ENDPOINT (each node must know whether it is an engine node)" >&2
-    exit 2
-  fi
-  if [ "$engine_nodes" -ge "$NNODES" ]; then
-    echo "run_megatron.sh: rollout.engine_nodes=$engine_nodes but the job has $NNODES node(s) (NNODES): the trainer" \
-      "needs at least one; use NNODES >= $((engine_nodes + 1)) or fewer engine nodes" >&2
-    exit 2
-  fi
-  if [ "$NODE_RANK" -ge $((NNODES - engine_nodes)) ]; then
-    echo "run_megatron.sh: node $NODE_RANK of $NNODES is an engine node (rollout.engine_nodes=$engine_nodes): it runs" \
-      "the fleet's engines, no trainer rank"
-    export MASTER_ADDR=${MASTER_ADDR:-127.0.0.1} MASTER_PORT=${MASTER_PORT:-29500}
-    exec "$PY" -m megatron_rl.inference.vllm.engine_host --nodes "$NNODES" --engine-nodes "$engine_nodes" \
-      --node-rank "$NODE_RANK"
-  fi
-  NNODES=$((NNODES - engine_nodes))  # torchrun's nodes: the trainer's (world size, DP)
-  [ "$NNODES" != 1 ] || MASTER_PORT=${MASTER_PORT:-29500}  # shared with the engine nodes, not a free one
-fi
-# parallel.device (docs/DESIGN.md section 11): the last override wins, else the config's `device:` line (only
-# the parallel section has one). bootstrap.py applies and checks it in every rank; this is the early, friendly
-# stop: cpu hides the GPUs from the ranks, otherwise NCCL needs one visible GPU per rank.
-device=$(sed -n 's/^[[:space:]]*device:[[:space:]]*\([a-z]*\).*/\1/p' "${configs[@]}" 2>/dev/null | tail -n 1 || true)
-for arg in "$@"; do case $arg in parallel.device=*) device=${arg#parallel.device=} ;; esac; done
-if [ "${device:-auto}" = cpu ]; then
-  export CUDA_VISIBLE_DEVICES=""
-else
-  gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null | tail -n 1 || echo 0)
-  case $gpus in '' | *[!0-9]*) gpus=0 ;; esac
-  if [ "$gpus" -gt 0 ] && [ "$NPROC" -gt "$gpus" ]; then
-    echo "run_megatron.sh: NPROC=$NPROC ranks but $gpus visible CUDA GPU(s), and NCCL needs one GPU per rank:" \
-      "use NPROC=$gpus (e.g. NPROC=1 CONFIG=configs/demo_gpu.yaml), or run the ranks on CPU with gloo by adding" \
-      "the override parallel.device=cpu" >&2
-    exit 2
-  fi
-fi
+# parallel.device (docs/DESIGN.md section 11) is applied by megatron_rl/job/start.py from the config the pre-flight
+# resolved (no YAML read here): cpu hides the GPUs from the ranks; otherwise NCCL needs one visible GPU per rank.
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}

@@ -263,6 +263,12 @@ class ModelConfig(ConfigSection):
     hf_path: str | None = None
     """Local Hugging Face checkpoint directory to import weights, shapes and tokenizer from (no downloads).
     When set, the shape fields below are taken from the checkpoint's config.json."""
+    family: str | None = None
+    """The model family (``megatron_rl/hf/families``: how its HF checkpoints are read and written, what it
+    supports): None = the family of ``hf_path``'s ``model_type`` (the resolved section names it: 'dense', 'moe',
+    'qwen35'), or without ``hf_path`` the one that builds these shapes. A family of your own:
+    ``path/to/file.py:NAME`` or ``package.module:NAME``, a ``Family`` object that file defines, imported by the
+    pre-flight and every rank (docs/HF.md section 8)."""
     num_layers: int = field(default=2, metadata=AT_LEAST_1)
     """Transformer layers."""
     hidden_size: int = field(default=64, metadata=AT_LEAST_1)

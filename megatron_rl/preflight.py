@@ -206,6 +206,14 @@ def main(argv: Sequence[str] | None = None,
     (one line on stdout naming the output and checkpoint directories of the config as resolved, overrides
     included), 2 (after one line on stderr, no traceback) when it cannot. ``load`` reads an application's config (the
     main job passes its own, ``megatron_rl/job/preflight.py``)."""
+    return run(argv, load)[0]
+
+
+def run(argv: Sequence[str] | None = None,
+        load: Callable[[str | list[str], Sequence[str]], MegatronRLConfig] = load_config
+        ) -> tuple[int, MegatronRLConfig | None]:
+    """``main``'s exit code, and the config it checked (None when it could not be loaded or failed): a launcher
+    takes every value it needs from it (``megatron_rl/job/start.py``: the device)."""
     parser = argparse.ArgumentParser(description="megatron_rl pre-flight checks (no model, no process group)")
     parser.add_argument("--config", required=True, action="append", help="YAML of config overrides; repeated: "
                         "layers, each over the ones before")
@@ -214,7 +222,7 @@ def main(argv: Sequence[str] | None = None,
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         print(f"megatron_rl pre-flight: --world-size={args.world_size} must be >= 1 (NPROC x NNODES)", file=sys.stderr)
-        return 2
+        return 2, None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # warnings are printed below, once, in one line each
@@ -222,15 +230,15 @@ def main(argv: Sequence[str] | None = None,
             found = check_run(config, args.world_size)
     except ConfigError as err:
         print(f"megatron_rl pre-flight: config error: {err}", file=sys.stderr, flush=True)
-        return 2
+        return 2, None
     except ValueError as err:
         print(f"megatron_rl pre-flight: {err}", file=sys.stderr, flush=True)
-        return 2
+        return 2, None
     print(f"megatron_rl pre-flight: ok; outputs go to {Path(config.logging.output_dir).resolve()} "
           f"(logging.output_dir), checkpoints to {checkpoint_dir(config).resolve()}", flush=True)
     for message in found:
         print(f"megatron_rl pre-flight: warning: {message}", file=sys.stderr, flush=True)
-    return 0
+    return 0, config
 
 
 if __name__ == "__main__":

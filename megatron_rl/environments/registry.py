@@ -66,19 +66,19 @@ def _next_digit(config: Any, *, max_rows: int | None = None) -> Environment:
 
 
 def _tokenizer_and_context(config: Any) -> tuple[Any, int]:
-    """The tokenizer of ``model.hf_path`` and the model's context (``max_position_embeddings``); errors name
-    ``model.hf_path``."""
-    from megatron_rl.hf.config import model_config_from_hf
+    """The tokenizer of ``model.hf_path`` and the model's context (``max_position_embeddings`` of the job's
+    resolved model section, ``job/config.py: with_checkpoint_model``); errors name ``model.hf_path``."""
+    from megatron_rl.hf.config import config_json
     from megatron_rl.hf.tokenizer import load_tokenizer
 
     hf_path = config.rl.model.hf_path
     assert hf_path is not None, "JobConfig checks that this environment has model.hf_path"
-    try:  # a folder that is not a supported checkpoint stops here, before any process group
-        context = model_config_from_hf(hf_path, key="model.hf_path").max_position_embeddings
+    try:  # a folder that is not a checkpoint stops here, before any process group
+        config_json(hf_path, key="model.hf_path")
         tokenizer = load_tokenizer(hf_path, key="model.hf_path")
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return tokenizer, context
+    return tokenizer, config.rl.model.max_position_embeddings
 
 
 def prompt_limit(config: Any, context: int) -> int:

@@ -1,6 +1,6 @@
 """Qwen3.5 (hybrid Gated-DeltaNet) checkpoints <-> megatron_rl: config fields and the weight mapping.
 
-Place in the data flow: set-up (``hf/config.py: model_config_from_hf`` takes the shapes from here) and the
+Place in the data flow: set-up (the Qwen3.5 family, ``hf/families/qwen35.py``, takes the fields from here) and the
 weight mapping between a transformers state dict and a full (TP1/PP1, ``model/weights.py``) megatron state dict.
 mbridge 0.15.1 (the newest release) has no Qwen3.5 bridge, so the mapping is written here (docs/QWEN35.md).
 
@@ -38,21 +38,14 @@ from typing import Any, Iterator
 
 import torch
 
-TEXT_MODEL_TYPE = "qwen3_5_text"
-MULTIMODAL_MODEL_TYPE = "qwen3_5"
-MODEL_TYPES = (TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE)
-_PREFIXES = {TEXT_MODEL_TYPE: "model.", MULTIMODAL_MODEL_TYPE: "model.language_model."}
+TEXT_PREFIX = "model."
+"""HF tensor-name prefix of the text-only layout's language model (``hf/families/qwen35.py: PREFIXES``)."""
 
 
-def text_config(hf_config: Any) -> Any:
-    """The language model's config: ``text_config`` of the multimodal layout, else the config itself."""
-    return hf_config.text_config if hf_config.model_type == MULTIMODAL_MODEL_TYPE else hf_config
-
-
-def model_fields(hf_config: Any) -> dict[str, Any]:
-    """The Qwen3.5-specific ``ModelConfig`` fields of a Qwen3.5 config (either layout); ValueError (one line)
-    for what the model here does not compute: MTP layers are ignored, other features refused."""
-    cfg = text_config(hf_config)
+def model_fields(cfg: Any) -> dict[str, Any]:
+    """The Qwen3.5-specific ``ModelConfig`` fields of a Qwen3.5 text config (the language model's: the family
+    unpacks the multimodal layout); ValueError (one line) for what the model here does not compute: MTP layers
+    are ignored, other features refused."""
     params = getattr(cfg, "rope_parameters", None) or {}
     if getattr(cfg, "attention_bias", False):
         raise ValueError("Qwen3.5 config with attention_bias=True: attention biases are not supported")
@@ -112,11 +105,11 @@ _NORM_RENAMES = {"input_layernorm.weight": "input_layernorm.weight",
                  "post_attention_layernorm.weight": "pre_mlp_layernorm.weight"}
 
 
-def hf_to_megatron(hf_state: dict[str, torch.Tensor], model_cfg: Any, model_type: str = TEXT_MODEL_TYPE
+def hf_to_megatron(hf_state: dict[str, torch.Tensor], model_cfg: Any, prefix: str = TEXT_PREFIX
                    ) -> dict[str, torch.Tensor]:
-    """A full (TP1/PP1) megatron state dict from a Qwen3.5 transformers state dict (``model_type`` says which
-    layout's names; tensors outside the language model are ignored). KeyError naming a missing HF tensor."""
-    p = _PREFIXES[model_type]
+    """A full (TP1/PP1) megatron state dict from a Qwen3.5 transformers state dict (``prefix``: the layout's
+    language-model names; tensors outside the language model are ignored). KeyError naming a missing HF tensor."""
+    p = prefix
     out = {"embedding.word_embeddings.weight": hf_state[f"{p}embed_tokens.weight"],
            "decoder.final_layernorm.weight": hf_state[f"{p}norm.weight"]}
     if not model_cfg.share_embeddings_and_output_weights:
@@ -143,12 +136,12 @@ def hf_to_megatron(hf_state: dict[str, torch.Tensor], model_cfg: Any, model_type
     return out
 
 
-def megatron_to_hf(full: dict[str, torch.Tensor], model_cfg: Any, model_type: str = TEXT_MODEL_TYPE
+def megatron_to_hf(full: dict[str, torch.Tensor], model_cfg: Any, prefix: str = TEXT_PREFIX
                    ) -> dict[str, torch.Tensor]:
     """Inverse of ``hf_to_megatron`` (language-model tensors; vocabulary rows beyond ``model_cfg.vocab_size``,
     the TP padding, are dropped). ``full`` may hold one pipeline stage only (``iter_stage_weights``): the layers,
     embedding, final norm and output layer it lacks are left out."""
-    p, vocab = _PREFIXES[model_type], model_cfg.vocab_size
+    p, vocab = prefix, model_cfg.vocab_size
     out: dict[str, torch.Tensor] = {}
     for src, dst in (("embedding.word_embeddings.weight", f"{p}embed_tokens.weight"),
                      ("decoder.final_layernorm.weight", f"{p}norm.weight"), ("output_layer.weight", "lm_head.weight")):
@@ -191,19 +184,19 @@ def read_safetensors(hf_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
-                 model_type: str) -> None:
+                 prefix: str) -> None:
     """Copy a Qwen3.5 checkpoint into this rank's model chunks (any TP/PP layout; collective only where
     ``model/weights.py: load_full_state_dict`` is). Every rank reads the whole checkpoint: host memory is one
     full copy per rank (mbridge, used for the other families, reads on TP rank 0 and scatters)."""
     from megatron_rl.model.weights import load_full_state_dict
 
-    full = hf_to_megatron(read_safetensors(hf_dir), model_cfg, model_type)
+    full = hf_to_megatron(read_safetensors(hf_dir), model_cfg, prefix)
     for chunk in model_chunks:
         load_full_state_dict(chunk, full, groups)
 
 
 def iter_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
-                 model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
+                 prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor on CPU)`` of the model in ``hf_dir``'s layout, then, unchanged, every tensor of
     the source checkpoint the model here does not hold (the vision tower of the multimodal layout, MTP layers),
     so that transformers loads the result as it loaded the source. Collective (``full_state_dict``): run it to
@@ -213,7 +206,7 @@ def iter_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike,
     full: dict[str, torch.Tensor] = {}
     for chunk in model_chunks:
         full.update(full_state_dict(chunk, groups))
-    language = megatron_to_hf(full, model_cfg, model_type)
+    language = megatron_to_hf(full, model_cfg, prefix)
     yield from language.items()
     for name, tensor in read_safetensors(hf_dir).items():
         if name not in language:
@@ -224,8 +217,8 @@ class StageStream:
     """The per-stage weight stream of a Qwen3.5 model (``hf/weights.py: iter_stage_hf_weights`` with this as its
     ``bridge``): the model's config and layout, read once (a weight sync then reads no file)."""
 
-    def __init__(self, model_cfg: Any, model_type: str) -> None:
-        self.model_cfg, self.model_type = model_cfg, model_type
+    def __init__(self, model_cfg: Any, prefix: str = TEXT_PREFIX) -> None:
+        self.model_cfg, self.prefix = model_cfg, prefix
 
     def iter_stage_weights(self, model_chunks: list[torch.nn.Module], groups: Any
                            ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -239,4 +232,4 @@ class StageStream:
         for chunk in model_chunks:
             stage.update(full_state_dict(chunk, groups, all_stages=False))
         if groups.tp_rank == 0:
-            yield from megatron_to_hf(stage, self.model_cfg, self.model_type).items()
+            yield from megatron_to_hf(stage, self.model_cfg, self.prefix).items()

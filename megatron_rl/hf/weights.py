@@ -3,29 +3,14 @@
 Place in the data flow: set-up (import: after ``model.builder.build_gpt_model``, before training) and export
 (after training, or for a rollout engine). ``model_config_from_hf`` (``hf/config.py``) gives the shapes.
 
-We build the model ourselves (local or TE spec, ``model/builder.py``) and use mbridge 0.15.1 only to move
-tensors: ``load_weights`` (tensor-parallel rank 0 of each stage reads the safetensors, converts, scatters the
-TP shards) and ``export_weights`` (a collective generator: all-gathers TP shards, broadcasts over PP, yields HF
-names and full tensors; every rank must run it to the end). What mbridge needs here (docs/HF.md section 3):
-
-- two names of the local layer spec it does not know: ``input_layernorm.weight`` and
-  ``pre_mlp_layernorm.weight`` (mbridge maps only TE's fused ``layer_norm_weight`` names);
-- ``rope_theta`` set from transformers 5's ``rope_parameters``;
-- per-instance name maps: ``Qwen2Bridge`` redirects ``output_layer.weight`` for tied embeddings by mutating
-  its *class* dict, which would leak into every later Qwen2 bridge of the process; Llama has no such redirect;
-- the parallel state taken from our ``ParallelGroups`` (mbridge would read megatron's globals, and would turn
-  on sequence parallelism for TP > 1 in a config it builds for itself; that config is unused here);
-- the vocabulary padding of ``model/builder.py`` (rows appended up to a multiple of TP: zero on import,
-  dropped on export);
-- mixture-of-experts (docs/HF.md section 7): mbridge knows only TE's grouped-expert names
-  (``mlp.experts.linear_fc1.weight{j}``), so it sees each chunk through ``_GroupedExpertNames``, which renames
-  our ``mlp.experts.local_experts.{j}.linear_fc1.weight`` to them (mbridge then maps local expert j of EP rank e
-  to global expert ``e * n_local + j`` itself), and it gets the EP and expert-TP groups; its TP merge is told
-  that a whole expert (expert_tensor_parallel_size 1) is not split over TP.
+Each checkpoint's family (``hf/families``) moves its tensors: the dense and MoE families through mbridge
+(``hf/mbridge.py``: the bridge that speaks our layer names and layout, docs/HF.md section 3), Qwen3.5 through
+its own mapping. Here: the checks and the entry points that find the family, the per-stage stream of the weight
+sync, and the HF export's writer.
 
 Qwen3.5 (hybrid Gated-DeltaNet) has no mbridge bridge: ``hf/qwen35.py`` maps it (every rank reads the
 checkpoint, ``model/weights.py`` shards it); its per-stage stream gathers the stage over TP at once
-(``qwen35.StageStream``, which ``bridge_for`` returns for it).
+(``qwen35.StageStream``, which ``bridge_for`` returns for it, ``Family.stage_stream``).
 
 Export writes ``model.safetensors`` (or size-limited shards + ``model.safetensors.index.json``) on rank 0,
 plus the source directory's config and tokenizer files, so ``transformers`` loads the result directly.
@@ -36,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -47,10 +31,8 @@ import torch.distributed as dist
 from megatron_rl.checkpoint.dist import model_shape_mismatches
 from megatron_rl.config import MegatronRLConfig, ModelConfig
 from megatron_rl.distributed.bootstrap import ParallelGroups
-from megatron_rl.hf.config import (
-    HF_DIR_KEY, MOE_MODEL_TYPES, describe_hf_load, load_hf_config, model_config_from_hf, rope_theta,
-)
-from megatron_rl.hf import qwen35
+from megatron_rl.hf.config import HF_DIR_KEY, describe_hf_load, family_of_checkpoint, load_hf_config, model_config_from_hf
+from megatron_rl.hf.mbridge import is_grouped_expert, mbridge_views
 from megatron_rl.hf.tokenizer import resolve_pad_token_id
 from megatron_rl.model import lora
 from megatron_rl.model.optimizer import follow_new_weights
@@ -60,148 +42,12 @@ from megatron_rl.model.weights import unwrap
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".pt", ".pth")
 
 
-# Workaround W12 (docs/MEGATRON_CORE.md; mbridge 0.15.1): remove the name maps and state set-up when mbridge fixes them.
-def make_bridge(hf_dir: str | os.PathLike, groups: ParallelGroups, dtype: torch.dtype, padded_vocab_size: int) -> Any:
-    """An mbridge ``Bridge`` for ``hf_dir`` that speaks our layer names and layout (module docstring).
-
-    For an MoE checkpoint only the bridge's name maps and conversions are used: its own ``TransformerConfig``
-    hard-codes router settings (``moe_router_pre_softmax``, load balancing, grouped GEMM) that need not be ours.
-    Pass it ``_GroupedExpertNames`` views of the model chunks (``load_hf_weights``, ``iter_hf_weights`` do)."""
-    from mbridge import AutoBridge
-    from mbridge.core.parallel_states import ParallelStates
-
-    hf_config = load_hf_config(hf_dir)
-    if hf_config.model_type in qwen35.MODEL_TYPES:
-        raise ValueError(f"{str(hf_dir)!r} is a Qwen3.5 checkpoint: mbridge has no bridge for it; use "
-                         "bridge_for (hf/qwen35.py maps it: docs/QWEN35.md)")
-    hf_config.rope_theta = rope_theta(hf_config)
-    states = ParallelStates(
-        tp_size=groups.tp_size, tp_rank=groups.tp_rank, pp_size=groups.pp_size, pp_rank=groups.pp_rank,
-        vpp_size=None, cp_size=groups.cp_size, cp_rank=groups.cp_rank,
-        ep_size=groups.ep_size, ep_rank=groups.ep_rank, etp_size=groups.etp_size, etp_rank=groups.etp_rank,
-        tp_group=groups.tp_group, pp_group=groups.pp_group, cp_group=groups.cp_group,
-        ep_group=groups.ep_group, etp_group=groups.etp_group,
-    )  # fmt: skip
-    bridge = AutoBridge.from_config(hf_config, dtype=dtype, parallel_states=states)
-    _set_name_maps(bridge, tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
-    if hf_config.model_type in MOE_MODEL_TYPES:
-        _whole_experts_under_tp(bridge)
-    bridge.make_vocab_size_divisible_by = groups.tp_size
-    bridge.vocab_size, bridge.padded_vocab_size = hf_config.vocab_size, padded_vocab_size
-    return bridge
-
-
-def _set_name_maps(bridge: Any, tied: bool) -> None:
-    """Instance-level copies of mbridge's name maps with the local-spec norms and the tied output layer."""
-    bridge._DIRECT_MAPPING = {
-        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-        "decoder.final_layernorm.weight": "model.norm.weight",
-        "output_layer.weight": "model.embed_tokens.weight" if tied else "lm_head.weight",
-    }
-    bridge._MLP_MAPPING = {
-        "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
-        **type(bridge)._MLP_MAPPING,
-    }
-    bridge._OTHER_MAPPING = {
-        **type(bridge)._OTHER_MAPPING,
-        "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
-    }
-    bridge._get_hf_shared_weight_keys = lambda: ["model.embed_tokens.weight"] if tied else []
-
-
-# Workaround W21 (docs/MEGATRON_CORE.md; mbridge 0.15.1): remove when mbridge's merge skips experts that
-# expert_tensor_parallel_size=1 keeps whole.
-def _whole_experts_under_tp(bridge: Any) -> None:
-    """With TP > 1 and expert_tensor_parallel_size 1 every TP rank holds whole experts, but at EP1 mbridge's
-    ``export_weights`` still all-gathers them over TP (they carry ``tensor_model_parallel``) and its
-    ``_weight_merge_across_tp`` then asserts one piece per expert-TP rank; the TP copies are identical: keep one."""
-    merge = bridge._weight_merge_across_tp
-
-    def merge_whole_experts(name: str, weights: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
-        if _is_grouped_expert(name) and bridge.mpu.etp_size == 1:
-            return weights[0]
-        return merge(name, weights, param)
-
-    bridge._weight_merge_across_tp = merge_whole_experts
-
-
-_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
-
-
-def grouped_expert_name(name: str) -> str:
-    """Our (local-spec) expert parameter name -> TE's grouped name, the one mbridge maps; other names unchanged:
-    ``decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight`` -> ``...mlp.experts.linear_fc1.weight3``
-    (3 = the local expert index on this EP rank)."""
-    match = _LOCAL_EXPERT.match(name)
-    return name if match is None else f"{match[1]}{match[3]}{match[2]}"
-
-
-def _is_grouped_expert(name: str) -> bool:
-    return ".mlp.experts.linear_fc" in name
-
-
-# Workaround W20 (docs/MEGATRON_CORE.md; mbridge 0.15.1): remove when mbridge maps the local spec's
-# SequentialMLP expert names (``local_experts.{j}``).
-class _GroupedExpertNames:
-    """One model chunk as mbridge sees it: parameters and state under ``grouped_expert_name``s.
-
-    mbridge's ``load_weights`` and ``export_weights`` decide by name whether a tensor is an expert (split over the
-    expert-TP group, gathered over EP) and read the local expert index from a ``weight{j}`` suffix; with the
-    local-spec names they raise ``NotImplementedError`` (``mbridge/models/qwen2moe.py`` ~104) or, for the split,
-    would treat an expert as a TP-split dense weight. Tensors are shared with the chunk (loading copies in place).
-    """
-
-    def __init__(self, chunk: torch.nn.Module, merge_adapters: bool = False) -> None:
-        self.chunk = unwrap(chunk)
-        self.decoder = getattr(self.chunk, "decoder", None)
-        self._state: dict[str, torch.Tensor] | None = None
-        self._adapted = lora.adapted_linears(self.chunk) if merge_adapters else {}
-
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """The chunk's parameters; LoRA adapters are not HF weights: skipped, and with ``merge_adapters`` (export,
-        weight sync) an adapted linear's weight is yielded merged (a new tensor, made when it is reached)."""
-        for name, param in self.chunk.named_parameters():
-            if lora.is_adapter_name(name):
-                continue
-            if name in self._adapted:
-                param = lora.merged_weight(self._adapted[name], param)
-            yield grouped_expert_name(name), param
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        if self._state is None:  # mbridge asks once per tensor
-            self._state = {grouped_expert_name(k): v for k, v in self.chunk.state_dict().items()
-                           if not lora.is_adapter_name(k)}
-        return self._state
-
-
-def _views(model_chunks: list[torch.nn.Module], merge_adapters: bool = False) -> list[_GroupedExpertNames]:
-    return [_GroupedExpertNames(chunk, merge_adapters) for chunk in model_chunks]
-
-
 def bridge_for(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups) -> Any:
-    """mbridge's converter for ``hf_dir`` (``make_bridge``); for Qwen3.5, which mbridge lacks, our own
-    (``qwen35.StageStream``: ``iter_stage_hf_weights`` only)."""
-    model_type = load_hf_config(hf_dir).model_type
-    if model_type in qwen35.MODEL_TYPES:
-        return qwen35.StageStream(model_config_from_hf(hf_dir), model_type)
-    embedding_or_output = _vocab_parallel_rows(model_chunks[0])
-    dtype = next(model_chunks[0].parameters()).dtype
-    padded = _all_reduce_max(embedding_or_output, groups)
-    return make_bridge(hf_dir, groups, dtype, padded)
-
-
-def _vocab_parallel_rows(chunk: torch.nn.Module) -> int:
-    """Full (padded) vocabulary rows of this stage's embedding or output layer; 0 for a middle stage."""
-    for name, param in chunk.named_parameters():
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            return param.shape[0] * getattr(chunk.config, "tensor_model_parallel_size", 1)
-    return 0
-
-
-def _all_reduce_max(value: int, groups: ParallelGroups) -> int:
-    tensor = torch.tensor([value], dtype=torch.int64, device=groups.device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=groups.pp_group)
-    return int(tensor.item())
+    """The converter of ``hf_dir``'s family for ``iter_stage_hf_weights`` (``Family.stage_stream``): mbridge's
+    (``hf/mbridge.py: stage_bridge``), or the family's own (Qwen3.5: ``qwen35.StageStream``)."""
+    hf_config = load_hf_config(hf_dir)
+    family = family_of_checkpoint(hf_config)
+    return family.stage_stream(model_chunks, hf_dir, groups, model_config_from_hf(hf_dir), hf_config)
 
 
 def check_hf_matches(model_cfg: ModelConfig, hf_dir: str | os.PathLike, *, key: str = HF_DIR_KEY) -> None:
@@ -248,14 +94,10 @@ def load_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
         check_hf_matches(model_cfg, hf_dir, key=key)
     if not list(Path(hf_dir).glob("*.safetensors")):
         raise ValueError(f"{key}={str(hf_dir)!r} has no *.safetensors files (only safetensors are read)")
-    model_type = load_hf_config(hf_dir, key=key).model_type
-    if model_type in qwen35.MODEL_TYPES:  # no mbridge bridge: our own mapping (hf/qwen35.py)
-        with torch.no_grad():
-            qwen35.load_weights(model_chunks, hf_dir, groups, model_cfg or model_config_from_hf(hf_dir), model_type)
-        return
-    bridge = bridge_for(model_chunks, hf_dir, groups)
+    hf_config = load_hf_config(hf_dir, key=key)
     with torch.no_grad():
-        bridge.load_weights(_views(model_chunks), str(hf_dir))
+        family_of_checkpoint(hf_config).load_weights(model_chunks, hf_dir, groups,
+                                                     model_cfg or model_config_from_hf(hf_dir), hf_config)
 
 
 def load_hf_into_policy(policy: MegatronPolicy, hf_dir: str | os.PathLike | None = None) -> None:
@@ -294,18 +136,14 @@ def iter_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLi
                     *, merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor on CPU)`` for every HF weight; a collective: run it to the end on every rank.
     ``merge_adapters=False``: a LoRA policy's frozen base alone (the vLLM engines' model, docs/LORA.md section 5)."""
-    model_type = load_hf_config(hf_dir).model_type
-    if model_type in qwen35.MODEL_TYPES:  # no mbridge bridge: our own mapping (hf/qwen35.py)
-        if not merge_adapters and lora.adapted_linears(unwrap(model_chunks[0])):
-            raise ValueError("model.lora.rank > 0 with rollout.engine=vllm is not built for Qwen3.5 models (their "
-                             "adapter-only weight sync): use rollout.engine=builtin, or model.lora.rank=0")
-        with torch.no_grad():
-            yield from qwen35.iter_weights(model_chunks, hf_dir, groups, model_config_from_hf(hf_dir), model_type)
-        return
-    bridge = bridge_for(model_chunks, hf_dir, groups)
+    hf_config = load_hf_config(hf_dir)
+    family = family_of_checkpoint(hf_config)
+    if not merge_adapters and not family.support.vllm_adapter_sync and lora.adapted_linears(unwrap(model_chunks[0])):
+        raise ValueError(f"model.lora.rank > 0 with rollout.engine=vllm is not built for {family.name} models (their "
+                         "adapter-only weight sync): use rollout.engine=builtin, or model.lora.rank=0")
     with torch.no_grad():
-        for name, tensor in bridge.export_weights(_views(model_chunks, merge_adapters=merge_adapters)):
-            yield name, tensor.detach().to("cpu", copy=True).contiguous()
+        yield from family.iter_weights(model_chunks, hf_dir, groups, model_config_from_hf(hf_dir), hf_config,
+                                       merge_adapters)
 
 
 def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.PathLike, groups: ParallelGroups,
@@ -337,20 +175,22 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
                          "handles whole experts only; set expert_tensor_parallel_size=1")
     if bridge is None:
         bridge = bridge_for(model_chunks, hf_dir, groups)
-    if isinstance(bridge, qwen35.StageStream):  # no mbridge bridge: our own mapping, the stage gathered at once
+    from mbridge.core.bridge import Bridge
+
+    if not isinstance(bridge, Bridge):  # a family's own stream (Qwen3.5: the stage gathered at once)
         with torch.no_grad():
             yield from bridge.iter_stage_weights(model_chunks, groups)
         return
     tied = bool(getattr(bridge.hf_config, "tie_word_embeddings", False))
     root = _is_stream_root(groups)
     with torch.no_grad():
-        for view in _views(model_chunks, merge_adapters=True):
+        for view in mbridge_views(model_chunks, merge_adapters=True):
             local_to_global = bridge._weight_name_mapping_mcore_local_to_global(view, consider_ep=False)
             for local_name, param in view.named_parameters():
                 if tied and local_name == "output_layer.weight":
                     continue
                 name = local_to_global[local_name]
-                if _is_grouped_expert(name):  # whole on this rank (expert TP 1): only EP to cross
+                if is_grouped_expert(name):  # whole on this rank (expert TP 1): only EP to cross
                     yield from _stream_experts(bridge, name, param.detach(), groups)
                 elif getattr(param, "tensor_model_parallel", False) and groups.tp_size > 1:
                     plan = _merge_plan(bridge, name, param)

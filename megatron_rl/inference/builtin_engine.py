@@ -271,8 +271,10 @@ class BuiltinEngine:
         layers keep a recurrent state the cache does not hold: full forwards). Records the routing when the
         policy's ``model.moe_router_replay`` is "r3"."""
         record = getattr(policy.config.model, "moe_router_replay", "none") == "r3"
-        hybrid = getattr(policy.config.model, "linear_attention_freq", None) is not None
-        cached = kv_cache and policy.groups.cp_size == 1 and not hybrid
+        from megatron_rl.hf.families import family_of
+
+        decodes = family_of(policy.config.model).support.kv_cache_decoding  # not a hybrid model's recurrent state
+        cached = kv_cache and policy.groups.cp_size == 1 and decodes
         return cls(policy_next_token_logprobs(policy, pad_token_id),
                    policy_routed_experts(policy, pad_token_id) if record else None,
                    decoder=(lambda: PolicyDecoder(policy, pad_token_id)) if cached else None)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from megatron_rl.config import AT_LEAST_1, POSITIVE, ConfigError, ConfigSection, ModelConfig, on_cpu, valid
+from megatron_rl.hf.families import Family, family_of
 
 
 @dataclass(kw_only=True)
@@ -93,8 +94,9 @@ class RolloutConfig(ConfigSection):
     """Size of one weight-sync message (MiB): the sender's extra memory is about one bucket plus the largest
     tensor."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Engine dtype; 'auto' = the policy's ``model.params_dtype``, except a hybrid Gated-DeltaNet model (Qwen3.5)
-    on CPU: bfloat16, the only dtype of vLLM's CPU GDN kernels (``engine_dtype``). The mean log-prob agreement
+    """Engine dtype; 'auto' = the policy's ``model.params_dtype``, except on CPU for a model family whose vLLM CPU
+    kernels lack it (``Support.vllm_cpu_dtypes``; a hybrid Gated-DeltaNet model, Qwen3.5: bfloat16 only,
+    ``engine_dtype``). The mean log-prob agreement
     each dtype allows is ``AGREEMENT_BOUNDS``, checked every on-policy step."""
     max_model_len: int | None = field(default=None, metadata=AT_LEAST_1)
     """Longest prompt + response the engine accepts; None = ``model.max_position_embeddings``."""
@@ -152,10 +154,6 @@ vllm-cpu 0.32: 8e-4 mean, 3.5e-3 max, tests/job/test_qwen35_job.py), far below w
 (0.22 mean after a missed sync at lr 1e-2; 0.1-0.6 for W19's stale output layer). The max is not checked:
 near-tied tokens of a large model can move by more in bf16 alone."""
 
-VLLM_CPU_GDN_HEAD_DIMS = (64, 128)
-"""Gated-DeltaNet head dims of vLLM's CPU GDN kernels (vllm-cpu 0.32: ``chunk_gated_delta_rule_cpu`` raises
-"Unexpected head dim size" at the first generation step otherwise)."""
-
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """Head sizes vLLM's CPU attention backend supports (vllm-cpu 0.32: ``CPUAttentionBackend.get_supported_head_sizes``;
 any other fails at the first generation step, not at start-up)."""
@@ -163,23 +161,23 @@ any other fails at the first generation step, not at start-up)."""
 
 def check_vllm_model(rollout: RolloutConfig, model: ModelConfig, device: str) -> None:
     """ConfigError for a model the vLLM fleet cannot run, before anything starts (the vLLM engine's registered
-    check, ``registry.py``). With ``model.hf_path`` the shapes are the checkpoint's (its ``config.json``), not the
-    ``model.*`` keys (which it replaces)."""
-    if on_cpu(device) and is_hybrid(model):
-        _check_cpu_gdn(rollout, model)
+    check, ``registry.py``). ``model`` is the job's resolved model section: with ``model.hf_path``, the
+    checkpoint's shapes and family (``job/config.py: load_job_config``), not the ``model.*`` keys it replaces; a
+    checkpoint whose config.json is not there yet is left to its loader, which reports that."""
+    if model.hf_path and not model.family:
+        return
+    if on_cpu(device):
+        _check_cpu_dtype_and_linear_heads(rollout, model, family_of(model))
     if rollout.sleep_while_training and device == "cpu":
         raise ConfigError("rollout.sleep_while_training=true frees GPU memory for training, but parallel.device=cpu; "
                           "unset it (on CPU the engines use host memory)")
     if device != "cpu":
         return
-    shapes = _hf_shapes(model.hf_path) if model.hf_path else None
-    if model.hf_path and shapes is None:  # not readable (yet): the checkpoint's loader reports that
-        return
-    if shapes is not None:
-        head_dim, source = shapes, f"model.hf_path={model.hf_path} has a head size of"
+    head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
+    if model.hf_path:
+        source = f"model.hf_path={model.hf_path} has a head size of"
         fix = "use a checkpoint with one of those head sizes, or rollout.engine=builtin"
     else:
-        head_dim = model.kv_channels or model.hidden_size // model.num_attention_heads
         source = (f"model.hidden_size={model.hidden_size} / model.num_attention_heads={model.num_attention_heads} "
                   "gives")
         fix = ("change model.num_attention_heads or set model.kv_channels (configs/demo_vllm.yaml uses 2 heads "
@@ -189,17 +187,15 @@ def check_vllm_model(rollout: RolloutConfig, model: ModelConfig, device: str) ->
                           f"attention), but {source} {head_dim}; {fix}")
 
 
-def is_hybrid(model: ModelConfig) -> bool:
-    """Whether the model has Gated-DeltaNet layers (``model.linear_attention_freq``, or a Qwen3.5 ``hf_path``)."""
-    return model.linear_attention_freq is not None or _is_qwen35(model.hf_path)
-
-
 def engine_dtype(rollout: RolloutConfig, model: ModelConfig, device: str) -> tuple[str, str]:
     """The vLLM engine's dtype and why (a phrase for the start-up line)."""
     if rollout.dtype != "auto":
         return rollout.dtype, f"rollout.dtype={rollout.dtype}"
-    if on_cpu(device) and is_hybrid(model):
-        return "bfloat16", "vLLM's CPU Gated-DeltaNet kernels run in bf16 only"
+    family = family_of(model)
+    dtypes = family.support.vllm_cpu_dtypes
+    if on_cpu(device) and model.params_dtype not in dtypes:
+        return dtypes[0], (family.support.vllm_cpu_dtype_why
+                           or f"vLLM's CPU kernels run a {family.title or family.name} model in {' or '.join(dtypes)} only")
     return model.params_dtype, f"model.params_dtype={model.params_dtype}"
 
 
@@ -215,56 +211,20 @@ def agreement_bound(engine: str, trainer: str) -> float:
     return AGREEMENT_BOUNDS["float32" if engine == trainer == "float32" else "bfloat16"]
 
 
-def _check_cpu_gdn(rollout: RolloutConfig, model: ModelConfig) -> None:
-    """ConfigError for a hybrid Gated-DeltaNet model vLLM's CPU kernels cannot run: fp32, or a GDN head dim other
-    than 64 or 128 (the checkpoint's ``config.json`` when ``model.hf_path`` is set)."""
-    if rollout.dtype == "float32":
-        raise ConfigError("rollout.dtype=float32 with a hybrid Gated-DeltaNet (Qwen3.5) model on CPU: vLLM's CPU GDN "
-                          "kernels run in bf16 only; set rollout.dtype=auto (bf16 here) or rollout.engine=builtin")
-    fields = ("linear_key_head_dim", "linear_value_head_dim")
-    if model.hf_path:
-        cfg = _hf_text_config(model.hf_path)
-        if cfg is None:  # not readable (yet): the checkpoint's loader reports that
-            return
-        dims, where = {f: cfg.get(f) for f in fields}, f"model.hf_path={model.hf_path} has "
-    else:
-        dims, where = {f: getattr(model, f) for f in fields}, "model."
-    for name, dim in dims.items():
-        if dim not in VLLM_CPU_GDN_HEAD_DIMS:
-            raise ConfigError(f"rollout.engine=vllm on CPU needs a Gated-DeltaNet head dim in {VLLM_CPU_GDN_HEAD_DIMS} "
-                              f"(vLLM's CPU GDN kernels), but {where}{name}={dim}; use a model with one of those, "
-                              "or rollout.engine=builtin")
-
-
-def _hf_text_config(hf_path: str) -> dict | None:
-    """``hf_path/config.json`` (its ``text_config`` when nested); None when it cannot be read."""
-    import json
-    from pathlib import Path
-
-    try:
-        cfg = json.loads((Path(hf_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
-
-
-def _hf_shapes(hf_path: str) -> int | None:
-    """The head size in ``hf_path/config.json`` (None when it cannot be read: the HF loader reports that)."""
-    cfg = _hf_text_config(hf_path)
-    try:
-        return int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    except (AttributeError, ValueError, KeyError, TypeError, ZeroDivisionError):
-        return None
-
-
-def _is_qwen35(hf_path: str | None) -> bool:
-    """Whether ``hf_path/config.json`` declares a Qwen3.5 model (False when absent or unreadable)."""
-    import json
-    from pathlib import Path
-
-    from megatron_rl.hf.qwen35 import MODEL_TYPES
-
-    try:
-        return hf_path is not None and json.loads((Path(hf_path) / "config.json").read_text()).get("model_type") in MODEL_TYPES
-    except (OSError, ValueError):
-        return False
+def _check_cpu_dtype_and_linear_heads(rollout: RolloutConfig, model: ModelConfig, family: Family) -> None:
+    """ConfigError for a model vLLM's CPU kernels cannot run (its family's ``Support``): a dtype they lack (a
+    hybrid Gated-DeltaNet model: bf16 only), or a Gated-DeltaNet head dim other than 64 or 128."""
+    support = family.support
+    if rollout.dtype != "auto" and rollout.dtype not in support.vllm_cpu_dtypes:
+        why = support.vllm_cpu_dtype_why or f"vLLM's CPU kernels run it in {' or '.join(support.vllm_cpu_dtypes)} only"
+        raise ConfigError(f"rollout.dtype={rollout.dtype} with a {family.title or family.name} model on CPU: {why}; set "
+                          f"rollout.dtype=auto ({support.vllm_cpu_dtypes[0]} here) or rollout.engine=builtin")
+    if support.vllm_cpu_linear_head_dims is None:
+        return
+    where = f"model.hf_path={model.hf_path} has " if model.hf_path else "model."
+    for name in ("linear_key_head_dim", "linear_value_head_dim"):
+        dim = getattr(model, name)
+        if dim not in support.vllm_cpu_linear_head_dims:
+            raise ConfigError(f"rollout.engine=vllm on CPU needs a Gated-DeltaNet head dim in "
+                              f"{support.vllm_cpu_linear_head_dims} (vLLM's CPU GDN kernels), but {where}{name}={dim}; "
+                              "use a model with one of those, or rollout.engine=builtin")

@@ -181,9 +181,11 @@ class JobConfig:
 
     @property
     def save_dir(self) -> Path:
-        """``checkpoint.save_dir``, else ``<logging.output_dir>/checkpoints``."""
-        ckpt = self.rl.checkpoint
-        return Path(ckpt.save_dir) if ckpt.save_dir else Path(self.rl.logging.output_dir) / "checkpoints"
+        """``checkpoint.save_dir``, else ``<logging.output_dir>/checkpoints`` (``megatron_rl.preflight:
+        checkpoint_dir``, the one rule)."""
+        from megatron_rl.preflight import checkpoint_dir
+
+        return checkpoint_dir(self.rl)
 
     @property
     def export_dir(self) -> Path:
@@ -370,7 +372,25 @@ def load_job_config(path: str | Path | Sequence[str | Path] | None, overrides: S
     check_keys(flat, job_schema(), {**KEY_ALIASES, **JOB_KEY_ALIASES})
     sections = {name: build_config(JobConfig.__dataclass_fields__[name].default_factory, flat, f"{name}.")  # type: ignore
                 for name in JobConfig.SECTIONS}
-    return JobConfig(rl=build_config(MegatronRLConfig, flat), **sections)
+    return JobConfig(rl=with_checkpoint_model(build_config(MegatronRLConfig, flat)), **sections)
+
+
+def with_checkpoint_model(rl: MegatronRLConfig) -> MegatronRLConfig:
+    """``rl`` with, when ``model.hf_path`` has a config.json, the model section its family reads from it
+    (``hf/config.py: model_config_from_hf``: shapes, ``model.family``; the other keys kept): resolved here,
+    once, so that the pre-flight's checks, the engine checks and every rank read the same section (the output
+    directory's config.yaml holds it). ConfigError naming ``model.hf_path`` (or ``model.family``) for a
+    checkpoint no family reads; a folder without config.json is left to the environment and the loader, which
+    say so."""
+    model = rl.model
+    if model.hf_path is None or not (Path(model.hf_path) / "config.json").is_file():
+        return rl
+    from megatron_rl.hf.config import model_config_from_hf
+
+    try:
+        return dataclasses.replace(rl, model=model_config_from_hf(model.hf_path, base=model, key="model.hf_path"))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def dump_job_config(config: JobConfig, path: str | Path) -> None:

@@ -45,7 +45,7 @@ SHIPPED_CONFIGS = REPO_ROOT / "configs"
 """Complete configs: a ``$CONFIG`` here is read alone."""
 BASE_KEY = "base"
 """Top-level key of a user's YAML naming what it builds on (a path, or null for the defaults alone)."""
-SPEC_KEYS = ("reward.function", "job.environment", "job.agent")
+SPEC_KEYS = ("reward.function", "job.environment", "job.agent", "model.family")
 """Keys of the form ``path/to/file.py:name`` (or ``package.module:name``, left alone)."""
 MODULE_KEYS = ("rollout.engine_module",)
 """Keys of the form ``path/to/file.py`` (or ``package.module``, left alone)."""

@@ -11,7 +11,6 @@ again on all the rows).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Sequence
 
@@ -26,19 +25,14 @@ PREFLIGHT_ROWS = 64
 def load_job_rl_config(path: str | list[str], overrides: Sequence[str]) -> MegatronRLConfig:
     """The library config of the job (the job's sections are validated on the way, by ``load_job_config``, and
     the environment is built on the first rows of its data: ConfigError naming the key); with
-    ``model.hf_path``, its model section is the checkpoint's (``config.json``), so the parallel-size and
-    free-space checks see the real shapes (a folder that is not a supported checkpoint: ValueError naming
-    ``model.hf_path``, exit 2)."""
+    ``model.hf_path``, its model section is the checkpoint's (``config.json``, resolved once by
+    ``load_job_config``), so the parallel-size and free-space checks see the real shapes (a folder that is not a
+    supported checkpoint: ConfigError naming ``model.hf_path``, exit 2)."""
     from megatron_rl.environments.registry import make_environment
 
     config = load_job_config(path, overrides)
-    rl = config.rl
-    if rl.model.hf_path is not None:
-        from megatron_rl.hf.config import model_config_from_hf
-
-        rl = dataclasses.replace(rl, model=model_config_from_hf(rl.model.hf_path, base=rl.model, key="model.hf_path"))
     make_environment(config, max_rows=PREFLIGHT_ROWS)
-    return rl
+    return config.rl
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from megatron_rl.config_files import ConfigError, read_overrides
 from megatron_rl.job.launch_config import LaunchConfig, launch_config_from_flat
 from megatron_rl.job.paths import REPO_ROOT, caller_cwd
 from megatron_rl.launch import slurm_env
+from megatron_rl.launch.placement import engine_nodes_of, node_role
 from megatron_rl.launch.slurm_cli import SlurmError, hostnames, node_address
 
 LAUNCHER = REPO_ROOT / "run_megatron.sh"
@@ -88,27 +89,31 @@ def local(env: Mapping[str, str], launch: LaunchConfig) -> list[str]:
     return [exports(NNODES=launch.nodes)]
 
 
-def plan(env: Mapping[str, str], launch: LaunchConfig, argv: Sequence[str]) -> list[str]:
-    """The shell lines for ``run_megatron.sh`` (module docstring)."""
+def plan(env: Mapping[str, str], launch: LaunchConfig, argv: Sequence[str], engine_nodes: int = 0) -> list[str]:
+    """The shell lines for ``run_megatron.sh`` (module docstring); with ``rollout.engine_nodes``, then this
+    node's part: the trainer's ranks or the engine host (``launch/placement.py``)."""
     _, overrides = split_args(argv)
     if slurm_env.in_our_step(env):
-        return in_step(env)
+        place = slurm_env.node_place(env)
+        return in_step(env) + node_role(env, place.nnodes, place.node_rank, engine_nodes)
     if slurm_env.in_allocation(env):
         return srun_line(env, launch, overrides, caller_cwd())
     if launch.scheduler == "slurm":
         return ["exec " + shlex.join([sys.executable, "-m", "megatron_rl.launch.submit", *argv])]
-    return local(env, launch)
+    nnodes = launch.nodes if launch.nodes is not None else env.get("NNODES")
+    return local(env, launch) + node_role(env, nnodes, env.get("NODE_RANK"), engine_nodes)
 
 
-def load_launch(argv: Sequence[str]) -> LaunchConfig:
+def load_flat(argv: Sequence[str]) -> dict:
     configs, overrides = split_args(argv)
-    return launch_config_from_flat(read_overrides(configs, overrides))
+    return read_overrides(configs, overrides)
 
 
 def main(argv: Sequence[str]) -> int:
     try:
-        lines = plan(os.environ, load_launch(argv), argv)
-    except (ConfigError, slurm_env.SlurmContradiction, SlurmError) as err:
+        flat = load_flat(argv)
+        lines = plan(os.environ, launch_config_from_flat(flat), argv, engine_nodes_of(flat))
+    except (ValueError, SlurmError) as err:  # ConfigError and SlurmContradiction are ValueErrors
         print(f"run_megatron.sh: {err}", file=sys.stderr)
         return 2
     print("\n".join(lines))

@@ -162,7 +162,7 @@ def test_hf_config_for_moe_round_trips(tmp_path, pre_softmax):
     hf = json.loads((write_hf_config(cfg, tmp_path) / "config.json").read_text())
     assert hf["model_type"] == "qwen3_moe" and hf["norm_topk_prob"] == (not pre_softmax)
     back = model_config_from_hf(tmp_path, base=cfg)
-    assert back == dataclasses.replace(cfg, hf_path=str(tmp_path))
+    assert back == dataclasses.replace(cfg, hf_path=str(tmp_path), family="moe")
 
 
 def test_hf_config_for_moe_without_qk_norm_is_mixtral_or_refused(tmp_path):
@@ -175,7 +175,7 @@ def test_hf_config_for_moe_without_qk_norm_is_mixtral_or_refused(tmp_path):
     # Mixtral has one intermediate size (the experts'): ffn_hidden_size comes back as moe_ffn_hidden_size
     mixtral = ModelConfig(num_moe_experts=4, ffn_hidden_size=24, moe_ffn_hidden_size=24, kv_channels=16)
     hf_dir = write_hf_config(mixtral, tmp_path)
-    assert model_config_from_hf(hf_dir, base=mixtral) == dataclasses.replace(mixtral, hf_path=str(hf_dir))
+    assert model_config_from_hf(hf_dir, base=mixtral) == dataclasses.replace(mixtral, hf_path=str(hf_dir), family="moe")
     with pytest.raises(ValueError, match="moe_router_score_function='sigmoid'"):
         hf_config_for(ModelConfig(num_moe_experts=4, qk_layernorm=True, moe_router_score_function="sigmoid"))
 
@@ -254,7 +254,7 @@ def _planted_local_expert_index(parallel, hf_dir: str, tensors) -> torch.Tensor:
     """Planted bug at EP2: the bridge maps local expert j to global expert j on every EP rank (EP ignored)."""
     from megatron.core import parallel_state
 
-    import megatron_rl.hf.weights as hf_weights
+    import megatron_rl.hf.mbridge as hf_weights  # the mbridge converter's module
     from megatron_rl.distributed.bootstrap import initialize_distributed
 
     make_bridge = hf_weights.make_bridge

@@ -137,6 +137,7 @@ def test_vllm_engine_dtype_and_shapes_at_start_up(tmp_path):
     import json
 
     from megatron_rl.config import ConfigError, ModelConfig
+    from megatron_rl.hf.config import model_config_from_hf
     from megatron_rl.inference.config import RolloutConfig, agreement_bound, engine_dtype
     from megatron_rl.inference.registry import check_engine_config
 
@@ -146,7 +147,7 @@ def test_vllm_engine_dtype_and_shapes_at_start_up(tmp_path):
         (path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_text", "hidden_size": 64, "head_dim": 32,
                                                       "num_attention_heads": 4, "linear_key_head_dim": dim,
                                                       "linear_value_head_dim": 128}))
-        return ModelConfig(hf_path=str(path))
+        return model_config_from_hf(path, key="model.hf_path")  # as the job resolves it (load_job_config)
 
     vllm = RolloutConfig(engine="vllm")
     local = ModelConfig(num_layers=2, linear_attention_freq=[1, 0], kv_channels=32, linear_key_head_dim=64,

