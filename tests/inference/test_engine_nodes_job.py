@@ -3,7 +3,7 @@ machine): node 0 runs the trainer (one rank, world size 1), node 1 runs the engi
 The engine killed mid-run is replaced by node 1's host (the fleet's healing) and serves again with the current
 weights; then SIGUSR1 to both launchers (a Slurm preemption warning) stops the job at a step boundary with a
 checkpoint, exit code 3 on both nodes, and leaves no process. Cost: one vLLM job of a few steps plus one engine
-restart, ~2-3 min on 2 cores.
+restart: 141 s and 192 s measured on the 2-core machine while other jobs ran.
 """
 
 from __future__ import annotations
