@@ -69,7 +69,7 @@ else
   launch=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
 threads=$("$PY" -m megatron_rl.job.threads "$NPROC" "${config_args[@]}" "$@") || exit 2  # the cores left free
-export OMP_NUM_THREADS=${threads%% *}  # megatron_rl/job/threads.py; OMP_NUM_THREADS in the environment wins
+export OMP_NUM_THREADS=${threads%% *} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # job/threads.py (env wins)
 echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), $threads, config ${configs[*]}${*:+, overrides: $*}"
 # Pre-flight on this node (no model, no process group): config valid for this world size, output and checkpoint
 # directories writable, free space, a resume target of this model and algorithm; it prints the output and

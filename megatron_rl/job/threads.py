@@ -5,12 +5,16 @@ pyyaml only, like ``job/paths.py``) and exports the first word it prints as ``OM
 is said on the launcher's own first line. The rule (issue 53: with one rank on a 2-core machine a pinned thread
 left a core idle):
 
-    threads = max(1, (cores - engine cores) // ranks on this node)
+    threads = max(1, (cores - busy cores - engine cores) // ranks on this node)
 
-``cores``: the CPUs this process may run on (``os.sched_getaffinity``). Engine cores: one per vLLM engine this
-node starts when the engines generate while the ranks train (``rollout.max_staleness`` > 0); a synchronous
-engine's threads sleep while the ranks train (W47), so it reserves none. The built-in engine is the ranks
-themselves. ``OMP_NUM_THREADS`` in the environment wins (a positive integer; anything else is refused).
+``cores``: the CPUs this process may run on (``os.sched_getaffinity``). Busy cores: the 1-minute load average
+rounded down (other work on a shared machine: on the 2-core box at load ~28 two threads per rank made the tiny
+step 22x slower than one, 8.6 against 0.39 s, because OpenMP threads that find no free core spin). Engine cores:
+one per vLLM engine this node starts when the engines generate while the ranks train (``rollout.max_staleness``
+> 0); a synchronous engine's threads sleep while the ranks train (W47), so it reserves none. The built-in engine
+is the ranks themselves. ``OMP_NUM_THREADS`` in the environment wins (a positive integer; anything else is
+refused). The launcher also exports ``OMP_WAIT_POLICY=PASSIVE`` unless set (idle threads sleep, as the engines'
+do: W47).
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ import sys
 from collections.abc import Sequence
 
 OVERRIDE = "OMP_NUM_THREADS"
+
+
+def busy_cores() -> int:
+    """Cores other work keeps busy: the 1-minute load average, rounded down (0 where unknown)."""
+    try:
+        return int(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return 0
 
 
 def usable_cores() -> int:
@@ -52,11 +64,11 @@ def describe(nproc: int, flat: dict, env: dict | None = None) -> str:
             raise ValueError(f"{OVERRIDE}={given!r} is not a positive integer; unset it (threads are derived from the "
                              "free cores) or give a number")
         return f"{int(given)} OpenMP thread(s) per rank ({OVERRIDE})"
-    cores = usable_cores()
+    cores, busy = usable_cores(), min(busy_cores(), usable_cores())
     reserved = engine_cores(flat, int(env.get("NNODES", "1") or 1), int(env.get("NODE_RANK", "0") or 0))
-    threads = threads_per_rank(cores, nproc, reserved)
-    engines = f" less {reserved} for the engines" if reserved else ""
-    return f"{threads} OpenMP thread(s) per rank ({cores} core(s){engines} / {nproc} rank(s); {OVERRIDE}=N overrides)"
+    threads = threads_per_rank(cores, nproc, busy + reserved)
+    less = "".join(f" less {n} {why}" for n, why in ((busy, "busy (load average)"), (reserved, "for the engines")) if n)
+    return f"{threads} OpenMP thread(s) per rank ({cores} core(s){less} / {nproc} rank(s); {OVERRIDE}=N overrides)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -30,10 +30,14 @@ def test_engines_reserve_cores_only_while_they_run_beside_the_ranks():
     assert threads.engine_cores({"rollout.max_staleness": 1}, nnodes=1, node=0) == 0  # built-in: the ranks
 
 
-def test_described_and_overridable():
+def test_described_and_overridable(monkeypatch):
     cores = threads.usable_cores()
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.7, 0.0, 0.0))  # a quiet machine
     line = threads.describe(1, {}, env={})
     assert line.startswith(f"{cores} OpenMP thread(s) per rank ({cores} core(s) / 1 rank(s); OMP_NUM_THREADS=N")
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (cores + 5.0, 0.0, 0.0))  # a loaded one: other work
+    assert threads.describe(1, {}, env={}).startswith(
+        f"1 OpenMP thread(s) per rank ({cores} core(s) less {cores} busy (load average) / 1 rank(s)")
     assert threads.describe(1, {}, env={"OMP_NUM_THREADS": "3"}) == "3 OpenMP thread(s) per rank (OMP_NUM_THREADS)"
     with pytest.raises(ValueError, match="OMP_NUM_THREADS='two' is not a positive integer"):
         threads.describe(1, {}, env={"OMP_NUM_THREADS": "two"})
@@ -44,5 +48,4 @@ def test_the_launcher_reads_the_config_and_overrides():
     out = subprocess.run([sys.executable, "-m", "megatron_rl.job.threads", "1", "--config",
                           str(ROOT / "configs" / "demo_vllm.yaml"), "rollout.max_staleness=1"],
                          capture_output=True, text=True, cwd=ROOT, env=env, check=True).stdout
-    cores = threads.usable_cores()
-    assert out.split()[0] == str(max(1, cores - 1)) and "less 1 for the engines" in out
+    assert int(out.split()[0]) >= 1 and "less 1 for the engines" in out  # the busy cores vary with the load
