@@ -72,8 +72,9 @@ if [ -n "${RDZV_ENDPOINT:-}" ]; then
 else
   launch=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 fi
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), config ${configs[*]}${*:+, overrides: $*}"
+threads=$("$PY" -m megatron_rl.job.threads "$NPROC" "${config_args[@]}" "$@") || exit 2  # the cores left free
+export OMP_NUM_THREADS=${threads%% *} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}  # job/threads.py (env wins)
+echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), $threads, config ${configs[*]}${*:+, overrides: $*}"
 # Pre-flight on this node (no model, no process group): config valid for this world size, output and checkpoint
 # directories writable, free space, a resume target of this model and algorithm; it prints the output and
 # checkpoint directories of the config as resolved (overrides included). A failure is one line on stderr and

@@ -8,9 +8,10 @@ optimizer step per RL step, no KL, 20 steps. Systems, run one after the other on
 
     builtin   bash run_megatron.sh ... NPROC=1 (rollout.engine builtin, the default)
     vllm      the same with rollout.engine=vllm (--vllm; needs MEGATRON_RL_ENGINE_PYTHON, docs/INFERENCE.md)
-    trl       TRL's GRPOTrainer on CPU (plain transformers ``generate``; gradient checkpointing on, TRL's default)
-    tokens    builtin with ``batch.max_tokens_per_micro_batch=4096 batch.micro_batch_size=null`` (--tokens: one
-              micro-batch per call on this job instead of configs/user_job.yaml's 4 rows)
+    trl       TRL's GRPOTrainer on CPU with its own defaults (plain transformers ``generate``, gradient checkpointing
+              on, torch's default threads; --trl-threads N pins them)
+    tokens    builtin with ``batch.max_tokens_per_micro_batch=4096 batch.micro_batch_size=null`` (--tokens: a fixed
+              budget instead of configs/user_job.yaml's derived one, ``auto``)
     vllm_tokens  vllm with the same token budget (--vllm --tokens)
     before    builtin through another checkout (--before PATH, e.g. the main branch's worktree): the same job
               on older code, in the same invocation
@@ -25,8 +26,9 @@ torch); install it beside it and the bench finds it there::
 
 Printed: one markdown table, median seconds per step over steps 5..N (the first steps pay for warm-up), the
 phase breakdown of megatron_rl's steps (``timing/*`` metrics of ``metrics.jsonl``: rollout, old log-probs,
-update, weight sync), the whole run's wall time (process start included) and each system's ratio to TRL's
-median step. The numbers are from a shared 2-core CPU box unless said otherwise: run the systems side by side in
+update, weight sync), the start-up (megatron_rl: from the launch to the first step, ``summary.txt``; TRL: from the
+call to its first step, model load and trainer set-up included), the whole run's wall time (process start
+included) and each system's ratio to TRL's median step. The numbers are from a shared 2-core CPU box unless said otherwise: run the systems side by side in
 one invocation and compare only within it.
 """
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -91,16 +94,18 @@ def run_megatron_rl(job: dict[str, Path], out: Path, steps: int, engine: str, *,
         raise RuntimeError(f"megatron_rl ({engine}) failed, exit {proc.returncode}:\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-3000:]}")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"wall_s": wall, "steps": lines}
+    startup = re.search(r"(\d+(?:\.\d+)?) s of start-up", (out / "summary.txt").read_text())
+    return {"wall_s": wall, "steps": lines, "startup_s": float(startup.group(1)) if startup else None}
 
 
-def run_trl(job: dict[str, Path], out: Path, steps: int, threads: int = 1) -> dict:
+def run_trl(job: dict[str, Path], out: Path, steps: int, threads: int | None = None) -> dict:
     """TRL's GRPOTrainer on CPU on the same model, prompts and reward; step times from a callback. ``threads``:
-    torch's intra-op threads (run_megatron.sh gives each rank OMP_NUM_THREADS=1; on a loaded 2-core box two
-    spinning OpenMP threads made TRL's step ~10x slower)."""
+    torch's intra-op threads (None: torch's default, TRL's own; on a loaded 2-core box two spinning OpenMP
+    threads once made TRL's step ~10x slower)."""
     import torch
 
-    torch.set_num_threads(threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -115,10 +120,12 @@ def run_trl(job: dict[str, Path], out: Path, steps: int, threads: int = 1) -> di
     rows = [json.loads(line) for line in job["prompts"].read_text().splitlines()]
     dataset = Dataset.from_list(rows * ((steps * PROMPTS) // len(rows) + 1))
     times: list[float] = []
+    first_step: list[float] = []
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             self.t = time.perf_counter()
+            first_step[:] = first_step or [self.t]
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t)
@@ -135,7 +142,8 @@ def run_trl(job: dict[str, Path], out: Path, steps: int, threads: int = 1) -> di
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepTimes()])
     trainer.train()
-    return {"wall_s": time.perf_counter() - started, "step_s": times}
+    return {"wall_s": time.perf_counter() - started, "step_s": times,
+            "startup_s": first_step[0] - started if first_step else None}
 
 
 def median_from(values: list[float], first: int) -> float:
@@ -146,7 +154,8 @@ def median_from(values: list[float], first: int) -> float:
 
 def summarize(name: str, result: dict, first: int) -> dict:
     if "step_s" in result:
-        return {"system": name, "step": median_from(result["step_s"], first), "wall": result["wall_s"]}
+        return {"system": name, "step": median_from(result["step_s"], first), "wall": result["wall_s"],
+                "startup": result.get("startup_s")}
     steps = result["steps"]
 
     def col(key: str) -> float | None:
@@ -156,7 +165,7 @@ def summarize(name: str, result: dict, first: int) -> dict:
     return {"system": name, "step": col("timing/step_s"), "rollout": col("timing/rollout_s"),
             "old": col("timing/old_logprobs_s"), "update": col("timing/update_s"),
             "sync": col("timing/weight_sync_s"), "skipped": col("timing/old_logprobs_skipped"),
-            "wall": result["wall_s"]}
+            "startup": result.get("startup_s"), "wall": result["wall_s"]}
 
 
 def table(rows: list[dict], first: int, steps: int) -> str:
@@ -166,17 +175,18 @@ def table(rows: list[dict], first: int, steps: int) -> str:
         return "-" if value is None else f"{value:.{digits}f}"
 
     lines = [f"| system | median s / step (steps {first}-{steps}) | vs TRL | rollout | old log-probs | update | "
-             "weight sync | whole run s |", "|---|---|---|---|---|---|---|---|"]
+             "weight sync | start-up s | whole run s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("error"):
-            lines.append(f"| {r['system']} | {r['error']} | | | | | | |")
+            lines.append(f"| {r['system']} | {r['error']} | | | | | | | |")
             continue
         ratio = f"{r['step'] / trl:.2f}x" if trl else "-"
         old = fmt(r.get("old"))
         if r.get("skipped"):
             old += " (skipped)"
         lines.append(f"| {r['system']} | {fmt(r['step'])} | {ratio} | {fmt(r.get('rollout'))} | {old} | "
-                     f"{fmt(r.get('update'))} | {fmt(r.get('sync'))} | {r['wall']:.0f} |")
+                     f"{fmt(r.get('update'))} | {fmt(r.get('sync'))} | {fmt(r.get('startup'), 1)} | "
+                     f"{r['wall']:.0f} |")
     return "\n".join(lines)
 
 
@@ -189,7 +199,8 @@ def main() -> int:
     parser.add_argument("--tokens", action="store_true", help="add the tokens system (a token budget)")
     parser.add_argument("--before", help="add the before system: builtin through this checkout")
     parser.add_argument("--trl-site", default="/tmp/trl-site", help="folder TRL was installed into (--target)")
-    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL run (megatron_rl: 1)")
+    parser.add_argument("--trl-threads", type=int, default=None,
+                        help="torch threads of the TRL run (default: torch's own, TRL's default)")
     parser.add_argument("--out", help="write the summary rows as JSON here")
     args = parser.parse_args()
     systems = ((["before"] if args.before else []) + [s for s in args.systems.split(",") if s]

@@ -101,11 +101,21 @@ def check_fields(obj: object, prefix: str) -> None:
     for f in dataclasses.fields(obj):
         key, value = prefix + f.name, getattr(obj, f.name)
         interval = f.metadata.get("valid")
-        if interval is not None and value is not None and value not in interval:
-            raise ConfigError(f"{key}={value!r} is out of range; it must be {interval}")
         hint = hints[f.name]
+        words = _literal_words(hint)
+        if interval is not None and value is not None and value not in interval and value not in words:
+            raise ConfigError(f"{key}={value!r} is out of range; it must be {interval}"
+                              + "".join(f" or {w!r}" for w in words))
         if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
             raise ConfigError(f"{key}={value!r} is not one of {list(typing.get_args(hint))}")
+
+
+def _literal_words(hint: Any) -> tuple:
+    """The ``Literal`` choices inside a union such as ``int | Literal["auto"] | None`` (``()`` for others)."""
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return ()
+    return tuple(w for option in typing.get_args(hint) if typing.get_origin(option) is Literal
+                 for w in typing.get_args(option))
 
 
 class ConfigSection:
@@ -500,8 +510,10 @@ class BatchConfig(ConfigSection):
     """Prompts per mini-batch; one optimizer step each."""
     micro_batch_size: int | None = field(default=4, metadata=AT_LEAST_1)
     """Rows per micro-batch per DP rank; exclusive with max_tokens_per_micro_batch."""
-    max_tokens_per_micro_batch: int | None = field(default=None, metadata=AT_LEAST_1)
-    """Token budget per micro-batch (packed tokens, hard cap); exclusive with micro_batch_size."""
+    max_tokens_per_micro_batch: int | Literal["auto"] | None = field(default=None, metadata=AT_LEAST_1)
+    """Token budget per micro-batch (packed tokens, hard cap); exclusive with micro_batch_size. ``auto``: derived
+    from the model and the free memory (model/token_budget.py), never below the call's longest sequence, so no
+    sequence is refused (configs/user_job.yaml's default)."""
     update_epochs_per_batch: int = field(default=1, metadata=AT_LEAST_1)
     """Passes over each training batch."""
 

@@ -54,6 +54,8 @@ class Metric:
     def combine(self, other: "Metric") -> "Metric":
         assert self.reduce == other.reduce, (self.reduce, other.reduce)
         if self.reduce in ("max", "min"):  # NaN wins whatever the order (a skipped step must not hide)
+            if float(self.count) == 0 or float(other.count) == 0:  # an empty partial (no item) adds nothing
+                return other if float(self.count) == 0 else self
             values = (float(self.value), float(other.value))
             pick = max if self.reduce == "max" else min
             return Metric(math.nan if any(map(math.isnan, values)) else pick(values), 1.0, self.reduce)
@@ -63,7 +65,7 @@ class Metric:
         value, count = float(self.value), float(self.count)
         if self.reduce == "mean":  # an empty mean (no items) is 0, not NaN
             return value / count if count > 0 else 0.0
-        return value
+        return value if count != 0 else 0.0  # an empty max / min (count 0, e.g. no loss token) is 0
 
 
 def metrics_to_host(parts: list[dict[str, Metric]]) -> list[dict[str, Metric]]:

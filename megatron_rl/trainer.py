@@ -369,15 +369,18 @@ def logprob_mismatch_metrics(rollout_logprobs: torch.Tensor, old_logprobs: torch
                              loss_mask: torch.Tensor) -> Metrics:
     """Mean and max of ``|rollout - old|`` over loss tokens (``[B, R]`` each): sampler vs trainer numerics.
 
-    Computed on the host, whatever device the inputs come from."""
-    rollout_logprobs, old_logprobs, loss_mask = (x.to("cpu", torch.float32) for x in (rollout_logprobs,
-                                                                                     old_logprobs, loss_mask))
+    Partials on the device of ``old_logprobs``, no host sync (issue 53); the max counts the loss tokens (a part
+    without any is empty, a batch without any reports 0)."""
+    device = old_logprobs.device
+    rollout_logprobs, old_logprobs, loss_mask = (x.to(device, torch.float32) for x in (rollout_logprobs,
+                                                                                       old_logprobs, loss_mask))
     valid = loss_mask > 0
     diff = (rollout_logprobs - old_logprobs).abs()
     diff = torch.where(valid, diff, torch.zeros_like(diff))
+    largest = diff.max() if diff.numel() else diff.new_zeros(())
     return {
         "rollout/logprob_abs_diff_mean": mean_metric(diff, loss_mask),
-        "rollout/logprob_abs_diff_max": Metric(float(diff.max()) if valid.any() else 0.0, 1.0, "max"),
+        "rollout/logprob_abs_diff_max": Metric(largest, valid.sum(), "max"),
     }
 
 
@@ -385,10 +388,10 @@ def policy_loss_with_rollout_metrics(logprobs: torch.Tensor, entropy: torch.Tens
                                      mb: Mapping[str, torch.Tensor], loss_config: Any) -> tuple[torch.Tensor, Metrics]:
     """``policy_loss_fn`` with the old log-prob forward skipped (old = ``logprobs``, detached) plus what
     ``rollout_metrics`` computes from the old log-probs otherwise: the rollout mismatch and the importance ratio
-    statistics, as partials of this micro-batch (a micro-batch without loss tokens adds none: its ratio min/max
-    would be 0), merged exactly over micro-batches and DP ranks."""
+    statistics, as partials of this micro-batch (one without loss tokens adds empty ones: count 0), merged
+    exactly over micro-batches and DP ranks."""
     loss, metrics = policy_loss_fn(logprobs, entropy, mb, loss_config)
-    if "rollout_logprobs" in mb and bool((mb["loss_mask"] > 0).any()):
+    if "rollout_logprobs" in mb:  # a micro-batch without loss tokens adds empty partials (no host sync)
         current, rollout = logprobs.detach().float(), mb["rollout_logprobs"]
         metrics.update(logprob_mismatch_metrics(rollout, current, mb["loss_mask"]))
         metrics.update(importance_ratio_metrics(current, rollout, mb["loss_mask"]))

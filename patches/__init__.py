@@ -7,9 +7,10 @@ package); nothing else in megatron_rl imports this package or
 branches on whether a patch is applied. Each patch is a ``Patch`` record naming the megatron-core versions it
 was measured on, the reason and the condition under which it can be deleted.
 
-    P1, P4, P5  patches/cuda_calls.py  one TorchFunctionMode: device="cuda" -> cpu, Tensor.cuda() -> self,
-                                       Tensor.type() reports "torch.cuda.*" names
+    P1          patches/cuda_factories.py  the listed megatron-core modules' ``torch``: factories put device="cuda"
+                                       on CPU (no other call is touched: no global dispatch hook)
     P2, P3      patches/cuda_calls.py  torch.cuda.current_device -> cpu, torch.cuda.synchronize -> no-op
+    P4, P5      patches/cuda_calls.py  Tensor.cuda() -> self, Tensor.type() reports "torch.cuda.*" names
     P9          patches/cuda_calls.py  torch.cuda.current_stream -> a no-op stream
     P6          patches/rng.py         the model-parallel RNG tracker keeps CPU generator states
     P10, P11    patches/moe.py         the MoE alltoall dispatcher: its side stream, split sizes on the host
@@ -28,9 +29,10 @@ no-op translation where its call site is absent) and a warning says so. Outside 
 silently half-working patch is worse than none) unless ``MEGATRON_RL_ALLOW_UNTESTED_MCORE=1`` is set, which
 downgrades the refusal to a warning.
 
-Scope: the effects are process-global (``torch.cuda.current_device`` is replaced for everyone), except the
-TorchFunctionMode, which torch keeps per thread: it is active in the thread that called
-``apply_cpu_patches`` (the main thread), not in threads started by other code.
+Scope: the effects are process-global (``torch.cuda.current_device`` and ``Tensor.cuda`` are replaced for
+everyone, in every thread), except P1, which rebinds ``torch`` in the megatron-core modules it lists only. No
+patch installs a dispatch hook (a ``TorchFunctionMode``): a torch call outside the patched attributes costs
+what it costs without the patches.
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ _APPLIED: list[str] | None = None
 
 def registry() -> list[Patch]:
     """All CPU patches, in the order they are applied."""
-    from megatron_rl.patches import cuda_calls, fla_standins, moe, rng
+    from megatron_rl.patches import cuda_calls, cuda_factories, fla_standins, moe, rng
 
-    return [*cuda_calls.PATCHES, *rng.PATCHES, *moe.PATCHES, *fla_standins.PATCHES]
+    return [*cuda_factories.PATCHES, *cuda_calls.PATCHES, *rng.PATCHES, *moe.PATCHES, *fla_standins.PATCHES]
 
 
 def in_supported_range(version: str) -> bool:

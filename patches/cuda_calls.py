@@ -1,27 +1,22 @@
-"""P1-P5, P9: megatron-core call sites that name the CUDA device (docs/MEGATRON_CORE.md has the lines).
+"""P2-P5, P9: megatron-core's CUDA calls that are not tensor factories (docs/MEGATRON_CORE.md has the lines).
 
-P1, P4 and P5 go through one ``TorchFunctionMode`` (torch routes factory functions and Tensor methods
-through it): a ``device`` keyword naming CUDA becomes CPU, ``Tensor.cuda()`` returns the tensor itself, and
-``Tensor.type()`` reports the CUDA type name that megatron-core asserts on. P2 and P3 replace two
-``torch.cuda`` attributes, and P9 a third: ``torch.cuda.current_stream`` returns a stream stand-in
-whose waits do nothing. Everything here is a no-op translation: no numerics change.
+P2, P3 and P9 replace three ``torch.cuda`` attributes: ``current_device`` returns the CPU device,
+``synchronize`` does nothing and ``current_stream`` returns a stream stand-in whose waits do nothing. P4 and P5
+replace two ``Tensor`` methods, which only their callers pay for: ``Tensor.cuda()`` returns the tensor itself and
+``Tensor.type()`` reports the CUDA type name that megatron-core asserts on. Factories with ``device="cuda"`` are
+P1 (``patches/cuda_factories.py``). Everything here is a no-op translation: no numerics change.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megatron_rl import patches
 
 _MEASURED_ON = ("0.16.1", "0.19.2")
 _CPU = torch.device("cpu")
-
-
-def _is_cuda(device: object) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return isinstance(device, str) and device.startswith("cuda")
 
 
 def _cuda_type_name(cpu_name: str) -> str:
@@ -30,36 +25,30 @@ def _cuda_type_name(cpu_name: str) -> str:
     return "torch.cuda." + cpu_name[len("torch.") :]
 
 
-class CpuForCudaMode(TorchFunctionMode):
-    """Runs code written for CUDA tensors on CPU tensors (P1, P4, P5)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:  # P4: weight.data.cuda() in language_module.py
-            return args[0]
-        if func is torch.Tensor.type:  # P5: assert grad.type() == 'torch.cuda.FloatTensor'
-            return _tensor_type(func, args, kwargs)
-        if _is_cuda(kwargs.get("device")):  # P1: torch.zeros(..., device="cuda")
-            kwargs = dict(kwargs, device=_CPU)
-        return func(*args, **kwargs)
+def _tensor_itself(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``Tensor.cuda()`` on CPU (P4): the tensor stays where it is."""
+    return self
 
 
-def _tensor_type(func, args: tuple, kwargs: dict):
-    if len(args) == 1 and not kwargs:
-        return _cuda_type_name(func(*args))
-    if len(args) == 2 and isinstance(args[1], str) and args[1].startswith("torch.cuda."):
-        args = (args[0], "torch." + args[1][len("torch.cuda.") :])
-    return func(*args, **kwargs)
+def _replace_tensor_cuda() -> None:
+    torch.Tensor.cuda = _tensor_itself
 
 
-_MODE: CpuForCudaMode | None = None
+def _cuda_type_method(original):
+    @functools.wraps(original)
+    def type_(self, *args, **kwargs):
+        """``Tensor.type()`` names the CUDA type (P5); ``Tensor.type("torch.cuda.X")`` converts to the CPU type."""
+        if not args and not kwargs:
+            return _cuda_type_name(original(self))
+        if len(args) == 1 and isinstance(args[0], str) and args[0].startswith("torch.cuda."):
+            args = ("torch." + args[0][len("torch.cuda.") :],)
+        return original(self, *args, **kwargs)
+
+    return type_
 
 
-def _enter_mode() -> None:
-    global _MODE
-    assert _MODE is None, "CpuForCudaMode entered twice"
-    _MODE = CpuForCudaMode()
-    _MODE.__enter__()  # never exited: the mode lives as long as the process (the thread, see patches doc)
+def _replace_tensor_type() -> None:
+    torch.Tensor.type = _cuda_type_method(torch.Tensor.type)
 
 
 def _current_device() -> torch.device:
@@ -126,17 +115,6 @@ def _replace_synchronize() -> None:
 
 PATCHES = [
     patches.Patch(
-        name="P1/P4/P5 CpuForCudaMode",
-        versions=_MEASURED_ON,
-        reason=(
-            "device='cuda' in tensor factories (optimizer.py, clip_grads.py, utils.py, schedules.py), "
-            "Tensor.cuda() (language_module.py:244), Tensor.type() == 'torch.cuda.FloatTensor' "
-            "(clip_grads.py:167, distrib_optimizer.py)"
-        ),
-        removal="megatron-core allocates on the device of its inputs / a configurable device",
-        apply=_enter_mode,
-    ),
-    patches.Patch(
         name="P2 torch.cuda.current_device",
         versions=_MEASURED_ON,
         reason=(
@@ -164,5 +142,27 @@ PATCHES = [
         ),
         removal="megatron-core guards the CUDA-graph event wait by device type (or only waits when an event exists)",
         apply=_replace_current_stream,
+    ),
+    patches.Patch(
+        name="P4 Tensor.cuda",
+        versions=_MEASURED_ON,
+        reason=(
+            "weight.data.cuda() syncing tied embeddings under PP (language_module.py:244 in 0.16.1, :307 in "
+            "0.19.2); the distributed optimizer's checkpoint exchange (distrib_optimizer.py:1089 in 0.16.1, :1374 "
+            "in 0.19.2)"
+        ),
+        removal="megatron-core moves tensors to the device of the model (or its inputs)",
+        apply=_replace_tensor_cuda,
+    ),
+    patches.Patch(
+        name="P5 Tensor.type",
+        versions=_MEASURED_ON,
+        reason=(
+            "assert grad.type() == 'torch.cuda.FloatTensor' (clip_grads.py:167 in 0.16.1, :174 in 0.19.2); "
+            "param.type() checks of the mixed-precision and distributed optimizers (0.16.1: optimizer.py:671,690, "
+            "distrib_optimizer.py:361,420,582; 0.19.2: optimizer.py:1009,1028, distrib_optimizer.py:401,466,758)"
+        ),
+        removal="megatron-core's checks test the dtype, not the device",
+        apply=_replace_tensor_type,
     ),
 ]

@@ -5,10 +5,17 @@ that the oldest end of the megatron-core range runs (``ends.py``, docs/TESTING.m
 
 from __future__ import annotations
 
+import os
+
 import engine_zygote
 import pytest
 import torch
 from ends import is_core
+
+# run_megatron.sh derives threads per rank from the free cores (megatron_rl/job/threads.py); the jobs tests launch
+# share the cores with the other xdist worker, so they keep one thread each (as before issue 53). Set after torch's
+# import: this process's own threads are unchanged.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -51,3 +51,13 @@ def test_metrics_to_host_keeps_order_and_values():
     plain = [{"a": Metric(1.0)}]
     assert metrics_to_host(plain) is plain
     assert isinstance(Metric(torch.tensor([1.0, 2.0])).value, float)  # CPU tensors convert at construction
+
+
+def test_an_empty_max_or_min_partial_adds_nothing():
+    """A micro-batch without loss tokens reports its ratio min / max with count 0 (no host sync to skip it)."""
+    parts = [{"lo": Metric(math.inf, 0.0, "min"), "hi": Metric(-math.inf, 0.0, "max")},
+             {"lo": Metric(0.5, 3.0, "min"), "hi": Metric(2.0, 3.0, "max")},
+             {"lo": Metric(math.inf, 0.0, "min"), "hi": Metric(-math.inf, 0.0, "max")}]
+    assert finalize_metrics(merge_metrics(*parts)) == {"lo": 0.5, "hi": 2.0}
+    assert finalize_metrics(merge_metrics(parts[0], parts[2])) == {"lo": 0.0, "hi": 0.0}  # no token at all: 0
+    assert math.isnan(Metric(math.nan, 1.0, "max").combine(Metric(2.0, 1.0, "max")).final())  # NaN still wins

@@ -50,6 +50,8 @@ per-token loss is finite on loss tokens and the weight is a finite 0).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_rl.algorithms.kl import KL_LOG_RATIO_CLAMP, masked_log_ratio
@@ -129,13 +131,14 @@ def importance_ratio_metrics(old_logprobs: torch.Tensor, rollout_logprobs: torch
 
     ``off_policy/ratio_mean`` (a token mean partial), ``off_policy/ratio_min`` and ``off_policy/ratio_max`` (0
     when the batch has no loss token), whatever ``off_policy_correction`` is: how far the sampler is from the
-    trainer. Floats on the host (one call per train step, on the batch every rank holds whole).
+    trainer. Partials on the inputs' device, no host sync (issue 53): min / max count the loss tokens, so a part
+    without any is empty (``Metric.combine``) and a batch without any reports 0.
     """
     valid = loss_mask > 0
     ratio = torch.exp(masked_log_ratio(old_logprobs.detach().float(), rollout_logprobs.detach(), loss_mask))
-    has_tokens = bool(valid.any())
+    tokens = valid.sum()
     return {
         "off_policy/ratio_mean": mean_metric(ratio, valid),
-        "off_policy/ratio_min": Metric(float(ratio[valid].min()) if has_tokens else 0.0, 1.0, "min"),
-        "off_policy/ratio_max": Metric(float(ratio[valid].max()) if has_tokens else 0.0, 1.0, "max"),
+        "off_policy/ratio_min": Metric(torch.where(valid, ratio, math.inf).min(), tokens, "min"),
+        "off_policy/ratio_max": Metric(torch.where(valid, ratio, -math.inf).max(), tokens, "max"),
     }

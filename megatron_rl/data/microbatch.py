@@ -13,7 +13,9 @@ counts agree without a collective.
 Two policies:
   - fixed rows: ``micro_batch_size`` consecutive rows per micro-batch;
   - token budget: packed lengths (valid tokens rounded up to ``align``) are bin-packed first-fit-decreasing
-    under a hard cap ``max_tokens_per_micro_batch``; a single row above the cap is a ValueError.
+    under a hard cap ``max_tokens_per_micro_batch``; a single row above the cap is a ValueError. The setting
+    ``"auto"`` (``AUTO_TOKEN_BUDGET``) is resolved to a number by the policy before planning
+    (``model/token_budget.py``: from the model and the memory, never below the call's longest row).
 Outputs computed per micro-batch are put back into row order with ``restore_order``.
 """
 
@@ -24,6 +26,8 @@ from collections.abc import Sequence
 import torch
 
 MicroBatchPlan = list[list[int]]  # micro-batches of global row indices for one DP rank
+AUTO_TOKEN_BUDGET = "auto"
+"""``batch.max_tokens_per_micro_batch`` derived per call (model/token_budget.py), never refusing a row."""
 
 
 def dp_shard_range(num_rows: int, dp_size: int, dp_rank: int) -> tuple[int, int]:
@@ -39,8 +43,9 @@ def packed_lengths(valid_lengths: Sequence[int], align: int) -> list[int]:
     return [-(-int(n) // align) * align for n in valid_lengths]
 
 
-def check_microbatch_rule(micro_batch_size: int | None, max_tokens_per_micro_batch: int | None) -> None:
-    """The micro-batch rule, checked here only: exactly one of fixed rows / token budget, and it is >= 1.
+def check_microbatch_rule(micro_batch_size: int | None, max_tokens_per_micro_batch: int | str | None) -> None:
+    """The micro-batch rule, checked here only: exactly one of fixed rows / token budget, and it is >= 1 (or
+    the budget is ``"auto"``).
 
     ``config.batch`` validation and ``plan_microbatches`` both call this (one source of the messages).
     """
@@ -51,6 +56,11 @@ def check_microbatch_rule(micro_batch_size: int | None, max_tokens_per_micro_bat
         )
     for name, value in (("micro_batch_size", micro_batch_size), ("max_tokens_per_micro_batch",
                                                                   max_tokens_per_micro_batch)):
+        if isinstance(value, str):
+            if name == "max_tokens_per_micro_batch" and value == AUTO_TOKEN_BUDGET:
+                continue
+            raise ValueError(f"batch.{name}={value!r} is not a number; set a positive integer"
+                             + (" or 'auto'" if name == "max_tokens_per_micro_batch" else ""))
         if value is not None and value < 1:
             raise ValueError(f"batch.{name}={value} must be >= 1; set a positive value or null (and set the other)")
 
@@ -104,6 +114,7 @@ def plan_microbatches(
     Returns ``plans[d]``: DP rank d's micro-batches of global row indices; shorter plans are padded with ``[]``.
     """
     check_microbatch_rule(micro_batch_size, max_tokens_per_micro_batch)
+    assert max_tokens_per_micro_batch != AUTO_TOKEN_BUDGET, "resolve 'auto' first (model/token_budget.py)"
     lengths = packed_lengths(valid_lengths, align)
     plans = []
     for d in range(dp_size):

@@ -316,7 +316,7 @@ def check_rollout_shapes(config: JobConfig) -> None:
     align = packing_alignment(parallel.tensor_model_parallel_size, parallel.context_parallel_size,
                               parallel.sequence_parallel)
     packed = -(-longest // align) * align
-    if budget is not None and budget < packed:
+    if isinstance(budget, int) and budget < packed:  # "auto" is never below a sequence
         raise ConfigError(
             f"batch.max_tokens_per_micro_batch={budget} is below one sequence of the game, {shape}"
             + (f", packed to {packed} (a multiple of {align})" if packed != longest else "")

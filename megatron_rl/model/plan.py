@@ -25,6 +25,7 @@ from megatron_rl.data.batch import TrainingBatch, dummy_rows
 from megatron_rl.data.microbatch import MicroBatchPlan, dp_shard_range, packed_lengths, plan_microbatches
 from megatron_rl.data.packing import CPLocalPack, PackedBatch, pack, split_for_cp
 from megatron_rl.distributed.bootstrap import ParallelGroups
+from megatron_rl.model import token_budget
 
 PER_TOKEN_KEYS = (
     "response_mask", "loss_mask", "rewards", "rollout_logprobs", "old_logprobs", "ref_logprobs",
@@ -79,20 +80,24 @@ def plan_call(
     pad_token_id: int,
     fixed_shapes: bool,
     device: torch.device,
+    auto_token_budget: int | None = None,
 ) -> CallPlan:
     """Validate, DP-pad, plan and pack: everything that can fail happens here, before any collective.
 
     ``fixed_shapes``: extend every pack to the call's longest (pipeline p2p without variable lengths).
+    ``auto_token_budget``: the policy's derived budget, used when ``batch.max_tokens_per_micro_batch`` is
+    ``auto`` (model/token_budget.py; raised to the call's longest row).
     """
     batch = batch.to("cpu")  # host planning; a no-op for host batches (the contract)
     validate_batch(batch, config)
     padded, _ = batch.pad_to_multiple(groups.dp_size, pad_token_id)
     lengths = padded["attention_mask"].sum(dim=1).tolist()
+    aligned = packed_lengths(lengths, align)
+    budget = token_budget.resolve(config.batch.max_tokens_per_micro_batch, auto_token_budget, aligned)
     plans = plan_microbatches(
         lengths, groups.dp_size, micro_batch_size=config.batch.micro_batch_size,
-        max_tokens_per_micro_batch=config.batch.max_tokens_per_micro_batch, align=align,
+        max_tokens_per_micro_batch=budget, align=align,
     )  # fmt: skip
-    aligned = packed_lengths(lengths, align)
     seq_length = max(sum(aligned[r] for r in mb) if mb else align for p in plans for mb in p)
     # Workaround W2 (docs/MEGATRON_CORE.md): only without variable_seq_lengths; remove together with W1.
     target = seq_length if fixed_shapes else None

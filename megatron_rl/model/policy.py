@@ -52,12 +52,12 @@ from megatron.core.distributed import finalize_model_grads
 
 from megatron_rl.config import MegatronRLConfig
 from megatron_rl.data.batch import TrainingBatch
-from megatron_rl.data.microbatch import restore_order
+from megatron_rl.data.microbatch import AUTO_TOKEN_BUDGET, restore_order
 from megatron_rl.data.packing import packing_alignment
 from megatron_rl.distributed.bootstrap import ParallelGroups
 from megatron_rl.distributed.metrics import reduce_metrics
 from megatron_rl.metrics import Metric, merge_metrics, metrics_to_host
-from megatron_rl.model import lora, moe, router_replay, schedule
+from megatron_rl.model import lora, moe, router_replay, schedule, token_budget
 from megatron_rl.model.builder import build_gpt_model
 from megatron_rl.model.kv_cache import KVCache
 from megatron_rl.model.optimizer import build_optimizer, build_scheduler, follow_new_weights, wrap_ddp
@@ -113,6 +113,10 @@ class MegatronPolicy:
             self.optimizer = build_optimizer(self.model, config)
             self.scheduler = build_scheduler(self.optimizer, config, total_optim_steps)
         self._grads_finalized = False
+        self.auto_token_budget = None
+        """``batch.max_tokens_per_micro_batch: auto``: the budget derived for this model (model/token_budget.py)."""
+        if config.batch.max_tokens_per_micro_batch == AUTO_TOKEN_BUDGET:
+            self.auto_token_budget = token_budget.derive_budget(config, groups, module, self.align)
         replay_on = role == "policy" and config.model.num_moe_experts is not None \
             and config.model.moe_router_replay != "none"
         self._routers = router_replay.policy_routers(self.module) if replay_on else None
@@ -315,7 +319,7 @@ class MegatronPolicy:
                 config.batch, micro_batch_size=None, max_tokens_per_micro_batch=max_tokens_per_micro_batch))
         return plan_call(
             batch, config, self.groups, align=self.align, pad_token_id=self.pad_token_id,
-            fixed_shapes=fixed_shapes, device=self.device,
+            fixed_shapes=fixed_shapes, device=self.device, auto_token_budget=self.auto_token_budget,
         )  # fmt: skip
 
     def _loss_head(self, loss_fn: LossFn, loss_config: Any, compute_entropy: bool,

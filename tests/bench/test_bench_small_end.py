@@ -12,12 +12,12 @@ import bench_small_end as bench  # noqa: E402
 def test_summary_and_table():
     steps = [{"timing/step_s": s, "timing/rollout_s": s / 2, "timing/update_s": 0.1,
               "timing/old_logprobs_s": 0.0, "timing/old_logprobs_skipped": 1.0} for s in (9.0, 9.0, 1.0, 2.0, 3.0)]
-    builtin = bench.summarize("builtin", {"wall_s": 30.0, "steps": steps}, first=3)
+    builtin = bench.summarize("builtin", {"wall_s": 30.0, "steps": steps, "startup_s": 12.0}, first=3)
     assert builtin["step"] == 2.0 and builtin["rollout"] == 1.0 and builtin["skipped"] == 1.0
     trl = bench.summarize("trl", {"wall_s": 10.0, "step_s": [5.0, 0.5, 0.5, 1.0]}, first=3)
     assert trl["step"] == 0.75
     text = bench.table([builtin, trl, {"system": "vllm", "error": "not installed"}], first=3, steps=5)
-    assert "| builtin | 2.000 | 2.67x | 1.000 | 0.000 (skipped) | 0.100 | - | 30 |" in text
+    assert "| builtin | 2.000 | 2.67x | 1.000 | 0.000 (skipped) | 0.100 | - | 12.0 | 30 |" in text
     assert "| vllm | not installed |" in text
 
 
