@@ -62,7 +62,7 @@ def render(job: BatchJob) -> str:
         "set -u",
         f"cd {shlex.quote(str(job.workdir))}",
         *exports,
-        "# the command a preemption stop's line names to continue the run (megatron_rl/distributed/preemption.py)",
+        "# the command a preemption stop's line names to continue the run (the launchers read MEGATRON_RL_COMMAND)",
         f"export MEGATRON_RL_COMMAND={shlex.quote(f'sbatch {shlex.quote(str(script))}')}",
         'echo "slurm_job.sh: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"',
         "# The run in the background, so that this shell can pass Slurm's signals on (srun forwards them to the",

@@ -75,6 +75,26 @@ class SlurmCluster:
                               timeout=timeout).stdout
 
     def start(self) -> SlurmCluster:
+        try:
+            self._start_all()
+        except Exception as err:
+            logs = self._log_tails()
+            self.stop()  # what started so far, and the folder
+            raise RuntimeError(f"the test Slurm cluster did not start: {err}\n{logs}") from err
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _log_tails(self) -> str:
+        """The last lines of each daemon's output and log (the folder goes with ``stop``)."""
+        tails = []
+        for path in sorted([*self.folder.glob("*.out"), *self.folder.glob("*.log"), *self.folder.glob("munge/*.log")]):
+            lines = path.read_text(errors="replace").splitlines()[-5:]
+            tails.append(f"--- {path.name}\n" + "\n".join(lines))
+        return "\n".join(tails)
+
+    def _start_all(self) -> None:
         self._start_munge()
         self._write_conf()
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld")
@@ -84,7 +104,6 @@ class SlurmCluster:
             self._spawn(["taskset", "-c", str(core), "slurmd", "-D", "-f", str(self.conf), "-N", node],
                         f"slurmd-{node}")
         self._wait_idle()
-        return self
 
     def _spawn(self, command: list[str], name: str, user: str | None = None) -> None:
         log = open(self.folder / f"{name}.out", "ab")
@@ -104,7 +123,7 @@ class SlurmCluster:
         deadline = time.monotonic() + 20
         while not self.munge_socket.exists():
             if time.monotonic() > deadline or self.procs[-1].poll() is not None:
-                raise RuntimeError(f"munged did not start: see {self.folder / 'munged.out'}")
+                raise RuntimeError("munged did not start")
             time.sleep(0.1)
 
     def _write_conf(self) -> None:
@@ -136,9 +155,7 @@ class SlurmCluster:
             if sum(1 for line in states.splitlines() if line.split()[-1] == "idle") == len(NODES):
                 return
             time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the test Slurm cluster did not come up in {timeout} s (sinfo: {states!r}); logs in "
-                           f"{self.folder}")
+        raise RuntimeError(f"the nodes were not idle within {timeout} s (sinfo: {states!r})")
 
     def wait_job(self, job_id: str, timeout: float = 300) -> dict[str, str]:
         """``scontrol show job`` fields once the job has ended."""
@@ -153,7 +170,7 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel every job of this cluster, then end the daemons this object started (only those)."""
-        if self.procs and self.procs[0].poll() is None:
+        if len(self.procs) > 1 and self.procs[1].poll() is None:  # slurmctld
             subprocess.run(["scancel", "--full", "--partition=test"], env=self.env(), capture_output=True, timeout=30)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:

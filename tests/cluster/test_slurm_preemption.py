@@ -19,7 +19,7 @@ from test_slurm_launch import DEMO, ROOT, metrics, run_env
 from multirank import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-# TODO(merge): remove once the `preempt` branch (megatron_rl/distributed/preemption.py) is merged with this one;
+# TODO(merge): remove once the `preempt` branch (its distributed/preemption module) is merged with this one;
 # until then the launchers have no preemption handling and this test cannot pass
 pytest.importorskip("megatron_rl.distributed.preemption", reason="needs the preempt branch's preemption handling")
 STEPS = 4
