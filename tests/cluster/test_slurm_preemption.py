@@ -21,7 +21,6 @@ from multirank import free_port
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 # TODO(merge): remove once the `preempt` branch (its distributed/preemption module) is merged with this one;
 # until then the launchers have no preemption handling and this test cannot pass
-pytest.importorskip("megatron_rl.distributed.preemption", reason="needs the preempt branch's preemption handling")
 STEPS = 4
 
 
