@@ -24,130 +24,19 @@ Algorithm names are owned by the registries of ``megatron_rl.algorithms``: this 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
-import functools
-import math
-import types
-import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal, Mapping, Sequence, TypeVar
-
-import yaml
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 from megatron_rl.algorithms.validation import validate_algorithm_settings, validate_step_wise_algorithm
 from megatron_rl.config_files import ConfigError, put_dotted, read_overrides
+from megatron_rl.config_keys import (KEY_ALIASES, KEY_NOTES, Schema, build_config, check_keys,  # noqa: F401
+                                     config_to_dict, write_yaml)
+from megatron_rl.config_rules import (AT_LEAST_1, FINITE, NON_NEGATIVE, POSITIVE, UNIT,  # noqa: F401
+                                      ConfigSection, check_fields, reported_as_config_error, valid)
 from megatron_rl.data.microbatch import check_microbatch_rule
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Valid ranges, declared next to the fields
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _number(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else repr(x)
-
-
-@dataclass(frozen=True)
-class Interval:
-    """The valid values of a numeric field: finite numbers between ``low`` and ``high`` (open or closed ends)."""
-
-    low: float = -math.inf
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = False
-
-    def __contains__(self, value: object) -> bool:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            return False
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return above and below
-
-    def __str__(self) -> str:
-        if self.high == math.inf:
-            if self.low == -math.inf:
-                return "finite"
-            return f"finite and {'>' if self.low_open else '>='} {_number(self.low)}"
-        return (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
-                f"{')' if self.high_open else ']'}")
-
-
-def valid(low: float = -math.inf, high: float = math.inf, *, low_open: bool = False,
-          high_open: bool = False) -> dict[str, Interval]:
-    """Field metadata declaring the valid range (``None`` is always allowed where the type allows it)."""
-    return {"valid": Interval(low, high, low_open, high_open)}
-
-
-AT_LEAST_1 = valid(1)
-NON_NEGATIVE = valid(0)
-POSITIVE = valid(0, low_open=True)
-FINITE = valid()
-UNIT = valid(0, 1)
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def check_fields(obj: object, prefix: str) -> None:
-    """Each field of the dataclass ``obj`` against its declared range and its ``Literal`` choices."""
-    hints = _type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        key, value = prefix + f.name, getattr(obj, f.name)
-        interval = f.metadata.get("valid")
-        hint = hints[f.name]
-        words = _literal_words(hint)
-        if interval is not None and value is not None and value not in interval and value not in words:
-            raise ConfigError(f"{key}={value!r} is out of range; it must be {interval}"
-                              + "".join(f" or {w!r}" for w in words))
-        if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
-            raise ConfigError(f"{key}={value!r} is not one of {list(typing.get_args(hint))}")
-
-
-def _literal_words(hint: Any) -> tuple:
-    """The ``Literal`` choices inside a union such as ``int | Literal["auto"] | None`` (``()`` for others)."""
-    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
-        return ()
-    return tuple(w for option in typing.get_args(hint) if typing.get_origin(option) is Literal
-                 for w in typing.get_args(option))
-
-
-class ConfigSection:
-    """Base of a config section: validates the fields it owns once, on construction.
-
-    Subclasses are ``@dataclass(kw_only=True)`` with ``SECTION`` (the YAML key of the section) and may add
-    ``_check_rules`` for rules between their own fields.
-    """
-
-    SECTION: ClassVar[str]
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Ranges and choices of every field, then the section's rules; ConfigError names the dotted key."""
-        check_fields(self, f"{self.SECTION}.")
-        self._check_rules()
-
-    def _check_rules(self) -> None:
-        """Rules between this section's fields (none by default)."""
-
-
-@contextlib.contextmanager
-def _reported_as_config_error() -> Iterator[None]:
-    """The algorithms' and data's validators raise plain ValueError (they cannot import ConfigError): re-raise."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -496,7 +385,7 @@ class AlgorithmConfig(ConfigSection):
     """Critic value clip range."""
 
     def _check_rules(self) -> None:
-        with _reported_as_config_error():
+        with reported_as_config_error():
             validate_algorithm_settings(self)
 
 
@@ -524,7 +413,7 @@ class BatchConfig(ConfigSection):
                 f"batch.policy_mini_batch_size={self.policy_mini_batch_size}; both count prompts and the batch "
                 "must split into whole mini-batches"
             )
-        with _reported_as_config_error():  # the rule's one home: data/microbatch.py (the planner checks it too)
+        with reported_as_config_error():  # the rule's one home: data/microbatch.py (the planner checks it too)
             check_microbatch_rule(self.micro_batch_size, self.max_tokens_per_micro_batch)
 
 
@@ -658,7 +547,7 @@ class MegatronRLConfig:
     def _check_rules(self) -> None:
         """The root's own fields and the rules that span sections."""
         check_fields(self, "")
-        with _reported_as_config_error():
+        with reported_as_config_error():
             validate_step_wise_algorithm(self.algorithm, self.stepwise.step_wise_trajectories)
         check_critic_rules(self.critic, self.algorithm, self.batch)
         if self.model.lora.enabled and self.critic.active(self.algorithm):
@@ -678,204 +567,6 @@ class MegatronRLConfig:
         self._check_rules()
         if world_size is not None:
             self.parallel.check_world_size(world_size)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Keys: schema, suggestions for unknown keys
-# --------------------------------------------------------------------------------------------------------------
-
-KEY_ALIASES: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("learning_rate", "lr"), ("optimizer.lr",)),
-    **dict.fromkeys(("lr_warmup", "warmup", "warmup_steps", "num_warmup_steps", "lr_warmup_iters"),
-                    ("optimizer.lr_warmup_steps",)),
-    **dict.fromkeys(("lr_decay_iters", "decay_steps"), ("optimizer.lr_decay_steps",)),
-    "beta1": ("optimizer.adam_beta1",),
-    "beta2": ("optimizer.adam_beta2",),
-    **dict.fromkeys(("eps", "epsilon", "adam_epsilon"), ("optimizer.adam_eps", "model.layernorm_epsilon")),
-    **dict.fromkeys(("grad_clip", "max_grad_norm", "clip_grad_norm", "gradient_clipping"), ("optimizer.clip_grad",)),
-    **dict.fromkeys(("tp", "tp_size", "tensor_parallel_size"), ("parallel.tensor_model_parallel_size",)),
-    **dict.fromkeys(("pp", "pp_size", "pipeline_parallel_size"), ("parallel.pipeline_model_parallel_size",)),
-    **dict.fromkeys(("cp", "cp_size"), ("parallel.context_parallel_size",)),
-    **dict.fromkeys(("batch_size", "global_batch_size", "rollout_batch_size"), ("batch.train_batch_size",)),
-    **dict.fromkeys(("mini_batch_size", "ppo_mini_batch_size"), ("batch.policy_mini_batch_size",)),
-    **dict.fromkeys(("ppo_micro_batch_size", "micro_batch_size_per_gpu"), ("batch.micro_batch_size",)),
-    **dict.fromkeys(("max_tokens", "ppo_max_token_len_per_gpu"), ("batch.max_tokens_per_micro_batch",)),
-    **dict.fromkeys(("epochs", "ppo_epochs", "num_epochs"), ("batch.update_epochs_per_batch",)),
-    **dict.fromkeys(("kl_coef", "kl_coeff"), ("algorithm.kl_loss_coef",)),
-    **dict.fromkeys(("entropy_coef", "entropy_coeff"), ("algorithm.entropy_loss_coef",)),
-    **dict.fromkeys(("clip_ratio", "clip_ratio_low", "eps_clip", "clip_range"), ("algorithm.eps_clip_low",)),
-    "clip_ratio_high": ("algorithm.eps_clip_high",),
-    **dict.fromkeys(("lam", "lambda", "gae_lambda"), ("algorithm.lambd",)),
-    **dict.fromkeys(("adv_estimator", "estimator"), ("algorithm.advantage_estimator",)),
-    "loss_agg_mode": ("algorithm.loss_reduction",),
-    "num_hidden_layers": ("model.num_layers",),
-    **dict.fromkeys(("lora_rank", "lora_r"), ("model.lora.rank",)),
-    "lora_alpha": ("model.lora.alpha",),
-    **dict.fromkeys(("target_modules", "lora_target_modules"), ("model.lora.target_modules",)),
-    **dict.fromkeys(("ep", "ep_size", "expert_parallel_size"), ("parallel.expert_model_parallel_size",)),
-    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), ("model.num_moe_experts",)),
-    **dict.fromkeys(("num_experts_per_tok", "topk", "router_topk"), ("model.moe_router_topk",)),
-    "moe_intermediate_size": ("model.moe_ffn_hidden_size",),
-    **dict.fromkeys(("router_aux_loss_coef", "aux_loss_coeff"), ("model.moe_aux_loss_coeff",)),
-    "intermediate_size": ("model.ffn_hidden_size",),
-    "num_key_value_heads": ("model.num_query_groups",),
-    "rope_theta": ("model.rotary_base",),
-    "rms_norm_eps": ("model.layernorm_epsilon",),
-    **dict.fromkeys(("dtype", "precision"), ("model.params_dtype",)),
-    **dict.fromkeys(("save_freq", "save_steps"), ("checkpoint.save_interval",)),
-    **dict.fromkeys(("cliprange_value", "value_clip_range", "vf_clip"), ("algorithm.value_clip",)),
-    **dict.fromkeys(("critic_lr", "value_lr"), ("critic.lr",)),
-    **dict.fromkeys(("critic_mini_batch_size", "ppo_critic_mini_batch_size"), ("critic.mini_batch_size",)),
-}
-"""Common names from other frameworks -> our dotted keys (the first in the key's own section is suggested)."""
-
-KEY_NOTES: dict[str, str] = {
-    **dict.fromkeys(("dp", "dp_size", "data_parallel_size"),
-                    "the data-parallel size is not set: it is world size / (tensor_model_parallel_size * "
-                    "pipeline_model_parallel_size * context_parallel_size); change the number of processes"),
-    **dict.fromkeys(("demo", "job", "data", "reward", "eval", "export", "rollout", "next_digit"),
-                    "a section of the main job, not of the library config; load the file with "
-                    "megatron_rl.job.config.load_job_config (the main job: python -m megatron_rl.job.main)"),
-    "n_samples_per_prompt": "the library takes groups from the rows' uids (rows sharing a uid form a group); "
-                            "the generator sets the group size (the main job: job.n_samples_per_prompt)",
-}
-"""Names that have no key of their own, and what to do instead."""
-
-
-@dataclass(frozen=True)
-class Schema:
-    """The dotted keys a loader accepts: ``leaves`` (key -> type) and ``sections`` (keys that hold mappings)."""
-
-    leaves: Mapping[str, Any]
-    sections: frozenset[str]
-
-    @classmethod
-    def of(cls, config_cls: type, prefix: str = "") -> Schema:
-        leaves, sections = {}, {prefix[:-1]} if prefix else set()
-        for name, hint in _type_hints(config_cls).items():
-            if typing.get_origin(hint) is ClassVar:
-                continue
-            if dataclasses.is_dataclass(hint):
-                sub = cls.of(hint, f"{prefix}{name}.")
-                leaves.update(sub.leaves)
-                sections |= sub.sections
-            else:
-                leaves[prefix + name] = hint
-        return cls(leaves, frozenset(sections))
-
-    def __or__(self, other: Schema) -> Schema:
-        return Schema({**self.leaves, **other.leaves}, self.sections | other.sections)
-
-    def children(self, section: str) -> list[str]:
-        """Names directly under ``section`` ("" = top level)."""
-        names = {key[len(section) + 1 if section else 0:].split(".")[0]
-                 for key in (*self.leaves, *self.sections) if not section or key.startswith(section + ".")}
-        return sorted(names)
-
-
-def _suggestion(key: str, schema: Schema, aliases: Mapping[str, tuple[str, ...]]) -> str:
-    """How to fix the unknown ``key``, first that applies: a leaf used as a section, a note, a misspelled
-    section, an alias, the closest name in the key's section, the closest key of another section."""
-    *path, name = key.split(".")
-    section = ".".join(path)
-    for i in range(1, len(path) + 1):
-        if ".".join(path[:i]) in schema.leaves:
-            return f"; {'.'.join(path[:i])!r} takes a value, not a mapping"
-    for part in (name, *path):
-        if part in KEY_NOTES and part not in schema.sections:
-            return f"; {KEY_NOTES[part]}"
-    top = schema.children("")
-    if path and path[0] not in top and difflib.get_close_matches(path[0], top, n=1, cutoff=0.6):
-        return f"; did you mean {difflib.get_close_matches(path[0], top, n=1, cutoff=0.6)[0]!r}?"
-    targets = [t for t in aliases.get(name.lower(), ()) if t in schema.leaves]
-    if targets:
-        same_section = [t for t in targets if t.rpartition(".")[0] == section]
-        return f"; did you mean {(same_section or targets)[0]!r}?"
-    if path and path[0] not in top:
-        return f"; valid sections: {top}"
-    match = difflib.get_close_matches(name, schema.children(section), n=1, cutoff=0.6)
-    if match:
-        return f"; did you mean {(section + '.' if section else '') + match[0]!r}?"
-    elsewhere = [k for k in schema.leaves if k.rpartition(".")[0] != section]
-    match = difflib.get_close_matches(key, elsewhere, n=1, cutoff=0.6)
-    if match:
-        return f"; did you mean {match[0]!r}?"
-    return f"; valid keys{' of ' + repr(section) if section else ''}: {schema.children(section)}"
-
-
-def check_keys(flat: Mapping[str, Any], schema: Schema, aliases: Mapping[str, tuple[str, ...]] = KEY_ALIASES) -> None:
-    """Every dotted key of ``flat`` must be a leaf of ``schema``; ConfigError with a suggestion otherwise."""
-    for key, value in flat.items():
-        if key in schema.leaves:
-            continue
-        if key in schema.sections:
-            raise ConfigError(f"config key {key!r} is a section; give a mapping, not {value!r}")
-        raise ConfigError(f"unknown config key {key!r}{_suggestion(key, schema, aliases)}")
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Reading YAML and overrides, building, dumping
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _coerce(key: str, value: Any, annotation: Any) -> Any:
-    """Check ``value`` against a field annotation (after YAML parsing); int -> float is allowed.
-
-    ``Literal`` values pass through: their choices are checked by the section, for configs built in code too.
-    """
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(key, value, option)
-            except ConfigError as err:
-                errors.append(err)
-        raise errors[0] if errors else ConfigError(f"{key}: bad value {value!r}")
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}={value!r} must be a bool (true/false)")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}={value!r} must be an int")
-        return value
-    if annotation is float:
-        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
-            with contextlib.suppress(ValueError):
-                value = float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}={value!r} must be a number")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}={value!r} must be a string")
-        return value
-    return value
-
-
-T = TypeVar("T")
-
-
-def build_config(cls: type[T], flat: Mapping[str, Any], prefix: str = "") -> T:
-    """Construct ``cls`` from the dotted keys of ``flat`` under ``prefix`` (keys checked by ``check_keys``).
-
-    Sections are built bottom-up from their final values, so each validates exactly once.
-    """
-    hints = _type_hints(cls)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        key = prefix + f.name
-        if dataclasses.is_dataclass(hints[f.name]):
-            kwargs[f.name] = build_config(hints[f.name], flat, key + ".")
-        elif key in flat:
-            kwargs[f.name] = _coerce(key, flat[key], hints[f.name])
-    return cls(**kwargs)
 
 
 def load_config(
@@ -898,11 +589,6 @@ def load_config(
     return cfg
 
 
-def config_to_dict(cfg: object) -> dict:
-    """Plain nested dict of a resolved config (YAML-serializable)."""
-    return dataclasses.asdict(cfg)
-
-
 def config_from_dict(data: Mapping[str, Any]) -> MegatronRLConfig:
     """Inverse of ``config_to_dict`` (validated)."""
     flat: dict[str, Any] = {}
@@ -910,15 +596,6 @@ def config_from_dict(data: Mapping[str, Any]) -> MegatronRLConfig:
         put_dotted(flat, name, value, {})
     check_keys(flat, Schema.of(MegatronRLConfig))
     return build_config(MegatronRLConfig, flat)
-
-
-def write_yaml(data: Mapping[str, Any], path: str | Path) -> None:
-    """Write ``data`` as YAML, atomically (temp file + rename: a reader never sees half a file)."""
-    from megatron_rl.atomic import atomic_write_text
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, yaml.safe_dump(dict(data), sort_keys=False))
 
 
 def dump_config(cfg: MegatronRLConfig, path: str | Path) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import megatron_rl.config as config_module
+import megatron_rl.config_rules as config_rules
 from megatron_rl.config import (
     ConfigError,
     MegatronRLConfig,
@@ -166,7 +167,9 @@ def test_each_rule_runs_once_per_load(monkeypatch):
     """load_config builds each section from its final values: every section and the root are checked once."""
     calls = []
     real = config_module.check_fields
-    monkeypatch.setattr(config_module, "check_fields", lambda obj, prefix: calls.append(prefix) or real(obj, prefix))
+    counted = lambda obj, prefix: calls.append(prefix) or real(obj, prefix)  # noqa: E731
+    monkeypatch.setattr(config_module, "check_fields", counted)  # the root's own fields
+    monkeypatch.setattr(config_rules, "check_fields", counted)  # each section's (ConfigSection.__post_init__)
     load_config(None, ["optimizer.lr=1e-4", "optimizer.min_lr=1e-5", "batch.train_batch_size=8"])
     assert sorted(calls) == sorted(["", "parallel.", "model.", "model.lora.", "optimizer.", "algorithm.", "batch.", "stepwise.",
                                     "checkpoint.", "logging.", "critic."])
