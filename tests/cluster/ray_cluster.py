@@ -29,6 +29,8 @@ import pytest
 
 NODES = ("node_a", "node_b")
 RAY = str(Path(sys.executable).parent / "ray")
+STARTED = "Ray runtime started"
+"""What ``ray start`` prints once its node is up (and, for a worker, joined the head)."""
 
 
 def require_ray() -> None:
@@ -79,22 +81,16 @@ class RayCluster:
         log.close()
 
     def _wait_nodes(self, timeout: float) -> None:
-        """Until both nodes are alive (``ray status`` lists their resources)."""
+        """Until both ``ray start --block`` said "Ray runtime started" (the worker's once it joined the head)."""
         deadline = time.monotonic() + timeout
-        status = ""
-        while time.monotonic() < deadline:
-            if any(proc.poll() is not None for proc in self.procs):
-                break
-            result = subprocess.run([RAY, "status", f"--address={self.address}"], env=self.env(), capture_output=True,
-                                    text=True, timeout=60)
-            status = result.stdout + result.stderr
-            if all(f"{node}" in status for node in NODES) and status.count(" node_") >= len(NODES):
+        logs = [self.folder / f"{name}.out" for name in ("head", "worker")]
+        while time.monotonic() < deadline and all(proc.poll() is None for proc in self.procs):
+            if all(STARTED in log.read_text(errors="replace") for log in logs):
                 return
-            time.sleep(1)
-        logs = {p.name: p.read_text()[-2000:] for p in self.folder.glob("*.out")}
+            time.sleep(0.5)
+        text = {log.name: log.read_text(errors="replace")[-2000:] for log in logs}
         self.stop()
-        raise RuntimeError(f"the test Ray cluster did not come up in {timeout} s (ray status: {status[-1500:]!r}; "
-                           f"logs: {logs})")
+        raise RuntimeError(f"the test Ray cluster did not come up in {timeout} s: {text}")
 
     def stop(self) -> None:
         """End the two nodes this object started (only those) and remove the folder."""

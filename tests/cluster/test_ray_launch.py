@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 DEMO = ["demo.baseline_episodes=20", "logging.progress_bar=false", "logging.tensorboard=false",
-        "parallel.device=cpu", "checkpoint.save_interval=0"]
+        "parallel.device=cpu", "checkpoint.save_interval=0", "optimizer.lr=2e-3"]
 RAY_RUN = ["launch.scheduler=ray", "launch.nodes=2", "launch.ray.placement_timeout_s=60"]
 
 
