@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,6 +43,8 @@ from megatron_rl.launch.plan import split_args
 from megatron_rl.launch.ray_layout import LOG_DIR, RayLaunchError, forwarded_env, gpus_per_rank, layout_from
 from megatron_rl.launch.ray_run import RayRun
 from megatron_rl.launch.submit import output_dir
+
+CONNECT_TIMEOUT_S = 5.0
 
 
 def preflight(argv: Sequence[str], world: int) -> int:
@@ -62,6 +65,10 @@ def connect(address: str | None) -> Any:
         raise RayLaunchError(f"run_megatron.sh: launch.scheduler=ray needs the ray package, not installed in "
                              f"{sys.prefix}: {INSTALL_HINT}") from None
     where = address or os.environ.get("RAY_ADDRESS") or "auto"
+    unreachable = refused(where)
+    if unreachable:
+        raise RayLaunchError(f"run_megatron.sh: launch.scheduler=ray: no Ray cluster at {where} ({unreachable}); "
+                             "start one (ray start --head) or set RAY_ADDRESS or launch.ray.address")
     try:
         ray.init(address=where, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:
@@ -71,7 +78,27 @@ def connect(address: str | None) -> Any:
     return ray
 
 
+def refused(address: str) -> str | None:
+    """Why a ``host:port`` address takes no connection (None: it does, or another form: auto, ray://, http://).
+    ``ray.init`` would retry a dead address for minutes."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    return None
+
+
 def main(argv: Sequence[str]) -> int:
+    try:
+        return start(argv)
+    except KeyboardInterrupt:  # before the ranks started (the run's own Ctrl-C: RayRun.interrupted)
+        return 130
+
+
+def start(argv: Sequence[str]) -> int:
     configs, overrides = split_args(argv)
     try:
         flat = read_overrides(configs, overrides)

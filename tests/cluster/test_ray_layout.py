@@ -4,6 +4,7 @@ importing ``ray``. Pure and fast (the cluster tests: ``test_ray_launch.py``)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -90,3 +91,14 @@ def test_the_local_launch_never_imports_ray() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "False"
     assert RAY_VERSION in open(plan.LAUNCHER.parent / "setup.py").read()  # the extra pins the version named here
+
+
+def test_no_cluster_at_the_address_is_one_line() -> None:
+    """A dead ``host:port`` is one line at once (``ray.init`` alone would retry it for minutes)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens once closed
+    with pytest.raises(RayLaunchError) as err:
+        connect(f"127.0.0.1:{port}")
+    assert str(err.value).startswith(f"run_megatron.sh: launch.scheduler=ray: no Ray cluster at 127.0.0.1:{port} "
+                                     "(Connection refused); start one (ray start --head) or set RAY_ADDRESS")
