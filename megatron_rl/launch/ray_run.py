@@ -114,8 +114,12 @@ class RayRun:
             env = {**self.env, **layout.rank_env(rank, master, port, self.visible(rank))}
             starts.append(handle.start.remote(["-m", "megatron_rl.job.main", *self.argv], env, str(REPO_ROOT),
                                               str(self.log_dir / f"rank_{rank}.log")))
-        self.ray.get(starts)
-        self.running = set(range(layout.world))
+        self.running = set(range(layout.world))  # teardown stops those that did start
+        try:
+            self.ray.get(starts)
+        except self.ray.exceptions.RayError as err:  # e.g. the log folder not writable on a node
+            raise RayLaunchError(f"run_megatron.sh: a rank did not start on the Ray cluster ({_last_line(err)})") \
+                from None
         print(f"run_megatron.sh: Ray placement group {self.pg.id.hex()[:12]} ({layout.strategy}): "
               f"{self.where_all()}; rendezvous at {master}:{port}; each rank's log: "
               f"{self.log_dir / 'rank_<N>.log'}", flush=True)
