@@ -10,6 +10,7 @@ the ranks load it with the rest of the job config (``job/config.py``) and do not
       follow: true              # slurm: print the job's log until it ends
       slurm: {partition: null, account: null, time: null, gpus_per_node: null, cpus_per_task: null,
               extra: [], requeue: false, signal_s: 120}
+      ray: {address: null, cpus_per_rank: 1, gpus_per_rank: null, placement_timeout_s: 300}  # scheduler: ray
 
 Inside a Slurm allocation (``$SLURM_JOB_ID`` set) the launch always runs through ``srun`` whatever
 ``launch.scheduler`` says: the node count, node rank and master address are Slurm's (docs/CLUSTER.md).
@@ -23,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
 from megatron_rl.config_files import ConfigError
+from megatron_rl.job.ray_launch_config import RayConfig
 
-SCHEDULERS = ("local", "slurm")
+SCHEDULERS = ("local", "slurm", "ray")
 TIME_FORMAT = re.compile(r"^(\d+-)?\d+(:\d+){0,2}$|^\d+-\d+$")
 """Slurm's ``--time`` forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
 
@@ -95,10 +97,11 @@ class SlurmConfig:
 class LaunchConfig:
     """Where the run starts: on this machine (``local``, today's launch) or submitted to Slurm (``slurm``)."""
 
-    scheduler: Literal["local", "slurm"] = "local"
+    scheduler: Literal["local", "slurm", "ray"] = "local"
     """'local': torchrun on this machine (several machines: ``NNODES``/``NODE_RANK``/``MASTER_ADDR`` on each);
     'slurm': write a batch script into ``logging.output_dir`` and submit it with sbatch. Inside an allocation
-    (``$SLURM_JOB_ID`` set) the run goes through srun either way."""
+    (``$SLURM_JOB_ID`` set) the run goes through srun either way. 'ray': one actor per rank on the Ray cluster
+    (``launch.ray``; ``megatron_rl/launch/ray_driver.py``, docs/CLUSTER.md)."""
     nodes: int | None = None
     """Nodes of the run; None = derived (1 locally, ``$NNODES`` when set; inside an allocation, its node count).
     Inside an allocation a value that differs from it is an error."""
@@ -107,6 +110,8 @@ class LaunchConfig:
     only); false: print the job id and log path and return at once."""
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     """The allocation ``scheduler=slurm`` asks for (``launch.slurm.*``)."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """The Ray cluster and reservations of ``scheduler=ray`` (``launch.ray.*``, ``job/ray_launch_config.py``)."""
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -114,6 +119,7 @@ class LaunchConfig:
         _check_int("launch.nodes", self.nodes, low=1, optional=True)
         _check_bool("launch.follow", self.follow)
         self.slurm.validate()
+        self.ray.validate()
 
 
 def _check_int(key: str, value: Any, *, low: int, optional: bool) -> None:
@@ -128,10 +134,13 @@ def _check_bool(key: str, value: Any) -> None:
         raise ConfigError(f"{key}={value!r} must be true or false")
 
 
+SUBSECTIONS = {"slurm": SlurmConfig, "ray": RayConfig}
+
+
 def launch_keys() -> set[str]:
     """Every dotted key of the section (``launch.nodes``, ``launch.slurm.time``, ...)."""
-    return {f"launch.{f.name}" for f in dataclasses.fields(LaunchConfig) if f.name != "slurm"} | {
-        f"launch.slurm.{f.name}" for f in dataclasses.fields(SlurmConfig)}
+    return {f"launch.{f.name}" for f in dataclasses.fields(LaunchConfig) if f.name not in SUBSECTIONS} | {
+        f"launch.{name}.{f.name}" for name, cls in SUBSECTIONS.items() for f in dataclasses.fields(cls)}
 
 
 def launch_config_from_flat(flat: Mapping[str, Any]) -> LaunchConfig:
@@ -141,8 +150,9 @@ def launch_config_from_flat(flat: Mapping[str, Any]) -> LaunchConfig:
     for key in flat:
         if key.startswith("launch.") and key not in known:
             raise ConfigError(f"unknown config key {key!r}; valid keys of 'launch': {sorted(known)}")
-    slurm = {k.removeprefix("launch.slurm."): v for k, v in flat.items() if k.startswith("launch.slurm.")}
-    top = {k.removeprefix("launch."): v for k, v in flat.items() if k in known and not k.startswith("launch.slurm.")}
-    if slurm.get("extra", []) is None:
-        slurm["extra"] = []
-    return LaunchConfig(**top, slurm=SlurmConfig(**slurm))
+    sub = {name: {k.removeprefix(f"launch.{name}."): v for k, v in flat.items() if k.startswith(f"launch.{name}.")}
+           for name in SUBSECTIONS}
+    top = {k.removeprefix("launch."): v for k, v in flat.items() if k in known and k.count(".") == 1}
+    if sub["slurm"].get("extra", []) is None:
+        sub["slurm"]["extra"] = []
+    return LaunchConfig(**top, **{name: cls(**sub[name]) for name, cls in SUBSECTIONS.items()})

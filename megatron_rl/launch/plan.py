@@ -4,6 +4,7 @@ Place in the data flow: the second step of ``run_megatron.sh`` (after ``job/path
 before the pre-flight and before torch is imported. ``python -m megatron_rl.launch.plan --config <file> ...
 <overrides>`` prints shell code that ``run_megatron.sh`` evaluates; one of
 
+    launch.scheduler=ray (also inside an allocation)  export NPROC; exec python -m megatron_rl.launch.ray_driver ...
     inside our srun step ($MEGATRON_RL_SLURM_STEP)    export NNODES=<SLURM_NNODES> NODE_RANK=<SLURM_NODEID>
                                                       (then the local launcher of this node, as on a laptop)
     inside an allocation ($SLURM_JOB_ID: salloc,      export MASTER_ADDR=<first node> MASTER_PORT=<from job id>
@@ -13,7 +14,7 @@ before the pre-flight and before torch is imported. ``python -m megatron_rl.laun
 
 A contradiction between the config, the environment and the allocation is one line on stderr and exit code 2,
 before anything starts. The srun step runs ``run_megatron.sh`` with ``$MEGATRON_RL_SLURM_STEP`` set, so it takes
-the first branch and never calls srun again.
+the srun-step branch and never calls srun again.
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def plan(env: Mapping[str, str], launch: LaunchConfig, argv: Sequence[str], engi
     """The shell lines for ``run_megatron.sh`` (module docstring); with ``rollout.engine_nodes``, then this
     node's part: the trainer's ranks or the engine host (``launch/placement.py``)."""
     _, overrides = split_args(argv)
+    if launch.scheduler == "ray":  # one actor per rank on the Ray cluster (launch/ray_driver.py); also a Ray
+        # cluster started inside a Slurm allocation: Ray places the ranks, not srun
+        return ["export NPROC", "exec " + shlex.join([sys.executable, "-m", "megatron_rl.launch.ray_driver", *argv])]
     if slurm_env.in_our_step(env):
         place = slurm_env.node_place(env)
         return in_step(env) + node_role(env, place.nnodes, place.node_rank, engine_nodes)

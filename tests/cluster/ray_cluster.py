@@ -1,0 +1,111 @@
+"""A real two-node Ray cluster on this one machine, for the tests (the ``ray`` package of the venv; no mocks).
+
+``RayCluster().start()`` starts, from a private temporary folder (``RAY_TMPDIR``) with a free GCS port,
+
+    head     ray start --head --block, node_a: 1 (a custom resource naming the node), its own CPUs
+    worker   ray start --address=<head> --block, node_b: 1, its own CPUs
+
+(no dashboard, no usage stats), each in its own session, and ``stop()`` ends exactly those two process trees (the
+Popen handles it holds: SIGTERM to ``ray start --block``, which stops its node; then SIGKILL of what is left of
+each session). Clients reach the cluster through ``env()`` (``RAY_ADDRESS``, ``RAY_TMPDIR``). The ``ray`` extra
+(setup.py) is installed by ``scripts/setup.sh``; ``require_ray()`` fails when it is missing: Ray is a dependency of
+the test suite, never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+NODES = ("node_a", "node_b")
+RAY = str(Path(sys.executable).parent / "ray")
+STARTED = "Ray runtime started"
+"""What ``ray start`` prints once its node is up (and, for a worker, joined the head)."""
+
+
+def require_ray() -> None:
+    """Fail (not skip) without the ``ray`` package: scripts/setup.sh installs it with the ``ray`` extra."""
+    if not Path(RAY).exists():
+        pytest.fail(f"ray is not installed in {sys.prefix}: run `bash scripts/setup.sh` (it installs the 'ray' extra "
+                    "of setup.py)", pytrace=False)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RayCluster:
+    """Two Ray nodes on this machine (module docstring)."""
+
+    def __init__(self, cpus_per_node: int = 1) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="mrl_ray_", dir="/tmp"))  # short: Ray's socket paths
+        self.port = free_port()
+        self.cpus = cpus_per_node
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a client of this cluster."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        return {**env, "RAY_TMPDIR": str(self.folder), "RAY_ADDRESS": self.address,
+                "RAY_USAGE_STATS_ENABLED": "0", **extra}
+
+    def start(self, timeout: float = 120) -> RayCluster:
+        common = ["--block", f"--num-cpus={self.cpus}", "--num-gpus=0", "--disable-usage-stats"]
+        self._spawn([RAY, "start", "--head", f"--port={self.port}", "--include-dashboard=false",
+                     f"--resources={json.dumps({NODES[0]: 1})}", *common], "head")
+        self._spawn([RAY, "start", f"--address={self.address}", f"--resources={json.dumps({NODES[1]: 1})}", *common],
+                    "worker")
+        self._wait_nodes(timeout)
+        return self
+
+    def _spawn(self, command: list[str], name: str) -> None:
+        log = open(self.folder / f"{name}.out", "ab")
+        self.procs.append(subprocess.Popen(command, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True, cwd=self.folder))
+        log.close()
+
+    def _wait_nodes(self, timeout: float) -> None:
+        """Until both ``ray start --block`` said "Ray runtime started" (the worker's once it joined the head)."""
+        deadline = time.monotonic() + timeout
+        logs = [self.folder / f"{name}.out" for name in ("head", "worker")]
+        while time.monotonic() < deadline and all(proc.poll() is None for proc in self.procs):
+            if all(STARTED in log.read_text(errors="replace") for log in logs):
+                return
+            time.sleep(0.5)
+        text = {log.name: log.read_text(errors="replace")[-2000:] for log in logs}
+        self.stop()
+        raise RuntimeError(f"the test Ray cluster did not come up in {timeout} s: {text}")
+
+    def stop(self) -> None:
+        """End the two nodes this object started (only those) and remove the folder."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever its session still holds (raylet, gcs, workers)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        self.procs = []
+        shutil.rmtree(self.folder, ignore_errors=True)
