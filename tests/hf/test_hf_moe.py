@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batches import left_padded_tensors, training_batch
-from multirank import run_ranks
+from tests.support.batches import left_padded_tensors, training_batch
+from tests.support.multirank import run_ranks
 
 VOCAB = 128
 NUM_EXPERTS = 4

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from batches import left_padded_tensors
-from multirank import run_ranks
+from tests.support.batches import left_padded_tensors
+from tests.support.multirank import run_ranks
 
 PROMPT_LENS = [5, 2, 9, 3]
 RESPONSE_LENS = [4, 7, 1, 6]
