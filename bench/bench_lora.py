@@ -181,8 +181,7 @@ def run_variant(hf_dir: str, name: str, rank: int, port: int, out: str, device: 
 def measure(hf_dir: Path, name: str, rank: int, work: Path, device: str) -> dict:
     from multiprocessing import get_context
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from multirank import free_port
+    from megatron_rl.inference.vllm.server import free_port
 
     out = work / f"{name}_r{rank}.json"
     args = (str(hf_dir), name, rank, free_port(), str(out), device)

@@ -1,21 +1,35 @@
 """Shared test set-up: GPU tests skip cleanly without CUDA; collection never needs CUDA; every ``multirank`` and
 ``engine`` test is also ``slow`` (``pytest -m "not slow"``: the edit-test subset, README); ``core`` marks the tests
-that the oldest end of the megatron-core range runs (``ends.py``, docs/TESTING.md section 2).
+that the oldest end of the megatron-core range runs (``support/ends.py``, docs/TESTING.md section 2); ``groups``: the
+one fixture of the tests that build a model in their own process.
 """
 
 from __future__ import annotations
 
 import os
 
-import engine_zygote
 import pytest
 import torch
-from ends import is_core
+
+from tests.support import engine_zygote
+from tests.support.ends import is_core
 
 # run_megatron.sh derives threads per rank from the free cores (megatron_rl/job/threads.py); the jobs tests launch
 # share the cores with the other xdist worker, so they keep one thread each (as before issue 53). Set after torch's
 # import: this process's own threads are unchanged.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="module")
+def groups(request):
+    """One process's megatron groups (world size 1) for a module's tests, destroyed after them: seed
+    ``GROUPS_SEED`` (default 3) and layout ``GROUPS_PARALLEL`` (default ``ParallelConfig()``) of the test module."""
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+
+    parallel = getattr(request.module, "GROUPS_PARALLEL", None) or ParallelConfig()
+    yield initialize_distributed(parallel, seed=getattr(request.module, "GROUPS_SEED", 3))
+    destroy_distributed()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,7 +61,7 @@ def _heaviest_files_first(items) -> None:
 
 
 def pytest_collection_finish(session):
-    engine_zygote.start(session.items)  # tests/engine_zygote.py
+    engine_zygote.start(session.items)  # tests/support/engine_zygote.py
 
 
 def pytest_unconfigure(config):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.preflight import check_run
 

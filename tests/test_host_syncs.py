@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer_skip import MODEL, rollouts
+from tests.test_trainer_skip import MODEL, rollouts
 
 from megatron_rl.config import load_config
 from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed

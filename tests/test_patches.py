@@ -26,7 +26,7 @@ from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_di
 from megatron_rl.model.builder import build_gpt_model
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.weights import full_state_dict, load_full_state_dict
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                     vocab_size=64, share_embeddings_and_output_weights=True, attention_backend="local")

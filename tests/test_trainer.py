@@ -336,7 +336,7 @@ def test_megatron_train_step_on_cuda_equals_cpu() -> None:
     order of cuBLAS vs the CPU BLAS and reductions differs, ~1e-7 relative per dot product of 64-128 terms, a few
     1e-6 after two layers, log-softmax and the loss. Metrics get rel 1e-4; SGD (the update is lr x gradient, no
     Adam normalization that amplifies near-zero gradients) keeps the weight differences at lr x 1e-6 << 1e-5."""
-    from multirank import run_ranks
+    from tests.support.multirank import run_ranks
 
     rollouts = episodes_to_generator_output(play(Bigram()), step_wise=True)
     assert "rollout_logprobs" in rollouts  # the mismatch metric that crashed on CUDA is computed

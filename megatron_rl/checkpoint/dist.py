@@ -185,7 +185,7 @@ def load_checkpoint(
 
 
 # Workaround W31 (docs/MEGATRON_CORE.md; megatron-core 0.16.1 and 0.19.2): remove when megatron-core's writer queue
-# is no process of its own (tests/checkpoint/test_ckpt_writer_queue.py; tests/inference/test_vllm_main_job.py checks
+# is no process of its own (tests/checkpoint/test_ckpt_writer_queue.py; tests/job/test_vllm_main_job.py checks
 # that nothing survives a SIGKILL of the job).
 def writer_queue_in_process() -> None:
     """Give megatron-core's checkpoint writer an in-process results queue instead of a ``multiprocessing.Manager()``.

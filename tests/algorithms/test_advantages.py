@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 import torch
-from alg_helpers import right_aligned_mask
+from tests.support.alg_helpers import right_aligned_mask
 
 from megatron_rl.algorithms import ADVANTAGE_ESTIMATORS, compute_advantages_and_returns
 from megatron_rl.config import AlgorithmConfig

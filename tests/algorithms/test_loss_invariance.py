@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from alg_helpers import right_aligned_mask
+from tests.support.alg_helpers import right_aligned_mask
 
 from megatron_rl.algorithms import (
     OFF_POLICY_CORRECTIONS,

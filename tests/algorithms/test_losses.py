@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from alg_helpers import random_batch
+from tests.support.alg_helpers import random_batch
 
 from megatron_rl.algorithms import (
     KL_ESTIMATORS,

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 import torch
-from alg_helpers import random_batch
+from tests.support.alg_helpers import random_batch
 
 from megatron_rl.algorithms import (
     LossContext,

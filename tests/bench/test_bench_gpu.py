@@ -1,14 +1,9 @@
 """bench_gpu: exits 0 without CUDA; its pure helpers (FLOPs, peak table, padded micro-batches)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import bench_gpu  # noqa: E402
+import bench_gpu
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")

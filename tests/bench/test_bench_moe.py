@@ -2,15 +2,11 @@
 its sanity checks on a real run, and that they fire on broken numbers (BENCHMARKS.md, "Mixture-of-experts")."""
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import bench_moe  # noqa: E402
-from workloads import SanityCheckFailed  # noqa: E402
+import bench_moe
+from workloads import SanityCheckFailed
 
 QUICK = argparse.Namespace(sequences=4, length=64, layers=2, hidden=64, experts=4, topk=2, moe_ffn=32, reps=1,
                            threads=1, ep2=False, device="cpu", timeout=300.0)  # fmt: skip

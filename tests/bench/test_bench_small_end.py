@@ -1,12 +1,7 @@
 """bench_small_end: its pure helpers (medians over the steps after warm-up, the table and its ratios, the reward).
 The runs themselves (the main job, TRL) take minutes: BENCHMARKS.md "The small end" has their table."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import bench_small_end as bench  # noqa: E402
+import bench_small_end as bench
 
 
 def test_summary_and_table():

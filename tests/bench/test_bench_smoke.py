@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-import bench_preprocess  # noqa: E402
-import bench_scaling  # noqa: E402
-import bench_throughput  # noqa: E402
-import bench_tokens  # noqa: E402
-from workloads import (  # noqa: E402
+import bench_preprocess
+import bench_scaling
+import bench_throughput
+import bench_tokens
+from workloads import (
     IndependentSpec,
     SanityCheckFailed,
     StepWiseSpec,
@@ -120,25 +118,31 @@ def test_bench_scaling_quick(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"scaling.md", "scaling.json", "scaling.png"}
 
 
+def _run_small_on_the_engine(script: str, tmp_path: Path):
+    """``bench/<script> --small`` on the real engine (skips, or fails under MEGATRON_RL_REQUIRE_ENGINE=1, without
+    it); asserts it exits 0 and returns the process and its ``--out`` file."""
+    import os
+    import subprocess
+
+    from tests.support.engine_env import engine_python
+
+    out = tmp_path / "out.json"
+    env = {**os.environ, "MEGATRON_RL_ENGINE_PYTHON": engine_python()}
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parents[2] / "bench" / script), "--small", "--out", str(out),
+         "--model-dir", str(tmp_path / "models"), "--work-dir", str(tmp_path / "work")],
+        env=env, capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out
+
+
 @pytest.mark.engine
 def test_bench_weight_sync_small(tmp_path):
     """``bench_weight_sync.py --small`` end to end: the real engine, one sync of the tiny model (~2 min here)."""
     import json
-    import os
-    import subprocess
 
-    from inference.conftest import engine_python  # skips (or fails under MEGATRON_RL_REQUIRE_ENGINE=1)
-
-    engine_py = engine_python()
-    bench = Path(__file__).resolve().parents[2] / "bench" / "bench_weight_sync.py"
-    out = tmp_path / "weight_sync.json"
-    env = {**os.environ, "MEGATRON_RL_ENGINE_PYTHON": engine_py}
-    proc = subprocess.run(
-        [sys.executable, str(bench), "--small", "--out", str(out), "--model-dir", str(tmp_path / "models"),
-         "--work-dir", str(tmp_path / "work")],
-        env=env, capture_output=True, text=True, timeout=840,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, out = _run_small_on_the_engine("bench_weight_sync.py", tmp_path)
     (row,) = json.loads(out.read_text())["rows"]
     (bucket,) = row["buckets"]
     assert row["model"] == "tiny" and row["layout"] == "tp1"
@@ -154,21 +158,8 @@ def test_bench_fleet_small(tmp_path):
     """``bench_fleet.py --small`` end to end: a real fleet of 2 engines (also with engine 0 alone), the tiny
     model, 8 prompts x 8 tokens, and the latency paths (~2-3 min here)."""
     import json
-    import os
-    import subprocess
 
-    from inference.conftest import engine_python  # skips (or fails under MEGATRON_RL_REQUIRE_ENGINE=1)
-
-    engine_py = engine_python()
-    bench = Path(__file__).resolve().parents[2] / "bench" / "bench_fleet.py"
-    out = tmp_path / "fleet.json"
-    env = {**os.environ, "MEGATRON_RL_ENGINE_PYTHON": engine_py}
-    proc = subprocess.run(
-        [sys.executable, str(bench), "--small", "--out", str(out), "--model-dir", str(tmp_path / "models"),
-         "--work-dir", str(tmp_path / "work")],
-        env=env, capture_output=True, text=True, timeout=840,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, out = _run_small_on_the_engine("bench_fleet.py", tmp_path)
     (res,) = json.loads(out.read_text())["results"]
     rows = {r["engines_serving"]: r for r in res["throughput"]}
     assert set(rows) == {1, 2} and all(r["tok_s"] > 0 and r["max_tokens"] == 8 for r in rows.values())

@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import local_weights, make_config, set_weights_to_step
-from multirank import run_ranks
+from tests.support.ckpt_helpers import local_weights, make_config, set_weights_to_step
+from tests.support.multirank import run_ranks
 from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
 
-WORKER = Path(__file__).with_name("ckpt_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
 STALLED = ("shards_written", "renamed")
 
 
@@ -38,8 +38,8 @@ STALLED = ("shards_written", "renamed")
 def _start_worker(save_dir: Path, log: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen(
-            [sys.executable, str(WORKER), str(save_dir), *args],
-            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            [sys.executable, "-m", "tests.support.ckpt_worker", str(save_dir), *args], cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})},
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 

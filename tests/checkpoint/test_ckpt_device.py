@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import full_weights, make_batch, make_config, train_step
-from multirank import run_ranks
+from tests.support.ckpt_helpers import full_weights, make_batch, make_config, train_step
+from tests.support.multirank import run_ranks
 
 
 def _save_or_load_child(rank: int, world_size: int, device: str, load_from: str | None, save_to: str) -> dict:

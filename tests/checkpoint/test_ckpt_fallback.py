@@ -15,9 +15,9 @@ import warnings
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import full_weights, make_batch, make_config, train_step
+from tests.support.ckpt_helpers import full_weights, make_batch, make_config, train_step
 
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 DAMAGE = {
     "flipped_shard": lambda d: _flip(sorted(d.glob("*.distcp"))[0]),

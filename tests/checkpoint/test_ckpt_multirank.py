@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckpt_helpers import full_weights, make_batch, make_config, train_step
-from multirank import run_ranks
+from tests.support.ckpt_helpers import full_weights, make_batch, make_config, train_step
+from tests.support.multirank import run_ranks
 from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
 
 STEPS, SAVE_AT = 4, 2

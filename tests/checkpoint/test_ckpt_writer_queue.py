@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from multirank import free_port
+from tests.support.multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

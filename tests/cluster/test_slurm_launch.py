@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster, require_slurm
+from tests.cluster.slurm_cluster import SlurmCluster, require_slurm
 
-from multirank import free_port
+from tests.support.multirank import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

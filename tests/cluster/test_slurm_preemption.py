@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster, require_slurm
-from test_slurm_launch import DEMO, ROOT, metrics, run_env
+from tests.cluster.slurm_cluster import SlurmCluster, require_slurm
+from tests.cluster.test_slurm_launch import DEMO, ROOT, metrics, run_env
 
-from multirank import free_port
+from tests.support.multirank import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 # TODO(merge): remove once the `preempt` branch (its distributed/preemption module) is merged with this one;

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_helpers import batch_tensors, init, make_batch, make_config, max_rel_err, summed_pg_loss
-from multirank import run_ranks
+from tests.support.cp_helpers import batch_tensors, init, make_batch, make_config, max_rel_err, summed_pg_loss
+from tests.support.multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_helpers import batch_tensors, fresh_policy, grad_of, init, make_batch, make_config, max_rel_err
-from multirank import run_ranks
+from tests.support.cp_helpers import batch_tensors, fresh_policy, grad_of, init, make_batch, make_config, max_rel_err
+from tests.support.multirank import run_ranks
+from tests.support.reference import reference_fixtures
 
 pytestmark = pytest.mark.multirank
 
@@ -104,14 +105,7 @@ def _four_rank(rank, world_size, tensors, full_sd):
     return out
 
 
-@pytest.fixture(scope="module")
-def tensors():
-    return batch_tensors()
-
-
-@pytest.fixture(scope="module")
-def reference(tensors):
-    return run_ranks(1, _reference_rank, tensors, timeout=300)[0]
+tensors, reference = reference_fixtures(batch_tensors, _reference_rank, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import importlib.util
 import pytest
 import torch
 
-from cp_helpers import batch_tensors, init, make_batch, make_config
-from multirank import run_ranks
+from tests.support.cp_helpers import batch_tensors, init, make_batch, make_config
+from tests.support.multirank import run_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multirank]
 

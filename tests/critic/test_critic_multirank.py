@@ -16,8 +16,9 @@ import math
 import pytest
 import torch
 
-from batches import full_grads as _full_grads, left_padded_tensors, training_batch as _batch
-from multirank import run_ranks
+from tests.support.batches import full_grads as _full_grads, left_padded_tensors, training_batch as _batch
+from tests.support.multirank import run_ranks
+from tests.support.reference import layout_fixture, reference_fixtures
 
 pytestmark = pytest.mark.slow  # spawns ranks
 
@@ -208,27 +209,13 @@ LAYOUTS = {"tp2": (2, 1, True, 1), "pp2": (1, 2, False, 1), "dp2": (1, 1, False,
 # name: (tp, pp, also SP, cp)
 
 
-@pytest.fixture(scope="module")
-def tensors():
-    return _tensors()
+def _run_layout(name, tensors, reference):
+    tp, pp, sp, cp = LAYOUTS[name]
+    return run_ranks(2, _layout_rank, tp, pp, tensors, reference["full_sd"], sp, cp, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def reference(tensors):
-    return run_ranks(1, _reference_rank, tensors, timeout=400)[0]
-
-
-@pytest.fixture(scope="module")
-def layout_results(tensors, reference):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            tp, pp, sp, cp = LAYOUTS[name]
-            cache[name] = run_ranks(2, _layout_rank, tp, pp, tensors, reference["full_sd"], sp, cp, timeout=600)
-        return cache[name]
-
-    return get
+tensors, reference = reference_fixtures(_tensors, _reference_rank, timeout=400)
+layout_results = layout_fixture(_run_layout)
 
 
 def _max_rel_err(got: dict, ref: dict) -> float:

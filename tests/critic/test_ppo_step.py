@@ -17,7 +17,7 @@ import statistics
 
 import pytest
 import torch
-from test_trainer import TOK, V, Bigram, BigramPolicy, play, seq_logprobs
+from tests.test_trainer import TOK, V, Bigram, BigramPolicy, play, seq_logprobs
 
 from megatron_rl.config import AlgorithmConfig, BatchConfig, ConfigError, CriticConfig, MegatronRLConfig, StepWiseConfig
 from megatron_rl.environments.next_digit.rollout import episodes_to_generator_output, observation_after

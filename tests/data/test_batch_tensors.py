@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from data_strategies import reference_convert, rollouts
+from tests.support.data_strategies import reference_convert, rollouts
 from hypothesis import given, settings
 
 from megatron_rl.data import convert_prompts_responses_to_batch_tensors, response_values

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from data_strategies import reference_convert, rollouts
+from tests.support.data_strategies import reference_convert, rollouts
 from hypothesis import given, settings
 
 from megatron_rl.data import TrainingBatch, pack

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import ConfigError, ParallelConfig
 from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed, select_device
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 
 def test_world_size_not_divisible_raises_before_any_collective(monkeypatch):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from multirank import free_port
+from tests.support.multirank import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks
 

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from chat_helpers import KEEP_HISTORY, STRIP_REASONING, chat_tokenizer
+from tests.support.chat_helpers import KEEP_HISTORY, STRIP_REASONING, chat_tokenizer
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.generator_output import validate_generator_output

@@ -5,7 +5,7 @@ a template that keeps history gives one merged sequence per conversation, one th
 from __future__ import annotations
 
 import pytest
-from chat_helpers import KEEP_HISTORY, STRIP_REASONING, chat_tokenizer
+from tests.support.chat_helpers import KEEP_HISTORY, STRIP_REASONING, chat_tokenizer
 
 from megatron_rl.data.merge import merge_stepwise_output
 from megatron_rl.environments.conversation import Conversation, trajectory_rows

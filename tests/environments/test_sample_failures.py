@@ -24,7 +24,7 @@ from megatron_rl.environments.single_turn.environment import SingleTurnEnvironme
 from megatron_rl.inference.builtin_engine import BuiltinEngine
 from megatron_rl.inference.engine import SamplingSpec
 
-from test_single_turn import TRAIN, oracle_and_noise
+from tests.environments.test_single_turn import TRAIN, oracle_and_noise
 
 
 def rollouts(rewards: list[float], group: int) -> dict:

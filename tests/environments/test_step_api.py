@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from chat_helpers import KEEP_HISTORY, STRIP_REASONING, ScriptedEngine, chat_tokenizer
+from tests.support.chat_helpers import KEEP_HISTORY, STRIP_REASONING, ScriptedEngine, chat_tokenizer
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.generator_output import validate_generator_output

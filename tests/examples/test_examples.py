@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.job_run import example_module
+
 pytestmark = pytest.mark.slow  # each test runs an example script in a subprocess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,11 +87,7 @@ def test_export_hf():
 
 def test_readme_library_use_runs_as_written(tmp_path):
     """The README's "Library use" snippet, with only its ``hf_dir = ...`` line pointed at a tiny Qwen3."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from common import tiny_qwen3
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
+    tiny_qwen3 = example_module("examples/common.py").tiny_qwen3
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Library use"):]
     start = section.index("```python\n") + len("```python\n")
@@ -104,7 +102,7 @@ def test_readme_library_use_runs_as_written(tmp_path):
 
 @pytest.mark.engine
 def test_grpo_vllm_engine_follows_the_trainer():
-    from engine_env import engine_python
+    from tests.support.engine_env import engine_python
 
     os.environ.setdefault("MEGATRON_RL_ENGINE_PYTHON", engine_python())
     output = run_example("examples/grpo_vllm.py")

@@ -11,19 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batches import left_padded_tensors, training_batch
-from lora_helpers import randomize_adapters
+from tests.support.batches import left_padded_tensors, training_batch
+from tests.support.lora_helpers import randomize_adapters
 from megatron_rl.config import LoraConfig, MegatronRLConfig, ModelConfig, ParallelConfig
-from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+from megatron_rl.distributed.bootstrap import initialize_distributed
 
 RANK, ALPHA = 8, 16.0
-
-
-@pytest.fixture(scope="module")
-def groups():
-    groups = initialize_distributed(ParallelConfig(), seed=3)
-    yield groups
-    destroy_distributed()
 
 
 def _hf_row_logprobs(model, tensors, adapters: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
@@ -93,7 +86,7 @@ def test_trainer_adapters_match_transformers_and_export_to_peft(groups, hf_model
 
 def _cuda_child(rank: int, world_size: int, hf_dir: str, tensors, device: str = "cuda") -> dict:
     """LoRA on CUDA in bf16: random adapters, log-probs, then one Adam step that must move the adapters only."""
-    from batches import summed_pg_loss
+    from tests.support.batches import summed_pg_loss
     from megatron_rl.config import OptimizerConfig
     from megatron_rl.hf.weights import policy_from_hf
     from megatron_rl.model.lora import is_adapter_name, peft_name
@@ -124,7 +117,7 @@ def test_lora_on_cuda_matches_transformers_and_trains_adapters_only(hf_models):
     weight."""
     from transformers import AutoModelForCausalLM
 
-    from multirank import run_ranks
+    from tests.support.multirank import run_ranks
 
     tensors = left_padded_tensors([4, 7, 2], [5, 3, 6], 256, torch.Generator().manual_seed(0), advantages=True)
     got = run_ranks(1, _cuda_child, str(hf_models["qwen3"]), tensors, timeout=300, cpu_only=False)[0]

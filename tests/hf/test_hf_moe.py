@@ -35,8 +35,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batches import left_padded_tensors, training_batch
-from multirank import run_ranks
+from tests.support.batches import left_padded_tensors, training_batch
+from tests.support.exports import assert_same_weights
+from tests.support.multirank import run_ranks
 
 VOCAB = 128
 NUM_EXPERTS = 4
@@ -325,16 +326,11 @@ def test_moe_logprobs_match_transformers(moe_run, moe_models, layout):
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_export_is_bitwise_and_loads_in_transformers(moe_run, moe_models, layout):
-    from safetensors.torch import load_file
-
     _, tensors, export_root = moe_run
     for variant, src in moe_models.items():
         out = export_root / f"{layout}_{variant}"
-        source, exported = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
-        assert sorted(source) == sorted(exported), (layout, variant)
+        source = assert_same_weights(src, out, (layout, variant))
         assert sum(".experts." in name for name in source) == 2 * 3 * NUM_EXPERTS  # 2 layers, 3 per expert
-        for name in source:
-            assert torch.equal(source[name], exported[name]), (layout, variant, name)
         assert torch.equal(hf_response_logprobs(out, tensors), _hf_reference(str(src)))
 
 

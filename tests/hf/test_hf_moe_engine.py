@@ -16,17 +16,15 @@ with the WordLevel tokenizer of ``tests/hf/conftest.py`` (the engine loads a tok
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from engine_env import engine_python
-from multirank import run_ranks
+from tests.support.engine_env import engine_python
+from tests.support.multirank import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))  # test_vllm_sync (spawn inherits it)
 
-from test_vllm_sync import TOLERANCE, rl_loop  # noqa: E402
+from tests.inference.test_vllm_sync import TOLERANCE, rl_loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.multirank]
 
@@ -38,8 +36,8 @@ def engine_py() -> str:
 
 @pytest.fixture(scope="module")
 def engine_moe_model(tmp_path_factory) -> Path:
-    from hf.conftest import save_tokenizer
-    from hf.test_hf_moe import make_tiny_moe
+    from tests.hf.conftest import save_tokenizer
+    from tests.hf.test_hf_moe import make_tiny_moe
 
     path = make_tiny_moe(tmp_path_factory.mktemp("engine_moe") / "qwen3_moe", seed=5, head_dim=32, vocab_size=256,
                          norm_topk_prob=True)

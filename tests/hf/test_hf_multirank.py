@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from batches import left_padded_tensors
-from multirank import run_ranks
+from tests.support.batches import left_padded_tensors
+from tests.support.exports import assert_same_weights
+from tests.support.multirank import run_ranks
 
 PROMPT_LENS = [5, 2, 9, 3]
 RESPONSE_LENS = [4, 7, 1, 6]
@@ -137,15 +138,10 @@ def test_logprobs_match_hf(hf_run, hf_models, layout):
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_export_is_bitwise_and_loads_in_transformers(hf_run, hf_models, layout):
-    from safetensors.torch import load_file
-
     _, tensors, export_root = hf_run
     for variant, src in hf_models.items():
         out = export_root / f"{layout}_{variant}"
-        source, exported = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
-        assert sorted(source) == sorted(exported), (layout, variant)
-        for name in source:
-            assert torch.equal(source[name], exported[name]), (layout, variant, name)
+        assert_same_weights(src, out, (layout, variant))
         assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
         assert torch.equal(hf_response_logprobs(out, tensors), _hf_reference(str(src)))
 

@@ -9,9 +9,9 @@ Tolerance 1e-5 on log-probs: fp32, the same formulas in another order (tests/mod
 import pytest
 import torch
 
-from batches import left_padded_tensors, training_batch
+from tests.support.batches import left_padded_tensors, training_batch
 from megatron_rl.config import MegatronRLConfig, ModelConfig, ParallelConfig
-from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+from megatron_rl.distributed.bootstrap import initialize_distributed
 from megatron_rl.model import hybrid
 
 pytestmark = pytest.mark.skipif(
@@ -19,16 +19,12 @@ pytestmark = pytest.mark.skipif(
     reason=f"hybrid Gated-DeltaNet models need megatron-core>={hybrid.MIN_MCORE} (docs/MEGATRON_CORE.md)")
 
 
-@pytest.fixture(scope="module")
-def groups():
-    groups = initialize_distributed(ParallelConfig(), seed=5)
-    yield groups
-    destroy_distributed()
+GROUPS_SEED = 5  # the ``groups`` fixture's (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from qwen35_tiny import save_checkpoint
+    from tests.support.qwen35_tiny import save_checkpoint
 
     root = tmp_path_factory.mktemp("qwen35_ckpts")
     return {"text": save_checkpoint(root / "text"), "multimodal": save_checkpoint(root / "vl", multimodal=True)}
@@ -116,7 +112,7 @@ def _cuda_child(rank: int, world_size: int, hf_dir: str, tensors, device: str = 
 
     from megatron_rl.config import OptimizerConfig
     from megatron_rl.hf import policy_from_hf
-    from batches import summed_pg_loss
+    from tests.support.batches import summed_pg_loss
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # no-ops on a CPU
     groups = initialize_distributed(ParallelConfig(device=device), seed=5)
@@ -142,7 +138,7 @@ def test_qwen35_on_cuda_matches_transformers(checkpoints):
     1e-5 becomes 1e-4 for the different kernels (cuBLAS, and fla's chunked Triton recurrence where installed);
     fla's kernels in fp32 may round their dots like TF32 (10 bits), hence 5e-3 there.
     """
-    from multirank import run_ranks
+    from tests.support.multirank import run_ranks
 
     tensors = left_padded_tensors([5, 30, 2], [9, 40, 3], 256, torch.Generator().manual_seed(0), low=3,
                                   advantages=True)

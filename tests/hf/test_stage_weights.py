@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 LAYOUTS = {"tp1dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_env import engine_python
+from tests.support.engine_env import engine_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def engine_py() -> str:
 @pytest.fixture(scope="session")
 def engine_hf_model(tmp_path_factory) -> Path:
     """A tiny random Qwen3 (head_dim 32: vLLM's CPU attention supports 32 and up, not 16) with a tokenizer."""
-    from hf.conftest import make_tiny_hf_model
+    from tests.hf.conftest import make_tiny_hf_model
 
     return make_tiny_hf_model(tmp_path_factory.mktemp("engine_model") / "qwen3", "qwen3", seed=3)
 
@@ -31,9 +31,6 @@ def engine_hf_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def engine_tied_model(tmp_path_factory) -> Path:
     """The examples' tiny Qwen3 with tied embeddings and a padded vocabulary (37 -> 64 rows in vLLM), head size 32."""
-    import sys
+    from tests.support.job_run import example_module
 
-    sys.path.insert(0, str(REPO / "examples"))
-    from common import tiny_qwen3
-
-    return tiny_qwen3(tmp_path_factory.mktemp("engine_tied") / "qwen3_tied", head_dim=32)
+    return example_module("examples/common.py").tiny_qwen3(tmp_path_factory.mktemp("engine_tied") / "qwen3_tied", head_dim=32)

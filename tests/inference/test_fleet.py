@@ -16,7 +16,6 @@ import pytest
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.fleet]
 
-SCRIPT = Path(__file__).with_name("fleet_trainer.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,7 +25,7 @@ def fleet_result(engine_hf_model, engine_py, tmp_path_factory) -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     work = tmp_path_factory.mktemp("fleet")
-    done = subprocess.run([sys.executable, str(SCRIPT), str(engine_hf_model), str(work)], env=env, cwd=str(REPO),
+    done = subprocess.run([sys.executable, "-m", "tests.support.fleet_trainer", str(engine_hf_model), str(work)], env=env, cwd=str(REPO),
                           capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -5,9 +5,9 @@ Reference: the same single-process ``MegatronPolicy`` (GQA, q/k norms, RoPE) thr
 keys/values are those the full forward computes for the same tokens at the same positions, and each new query
 attends to exactly the keys the causal full forward gives it; only the shapes of the matmuls and softmaxes
 differ. Measured difference ~5e-7; tolerance 2e-5 (the one of the sampler's table against ``forward`` in
-tests/demo/test_demo_multirank.py). The same seed then draws the same tokens (multinomial on tables that agree
+tests/inference/test_builtin_multirank.py). The same seed then draws the same tokens (multinomial on tables that agree
 to 1e-6 flips a draw only at a CDF boundary closer than that: not for these seeds). TP/PP/DP (and the
-sequence-parallel padding) are checked in tests/demo/test_demo_multirank.py.
+sequence-parallel padding) are checked in tests/inference/test_builtin_multirank.py.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from megatron_rl.inference.vllm.server import RPC_DIR_PREFIX
 
 pytestmark = pytest.mark.engine
 
-SCRIPT = Path(__file__).with_name("engine_trainer.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,7 +25,7 @@ def _trainer(mode: str, hf_dir: Path, work_dir: Path, engine_py: str, *overrides
     env = {**os.environ, "MEGATRON_RL_ENGINE_PYTHON": engine_py, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.Popen([sys.executable, str(SCRIPT), mode, str(hf_dir), str(work_dir), *overrides], env=env,
+    return subprocess.Popen([sys.executable, "-m", "tests.support.engine_trainer", mode, str(hf_dir), str(work_dir), *overrides], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO))
 
 

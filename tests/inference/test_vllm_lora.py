@@ -18,8 +18,8 @@ The two traps (docs/LORA.md section 5), each planted in one sync after the clean
 from __future__ import annotations
 
 import pytest
-from grpo_batch import even_token_rollouts
-from multirank import run_ranks
+from tests.support.grpo_batch import even_token_rollouts
+from tests.support.multirank import run_ranks
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -12,8 +12,8 @@ loaded (DP2), one pipeline stage not sent (PP2): the steps after the planted syn
 from __future__ import annotations
 
 import pytest
-from grpo_batch import even_token_rollouts
-from multirank import run_ranks
+from tests.support.grpo_batch import even_token_rollouts
+from tests.support.multirank import run_ranks
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank]
 

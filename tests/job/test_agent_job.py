@@ -13,14 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from job_run import ROOT, example_module, failure_text
-from multirank import free_port
+from tests.support.job_run import ROOT, example_module, failure_text
+from tests.support.multirank import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.slow, pytest.mark.fleet]
 
 
 def _run_agent(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    from engine_env import engine_python
+    from tests.support.engine_env import engine_python
 
     engine_py = engine_python()
     pytest.importorskip("openai")
@@ -115,7 +115,7 @@ def agent(base_url, a, b):
 def test_ctrl_c_during_a_hung_episode_ends_the_run_within_seconds(tmp_path):
     """Every episode hangs (before the first checkpoint); Ctrl-C (SIGINT to the launch's process group): the run
     ends within seconds, says that nothing was saved, and prints no traceback."""
-    from engine_env import engine_python
+    from tests.support.engine_env import engine_python
 
     import signal
     import time

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from job_run import ROOT, failure_text, metric_rows, run_megatron
-from multirank import free_port
+from tests.support.job_run import ROOT, failure_text, metric_rows, run_megatron
+from tests.support.multirank import free_port
 
 CONFIG = ROOT / "configs" / "demo_cpu.yaml"
 pytestmark = pytest.mark.multirank
@@ -123,7 +123,7 @@ def test_one_step_off_on_a_fleet_of_two_with_two_ranks_resumes_bitwise_after_a_s
     """Two engines generate the next batch while both ranks train (the rollout thread broadcasts over its own
     group); a SIGKILL of the whole job after the checkpoint of step 2, then the same command: the rows of the
     uninterrupted run."""
-    from engine_env import engine_python
+    from tests.support.engine_env import engine_python
 
     vllm = ROOT / "configs" / "demo_vllm.yaml"
     env = {**os.environ, "PY": sys.executable, "NPROC": "2", "CONFIG": str(vllm),
@@ -169,7 +169,7 @@ def test_partial_rollouts_count_staleness_per_token_and_a_kill_loses_no_batch(tm
     import pickle
     import statistics
 
-    from engine_env import engine_python
+    from tests.support.engine_env import engine_python
 
     out = tmp_path / "partial"
     args = [f"logging.output_dir={out}", "logging.progress_bar=false", "demo.baseline_episodes=50", "job.num_steps=6",

@@ -81,7 +81,7 @@ if NAME not in ENGINES:  # (imported twice in one process: by pytest, and by a c
 
 @pytest.mark.multirank
 def test_an_engine_registered_in_a_test_file_trains_the_main_job(tmp_path):
-    from job_run import metric_rows, run_megatron
+    from tests.support.job_run import metric_rows, run_megatron
 
     out = tmp_path / "out"
     proc = run_megatron(f"rollout.engine_module={Path(__file__).resolve()}", f"rollout.engine={NAME}",

@@ -39,7 +39,7 @@ FAMILY = f"model.family={__file__}:MY_LLAMA"
 def make_task(path: Path) -> dict[str, Path]:
     """A tiny ``my_llama`` checkpoint with a tokenizer, prompts with a target, and a reward function file."""
     import torch
-    from job_run import example_module
+    from tests.support.job_run import example_module
 
     model = path / "model"
     vocab = example_module("examples/arithmetic/make_model.py").save_tokenizer(model)
@@ -65,7 +65,7 @@ def overrides(task: dict[str, Path], out_dir: Path) -> list[str]:
 def test_one_job_set_up_reads_config_json_once(tmp_path):
     """The job's config (the pre-flight's load and every rank's), its environment, the policy with the
     checkpoint's weights and an HF export: config.json parsed once (it was 7 entries into hf/config.py)."""
-    from job_run import ROOT
+    from tests.support.job_run import ROOT
 
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
     from megatron_rl.environments.registry import make_environment
@@ -93,7 +93,7 @@ def test_one_job_set_up_reads_config_json_once(tmp_path):
 @pytest.mark.multirank
 def test_a_family_defined_in_a_test_file_trains_and_exports(tmp_path):
     import torch
-    from job_run import run_megatron
+    from tests.support.job_run import run_megatron
 
     task = make_task(tmp_path)
     out = tmp_path / "out"

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from job_run import ROOT, example_module, metric_rows, run_megatron
+from tests.support.job_run import ROOT, example_module, metric_rows, run_megatron
 
 pytestmark = pytest.mark.multirank
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from multirank import free_port
+from tests.support.multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

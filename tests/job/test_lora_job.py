@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from job_run import metric_rows, run_megatron
+from tests.support.job_run import metric_rows, run_megatron
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.slow]
 
@@ -31,8 +31,8 @@ def tensor_bytes(path: Path) -> int:
 
 
 def test_lora_trains_on_vllm_sync_and_one_step_off(tmp_path, monkeypatch):
-    from engine_env import engine_python
-    from test_generic_job import make_task, overrides
+    from tests.support.engine_env import engine_python
+    from tests.job.test_generic_job import make_task, overrides
 
     monkeypatch.setenv("MEGATRON_RL_ENGINE_PYTHON", engine_python())
     task = make_task(tmp_path)

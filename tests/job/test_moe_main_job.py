@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from multirank import free_port
+from tests.support.multirank import free_port
 from megatron_rl.job.preflight import load_job_rl_config
 from megatron_rl.preflight import count_parameters
 from megatron_rl.preflight import main as preflight_main

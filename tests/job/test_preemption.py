@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from job_run import ROOT, metric_rows
-from multirank import free_port
+from tests.support.job_run import ROOT, metric_rows
+from tests.support.multirank import free_port
 from megatron_rl.distributed import preemption
 from megatron_rl.distributed.preemption import Action, boundary_action
 

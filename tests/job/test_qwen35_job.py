@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from job_run import example_module, metric_rows, run_megatron
+from tests.support.job_run import example_module, metric_rows, run_megatron
 
 from megatron_rl.model import hybrid
 
@@ -31,8 +31,8 @@ pytestmark = [
 def _task(tmp_path, **model_overrides):
     """The arithmetic task of test_generic_job.py with a tiny Qwen3.5 of its vocabulary, and a reward that varies
     with the sample (so every GRPO group has a gradient); returns the run's overrides."""
-    from qwen35_tiny import make_model
-    from test_generic_job import make_task, overrides
+    from tests.support.qwen35_tiny import make_model
+    from tests.job.test_generic_job import make_task, overrides
 
     task = make_task(tmp_path)  # a Qwen3 with the arithmetic tokenizer: replaced by a Qwen3.5
     vocab = example_module("examples/arithmetic/make_model.py").save_tokenizer(task["model"])
@@ -83,7 +83,7 @@ def test_qwen35_trains_exports_and_resumes_exactly(tmp_path):
 def test_qwen35_trains_on_vllm_in_bf16(tmp_path):
     import os
 
-    from engine_env import engine_python
+    from tests.support.engine_env import engine_python
 
     from megatron_rl.inference.config import AGREEMENT_BOUNDS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from job_run import ROOT
+from tests.support.job_run import ROOT
 
 from megatron_rl.job.start import nproc_per_node, ranks_device
 

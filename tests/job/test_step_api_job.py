@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from job_run import ROOT, example_module, metric_rows, run_megatron
+from tests.support.job_run import ROOT, example_module, metric_rows, run_megatron
 
 CONFIG = ROOT / "configs" / "digit_game_cpu.yaml"
 pytestmark = pytest.mark.multirank
@@ -66,7 +66,7 @@ def test_a_broken_class_stops_before_any_process_group(model, monkeypatch, capsy
 @pytest.mark.engine
 @pytest.mark.fleet
 def test_the_digit_game_class_trains_on_the_vllm_fleet(model, tmp_path):
-    from engine_env import engine_python
+    from tests.support.engine_env import engine_python
 
     os.environ.setdefault("MEGATRON_RL_ENGINE_PYTHON", engine_python())
     out_dir = tmp_path / "vllm"

@@ -144,7 +144,7 @@ def test_samples_are_logged_resumed_and_quoted(tmp_path, capsys):
 
 def test_preflight_finds_data_and_reward_mistakes_before_the_ranks(tmp_path):
     """python -m megatron_rl.job.preflight builds the environment: a wrong column and a missing function."""
-    from test_generic_job import make_task
+    from tests.job.test_generic_job import make_task
 
     task = make_task(tmp_path)
     (tmp_path / "wrong.jsonl").write_text(json.dumps({"question": "1 plus one equals", "target": "2"}) + "\n")

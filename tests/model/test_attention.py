@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_rl.config import ModelConfig, ParallelConfig
-from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+from megatron_rl.distributed.bootstrap import initialize_distributed
 from megatron_rl.model import attention as attention_module
 from megatron_rl.model.builder import build_transformer_config, use_transformer_engine
 from megatron_rl.model.norm import RMSNorm
@@ -30,11 +30,7 @@ give differences of a few bf16 ulps of O(1) outputs (2**-8 = 4e-3 each; GPU_NOTE
 head dim 128); a cross-sequence leak or a wrong causal mask moves outputs by O(0.1)."""
 
 
-@pytest.fixture(scope="module")
-def groups():
-    groups = initialize_distributed(ParallelConfig(), seed=1)
-    yield groups
-    destroy_distributed()
+GROUPS_SEED = 1  # the ``groups`` fixture's (tests/conftest.py)
 
 
 def _attention(groups, dtype=torch.float32):
@@ -210,7 +206,7 @@ def _cp_attention_rank(rank, world_size, cpu_flash: bool):
 def test_cp_attention_matches_single_process(groups, cpu_flash):
     """CP2 attention (K/V all-gather, causal by global position) == the single-process packed attention, for
     the outputs and for the q/k/v gradients (the K/V gather's backward sums the ranks' contributions)."""
-    from multirank import run_ranks
+    from tests.support.multirank import run_ranks
 
     q, k, v, weight, params = _cp_inputs()
     q, k, v = (t.requires_grad_() for t in (q, k, v))

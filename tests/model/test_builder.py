@@ -16,7 +16,7 @@ from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_di
 from megatron_rl.model.builder import build_gpt_model, build_transformer_config, padded_vocab_size
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
 from megatron_rl.model.weights import full_state_dict, load_full_state_dict
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                     vocab_size=128, qk_layernorm=True, add_qkv_bias=True, attention_backend="local")
@@ -70,11 +70,7 @@ def _packed_to_padded_index(packed, width):
     return [torch.tensor(t) for t in zip(*triples)]
 
 
-@pytest.fixture(scope="module")
-def groups():
-    groups = initialize_distributed(ParallelConfig(), seed=11)
-    yield groups
-    destroy_distributed()
+GROUPS_SEED = 11  # the ``groups`` fixture's (tests/conftest.py)
 
 
 def _stock_model(model_cfg, groups, weights):

@@ -13,7 +13,6 @@ import torch
 
 from megatron_rl.config import ParallelConfig
 from megatron_rl.data.packing import pack
-from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 from megatron_rl.model import hybrid
 
 needs_hybrid = pytest.mark.skipif(
@@ -25,15 +24,8 @@ ALIGN = 8  # trailing pad tokens inside the pack: the padding rule of model/hybr
 
 
 @pytest.fixture(scope="module")
-def groups():
-    groups = initialize_distributed(ParallelConfig(), seed=3)
-    yield groups
-    destroy_distributed()
-
-
-@pytest.fixture(scope="module")
 def qwen35_dir(tmp_path_factory):
-    from qwen35_tiny import save_checkpoint
+    from tests.support.qwen35_tiny import save_checkpoint
 
     return save_checkpoint(tmp_path_factory.mktemp("qwen35") / "text")
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batches import full_grads, max_rel_err, micro_batch_size, training_batch
+from tests.support.batches import full_grads, max_rel_err, micro_batch_size, training_batch
 from megatron_rl.model import hybrid
-from multirank import run_ranks
-from test_policy_multirank import LR, _batch_tensors, _fresh_policy, summed_pg_loss
+from tests.support.multirank import run_ranks
+from tests.model.test_policy_multirank import LR, _batch_tensors, _fresh_policy, summed_pg_loss
 
 pytestmark = [
     pytest.mark.multirank,

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.model import logprobs as head
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 
 def _group_size(group):

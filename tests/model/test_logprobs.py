@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.model.logprobs import vocab_parallel_logprobs_entropy
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 VOCAB = 12
 

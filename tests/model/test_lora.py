@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batches import left_padded_tensors, max_rel_err, micro_batch_size, summed_pg_loss, training_batch
-from lora_helpers import adapter_grads, adapters_only, randomize_adapters
-from multirank import run_ranks
+from tests.support.batches import left_padded_tensors, max_rel_err, micro_batch_size, summed_pg_loss, training_batch
+from tests.support.lora_helpers import adapter_grads, adapters_only, randomize_adapters
+from tests.support.multirank import run_ranks
 
 RANK = 8
 PROMPT_LENS = [3, 9, 2, 5, 12, 4, 6]
@@ -72,13 +72,8 @@ def _step(policy, batch) -> tuple[float, dict[str, torch.Tensor]]:
 # ---------------------------------------------------------------------- one process (in this process)
 
 
-@pytest.fixture(scope="module")
-def groups():
-    from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
-
-    groups = initialize_distributed(lora_config().parallel, seed=1234)
-    yield groups
-    destroy_distributed()
+GROUPS_SEED = 1234  # the ``groups`` fixture's (tests/conftest.py)
+GROUPS_PARALLEL = lora_config().parallel
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ import math
 import pytest
 import torch
 
-from batches import full_grads as _full_grads, left_padded_tensors, max_rel_err, micro_batch_size as _micro_batch_size, training_batch as _batch
+from tests.support.batches import full_grads as _full_grads, left_padded_tensors, max_rel_err, micro_batch_size as _micro_batch_size, training_batch as _batch
 from megatron_rl.metrics import Metric
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
+from tests.support.reference import layout_fixture, reference_fixtures
 
 pytestmark = pytest.mark.slow  # spawns ranks
 
@@ -327,14 +328,7 @@ def _dp_checks(cfg, groups, batch, tensors, full_sd) -> dict:
 # ---------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def tensors():
-    return _batch_tensors()
-
-
-@pytest.fixture(scope="module")
-def reference(tensors):
-    return run_ranks(1, _reference_rank, tensors, timeout=300)[0]
+tensors, reference = reference_fixtures(_batch_tensors, _reference_rank, timeout=300)
 
 
 LAYOUTS = {  # name: (world size, tp, pp, micro-batch counts, extra checks)
@@ -345,19 +339,12 @@ LAYOUTS = {  # name: (world size, tp, pp, micro-batch counts, extra checks)
 }
 
 
-@pytest.fixture(scope="module")
-def layout_results(tensors, reference):
-    cache = {}
+def _run_layout(name, tensors, reference):
+    world, tp, pp, counts, extras = LAYOUTS[name]
+    return run_ranks(world, _layout_rank, tp, pp, counts, tensors, reference["full_sd"], extras, timeout=600)
 
-    def get(name):
-        if name not in cache:
-            world, tp, pp, counts, extras = LAYOUTS[name]
-            cache[name] = run_ranks(
-                world, _layout_rank, tp, pp, counts, tensors, reference["full_sd"], extras, timeout=600
-            )
-        return cache[name]
 
-    return get
+layout_results = layout_fixture(_run_layout)
 
 
 # ---------------------------------------------------------------------- tests

@@ -17,9 +17,9 @@ import importlib.util
 import pytest
 import torch
 
-from batches import left_padded_tensors
+from tests.support.batches import left_padded_tensors
 from megatron_rl.metrics import Metric
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks
 

@@ -14,20 +14,12 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.data.packing import pack
-from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 from megatron_rl.model import rotary
 from megatron_rl.model.builder import build_gpt_model
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_query_groups=2,
                     vocab_size=128, qk_layernorm=True, attention_backend="local")
 LENGTHS = [7, 1, 12, 3, 9]
-
-
-@pytest.fixture(scope="module")
-def groups():
-    groups = initialize_distributed(ParallelConfig(), seed=3)
-    yield groups
-    destroy_distributed()
 
 
 def _pack(align, seed=0, width=12):

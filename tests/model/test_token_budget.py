@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_trainer_skip import MODEL, rollouts
+from tests.test_trainer_skip import MODEL, rollouts
 
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.data.microbatch import AUTO_TOKEN_BUDGET

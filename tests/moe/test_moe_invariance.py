@@ -17,9 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batches import (full_grads, left_padded_tensors, max_rel_err, micro_batch_size, summed_pg_loss,
+from tests.support.batches import (full_grads, left_padded_tensors, max_rel_err, micro_batch_size, summed_pg_loss,
                      training_batch)
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
+from tests.support.reference import layout_fixture, reference_fixtures
 
 pytestmark = [pytest.mark.slow, pytest.mark.multirank]
 
@@ -118,27 +119,13 @@ LAYOUTS = {  # name: (world size, parallel sizes); expert_tensor_parallel_size i
 }
 
 
-@pytest.fixture(scope="module")
-def tensors():
-    return _tensors()
+def _run_layout(name, tensors, reference):
+    world, layout = LAYOUTS[name]
+    return run_ranks(world, _layout_rank, layout, tensors, reference["full_sd"], timeout=900)
 
 
-@pytest.fixture(scope="module")
-def reference(tensors):
-    return run_ranks(1, _reference_rank, tensors, timeout=300)[0]
-
-
-@pytest.fixture(scope="module")
-def layout_results(tensors, reference):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            world, layout = LAYOUTS[name]
-            cache[name] = run_ranks(world, _layout_rank, layout, tensors, reference["full_sd"], timeout=900)
-        return cache[name]
-
-    return get
+tensors, reference = reference_fixtures(_tensors, _reference_rank, timeout=300)
+layout_results = layout_fixture(_run_layout)
 
 
 

@@ -18,8 +18,9 @@ import contextlib
 import pytest
 import torch
 
-from batches import full_grads, left_padded_tensors, micro_batch_size, summed_pg_loss, training_batch
-from multirank import run_ranks
+from tests.support.batches import full_grads, left_padded_tensors, micro_batch_size, summed_pg_loss, training_batch
+from tests.support.multirank import run_ranks
+from tests.support.reference import layout_fixture, reference_fixtures
 
 PROMPT_LENS = [3, 9, 2, 5, 12, 4, 6, 7]
 RESPONSE_LENS = [6, 2, 11, 4, 1, 8, 5, 3]
@@ -219,17 +220,12 @@ LAYOUTS = {  # name: (world size, parallel sizes, whether every router sees the 
 }
 
 
-@pytest.fixture(scope="module")
-def layout_results(tensors, single):
-    cache = {}
+def _run_layout(name, tensors, single):
+    world, layout, spy_applies = LAYOUTS[name]
+    return run_ranks(world, _layout_rank, layout, spy_applies, tensors, single, timeout=600)
 
-    def get(name):
-        if name not in cache:
-            world, layout, spy_applies = LAYOUTS[name]
-            cache[name] = run_ranks(world, _layout_rank, layout, spy_applies, tensors, single, timeout=600)
-        return cache[name]
 
-    return get
+layout_results = layout_fixture(_run_layout, reference="single")
 
 
 @pytest.mark.slow
@@ -255,14 +251,7 @@ def test_replay_across_layouts(layout, layout_results, single):
     assert float((single["free_logprobs"] - single["replay_logprobs"]).abs().max()) > 100 * LOGPROB_TOLERANCE
 
 
-@pytest.fixture(scope="module")
-def tensors():
-    return _tensors()
-
-
-@pytest.fixture(scope="module")
-def single(tensors):
-    return run_ranks(1, _single_rank, tensors, timeout=600)[0]
+tensors, single = reference_fixtures(_tensors, _single_rank, timeout=600, name="single")
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """A one-rank process that saves checkpoints in a loop until it is killed (driven by test_ckpt_crash.py).
 
-    python ckpt_worker.py SAVE_DIR [--fault STAGE:ACTION --fault-step N]
+    PYTHONPATH=<repo> python -m tests.support.ckpt_worker SAVE_DIR [--fault STAGE:ACTION --fault-step N]
 
 Before saving step k it sets every parameter to ``initial + k`` (initial = the seeded init of
 ``ckpt_helpers.make_config``), so a loaded checkpoint tells by its weights which step it holds; a mix of two
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 def main() -> None:
@@ -24,8 +23,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=10_000)
     args = parser.parse_args()
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from ckpt_helpers import local_weights, make_config, set_weights_to_step
+    from tests.support.ckpt_helpers import local_weights, make_config, set_weights_to_step
 
     from megatron_rl.checkpoint import save_checkpoint
     from megatron_rl.checkpoint.layout import FAULT_ENV

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
 # What can break with another megatron-core version: everything that builds a megatron-core model or runs its
@@ -26,8 +26,9 @@ CORE = (
     "tests/test_patches.py", "tests/test_warnings_filter.py", "tests/test_failures.py", "tests/test_lazy_compile.py",
     # the main job once per engine kind: on the built-in engine DP2 + resume (+ its GPU form); the other layouts,
     # MoE and CP of a job are the megatron-core code the tests above run (tests/model, tests/moe, tests/checkpoint)
-    "tests/demo/test_demo_multirank.py", "tests/demo/test_main_job.py::test_run_megatron_dp2_then_resume",
-    "tests/demo/test_main_job.py::test_main_job_on_one_gpu_then_resume",
+    "tests/inference/test_builtin_multirank.py", "tests/job/test_main_job.py::test_run_megatron_dp2_then_resume",
+    "tests/job/test_main_job.py::test_main_job_on_one_gpu_then_resume",
+    "tests/job/test_cp_main_job.py",  # the CP job (CP's megatron-core code: tests/cp/)
     # the trainer's weights into the vLLM engine: the layout that streams TP-gathered weights from two pipeline
     # stages, and tied embeddings (the per-layout export itself: tests/hf/test_stage_weights.py; the other layouts
     # and the planted bugs test megatron_rl's own sync code, which runs the same on both ends)

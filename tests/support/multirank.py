@@ -1,6 +1,6 @@
 """Multi-rank test harness: run a function on N gloo ranks of this machine and collect the results.
 
-    from multirank import run_ranks            # tests/ is on sys.path (tests/conftest.py)
+    from tests.support.multirank import run_ranks  # the repository root is on sys.path (pytest.ini: pythonpath)
 
     def _check(rank, world_size, arg):         # module-level, so a spawned child can import it
         groups = initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=1)

@@ -1,6 +1,6 @@
 """The main job with ``parallel.context_parallel_size=2`` (``run_megatron.sh``, NPROC=2, CPU/gloo): one short RL
 step of ``configs/demo_cpu.yaml`` runs, the sampler and the trainer agree on the log-probs, a checkpoint is
-written. The launch helpers are those of tests/demo/test_main_job.py."""
+written. The launch helpers are those of tests/job/test_main_job.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from multirank import free_port
+from tests.support.multirank import free_port
 
 pytestmark = pytest.mark.multirank
 

@@ -1,10 +1,10 @@
-"""Shared pieces of the LoRA tests (importable from spawned children: tests/ is on sys.path)."""
+"""Shared pieces of the LoRA tests (importable from spawned children: they inherit sys.path)."""
 
 from __future__ import annotations
 
 import torch
 
-from batches import full_grads
+from tests.support.batches import full_grads
 
 
 def randomize_adapters(module: torch.nn.Module, seed: int, rank: int) -> None:

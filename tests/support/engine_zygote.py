@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine_env import REPO
+from tests.support.engine_env import REPO
 
 _started: dict = {}
 
@@ -54,7 +54,7 @@ def stop() -> None:
     folder = _started.pop("folder")
     try:
         forked = (folder / "zygote.log").read_text(errors="replace").count("zygote: forked server")
-        print(f"\nengine zygote (tests/engine_zygote.py): {forked} engine servers forked", file=sys.stderr)
+        print(f"\nengine zygote (tests/support/engine_zygote.py): {forked} engine servers forked", file=sys.stderr)
     except OSError:
         pass
     shutil.rmtree(folder, ignore_errors=True)

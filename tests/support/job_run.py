@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from multirank import free_port
+from tests.support.multirank import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

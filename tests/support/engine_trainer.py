@@ -1,6 +1,6 @@
 """A one-process trainer that starts the real vLLM engine, for the engine tests (run as a script).
 
-    python engine_trainer.py MODE HF_DIR WORK_DIR [OVERRIDES...]
+    PYTHONPATH=<repo> python -m tests.support.engine_trainer MODE HF_DIR WORK_DIR [OVERRIDES...]
 
 MODE:
 - ``wait``: start the engine, write its pid (= its process group) to ``WORK_DIR/engine.pid``, then sleep until

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from multirank import free_port
+from tests.support.multirank import free_port
 from megatron_rl.inference.engine_process.zygote import ZYGOTE_ENV
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.fleet]
@@ -137,7 +137,7 @@ def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(en
     done = len(_rows(out))
     # resumed as a plain run with its only engine (configs/demo_vllm.yaml), whose API server is SIGKILLed twice, at
     # two instants of a step (issue 37: one such kill used to hang the run): each costs a restart, the run finishes.
-    # Its engine and both replacements are forked by the test session's zygote (tests/engine_zygote.py; ~6 s and
+    # Its engine and both replacements are forked by the test session's zygote (tests/support/engine_zygote.py; ~6 s and
     # ~12 CPU s less each than a plain start): the restarts are the point here, the plain start the first run's.
     # Steps enough that a step still generates after the second kill (1.5 s after step done+2's row: with steps of
     # ~0.8 s, a run of done+4 steps could end before its replacement was needed, and never say it is back).

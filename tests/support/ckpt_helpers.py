@@ -29,7 +29,7 @@ def make_config(tp: int = 1, pp: int = 1, *, distributed: bool = False, optimize
 
 def make_batch(vocab: int = 128, seed: int = 0):
     """4 left-padded rows [B, S] with right-aligned responses [B, R] (docs/DESIGN.md section 2)."""
-    from batches import left_padded_tensors  # tests/ (on the path in pytest and its spawned ranks)
+    from tests.support.batches import left_padded_tensors
 
     from megatron_rl.data.batch import TrainingBatch
 
@@ -62,7 +62,7 @@ def local_weights(policy) -> dict[str, torch.Tensor]:
 
 
 def summed_pg_loss(logprobs, entropy, mb, loss_config):
-    """``batches.summed_pg_loss``, imported when called (tests/ is on the path of pytest and of its ranks)."""
-    from batches import summed_pg_loss as loss_fn
+    """``batches.summed_pg_loss``, imported when called."""
+    from tests.support.batches import summed_pg_loss as loss_fn
 
     return loss_fn(logprobs, entropy, mb, loss_config)

@@ -48,7 +48,7 @@ def make_model(seed: int = 0, **overrides):
 def save_checkpoint(path: Path, multimodal: bool = False, seed: int = 0, **overrides) -> Path:
     """Save the tiny model (text-only, or wrapped in the multimodal layout with a one-block vision tower) with
     the WordLevel tokenizer of tests/hf/conftest.py."""
-    from hf.conftest import save_tokenizer
+    from tests.hf.conftest import save_tokenizer
 
     text = make_model(seed, **overrides)
     if multimodal:

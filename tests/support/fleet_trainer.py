@@ -1,6 +1,6 @@
 """A one-process trainer with a fleet of two real ``vllm serve`` engines, for ``test_fleet.py`` (run as a script).
 
-    python fleet_trainer.py HF_DIR WORK_DIR
+    PYTHONPATH=<repo> python -m tests.support.fleet_trainer HF_DIR WORK_DIR
 
 Runs every fleet check against the same two servers (they take ~30-60 s each to start, so the checks share
 them) and prints one JSON object on its last line; the test asserts on it:
@@ -85,8 +85,7 @@ HUNG_TIMEOUT_S = 15.0
 
 
 def main(hf_dir: str, work_dir: str) -> int:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from engine_trainer import _policy, _rollout_config
+    from tests.support.engine_trainer import _policy, _rollout_config
 
     from megatron_rl.inference.engine import SamplingSpec
     from megatron_rl.inference.vllm.engine import VLLMEngine

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from batches import full_grads, left_padded_tensors, max_rel_err, micro_batch_size, training_batch as make_batch  # noqa: F401
+from tests.support.batches import full_grads, left_padded_tensors, max_rel_err, micro_batch_size, training_batch as make_batch  # noqa: F401
 from megatron_rl.metrics import Metric
 
 PROMPT_LENS = [1, 2, 9, 3, 30, 5, 1]

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from multirank import free_port
+from tests.support.multirank import free_port
 from megatron_rl.inference.engine_process.zygote import ZYGOTE_ENV
-from test_vllm_main_job import _alive, _descendants, _engine_pids, _job_pids, _rows, _wait_rows
+from tests.job.test_vllm_main_job import _alive, _descendants, _engine_pids, _job_pids, _rows, _wait_rows
 
 pytestmark = [pytest.mark.engine, pytest.mark.multirank, pytest.mark.fleet]
 

@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 pytestmark = pytest.mark.multirank
 
