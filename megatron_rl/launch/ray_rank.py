@@ -133,6 +133,7 @@ class RankProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._reported()  # its temporary folder removed
         return self.proc.returncode
 
     def _reported(self) -> tuple[int, str] | None:
