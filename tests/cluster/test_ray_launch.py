@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ray_cluster import RayCluster, require_ray
+from tests.cluster.ray_cluster import RayCluster, require_ray
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
