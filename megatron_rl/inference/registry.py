@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config_files import ConfigError
 from megatron_rl.inference.engine import EngineCapabilities, EngineStartError, RolloutEngine
 from megatron_rl.inference.vllm import CAPABILITIES as VLLM_CAPABILITIES
 

@@ -43,11 +43,17 @@ def usable_cores() -> int:
 
 def engine_cores(flat: dict, nnodes: int, node: int) -> int:
     """Cores the engines this node starts keep busy while the ranks train (one per concurrent vLLM engine)."""
-    if flat.get("rollout.engine", "builtin") != "vllm" or int(flat.get("rollout.max_staleness", 0) or 0) == 0:
+    if int(flat.get("rollout.max_staleness", 0) or 0) == 0:
         return 0
+    from megatron_rl.inference.registry import ENGINES  # (light: no torch) the shipped engines' declarations
+
+    entry = ENGINES.get(flat.get("rollout.engine", "builtin"))  # one of rollout.engine_module's: not counted
+    if entry is None or not (entry.capabilities.own_weights and entry.capabilities.concurrent):
+        return 0  # it samples in the ranks themselves (the built-in engine)
     from megatron_rl.inference.nodes import engines_on_node
 
-    return len(engines_on_node(int(flat.get("rollout.num_engines", 1)), node, max(1, nnodes)))
+    engine_nodes = int(flat.get("rollout.engine_nodes", 0) or 0)  # (NNODES: the trainer's nodes, launch/placement.py)
+    return len(engines_on_node(int(flat.get("rollout.num_engines", 1)), node, max(1, nnodes), engine_nodes))
 
 
 def threads_per_rank(cores: int, ranks: int, reserved: int = 0) -> int:
