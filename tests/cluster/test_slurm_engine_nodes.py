@@ -27,6 +27,8 @@ from megatron_rl.inference.engine_process.zygote import ZYGOTE_ENV
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.engine, pytest.mark.fleet]
 
 STEPS = 2
+ENGINE_WITHIN_S = 300
+"""The engine has started on n2 by then (~60 s measured under load); without one the trainer would wait for it."""
 TOLERANCE = 1e-4  # as in tests/inference/test_engine_nodes_job.py (and test_vllm_sync.py)
 
 
@@ -79,6 +81,12 @@ def is_rank(cmdline: str) -> bool:
     return "megatron_rl.job.main" in cmdline and "megatron_rl.job.start" not in cmdline and "torchrun" not in cmdline
 
 
+def misplaced(seen: dict[int, Seen]) -> list[str]:
+    """Processes on the wrong node: a trainer rank on the engine node, an engine on the trainer's node."""
+    return [f"{pid} on {node}: {cmd[:150]}" for pid, (cmd, node, _) in sorted(seen.items())
+            if (is_rank(cmd) and node != "n1") or (is_engine(cmd) and node != "n2")]
+
+
 def test_the_engine_runs_on_the_second_slurm_node_and_no_rank_does(cluster: SlurmCluster, tmp_path: Path) -> None:
     t0 = time.monotonic()
     out = tmp_path / "run"
@@ -93,6 +101,9 @@ def test_the_engine_runs_on_the_second_slurm_node_and_no_rank_does(cluster: Slur
     try:
         while submit.poll() is None:  # where each process of the run runs, while it runs
             seen.update(processes(out))
+            assert not misplaced(seen), misplaced(seen)  # at once: a trainer on n2 would wait for its engine
+            assert (any(is_engine(cmd) for cmd, _, _ in seen.values())
+                    or time.monotonic() - t0 < ENGINE_WITHIN_S), f"no engine started within {ENGINE_WITHIN_S} s"
             assert time.monotonic() - t0 < 600, "the submitted job did not end within 600 s"
             time.sleep(0.5)
         text = submit.stdout.read()
