@@ -7,7 +7,7 @@ while the job runs); afterwards no process of the run is left on either node (``
 
 The engine is started by the engine host on ``n2`` itself, not forked from the test session's zygote
 (``tests/engine_zygote.py``): a zygote's engine would run outside the allocation. Cost: one submitted vLLM job of
-two steps with a plain engine start on one core per node: 81 s on the 2-core machine (210 s while other helpers' jobs ran).
+two steps with a plain engine start on one core per node: 81-100 s on the 2-core machine (210 s while other helpers' jobs ran).
 """
 
 from __future__ import annotations
