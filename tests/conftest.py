@@ -7,11 +7,13 @@ one fixture of the tests that build a model in their own process.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support import engine_zygote
+from tests.support.engine_env import engine_python
 from tests.support.ends import is_core
 
 # run_megatron.sh derives threads per rank from the free cores (megatron_rl/job/threads.py); the jobs tests launch
@@ -66,3 +68,25 @@ def pytest_collection_finish(session):
 
 def pytest_unconfigure(config):
     engine_zygote.stop()
+
+
+# The real vLLM engine (tests/inference/conftest.py says how it is required in CI)
+@pytest.fixture(scope="session")
+def engine_py() -> str:
+    return engine_python()
+
+
+@pytest.fixture(scope="session")
+def engine_hf_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 (head_dim 32: vLLM's CPU attention supports 32 and up, not 16) with a tokenizer."""
+    from tests.hf.conftest import make_tiny_hf_model
+
+    return make_tiny_hf_model(tmp_path_factory.mktemp("engine_model") / "qwen3", "qwen3", seed=3)
+
+
+@pytest.fixture(scope="session")
+def engine_tied_model(tmp_path_factory) -> Path:
+    """The examples' tiny Qwen3 with tied embeddings and a padded vocabulary (37 -> 64 rows in vLLM), head size 32."""
+    from tests.support.job_run import example_module
+
+    return example_module("examples/common.py").tiny_qwen3(tmp_path_factory.mktemp("engine_tied") / "qwen3_tied", head_dim=32)

@@ -16,6 +16,7 @@ Clients reach the cluster through ``env()`` (``SLURM_CONF``). ``scripts/setup_sl
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -138,6 +139,9 @@ class SlurmCluster:
             f"SlurmdLogFile={f / 'slurmd-%n.log'}", f"SlurmctldPort={ctld}", "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "ReturnToService=2",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "KillWait=10", "MinJobAge=600",
+            # job ids (and so the default rendezvous ports, launch/slurm_env.py) differ between clusters running at
+            # once on this machine: each would otherwise start at job 1, port 20001
+            f"FirstJobId={random.randrange(1000, 19000)}",
             *[f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=1 RealMemory=4000"
               for node, port in zip(NODES, node_ports)],
             "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",

@@ -154,16 +154,19 @@ def test_demo_config_errors_name_the_key() -> None:
         check_demo_config(load_config(None), DigitTokenizer())
 
 
-def test_too_many_ranks_for_the_gpus_stops_early(tmp_path: Path) -> None:
-    """``NPROC`` above the visible GPU count stops before torchrun with what to do (never a raw NCCL error)."""
-    fake_py = tmp_path / "python"  # answers the GPU count query with 1; anything else would run the real job
-    fake_py.write_text(f"#!/bin/sh\ncase \"$2\" in *device_count*) echo 1; exit 0;; esac\nexec {sys.executable} \"$@\"\n")
-    fake_py.chmod(0o755)
-    env = {**os.environ, "PY": str(fake_py), "NPROC": "2", "CONFIG": "configs/demo_gpu.yaml"}
-    proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "NPROC=2 ranks but 1 visible CUDA GPU(s)" in proc.stderr and "parallel.device=cpu" in proc.stderr
+def test_too_many_ranks_for_the_gpus_stops_early(tmp_path: Path, monkeypatch, capsys) -> None:
+    """``NPROC`` above the visible GPU count stops before torchrun with what to do (never a raw NCCL error): the
+    launcher's check (``job/start.py: ranks_device``, on the device of the config the pre-flight resolved)."""
+    import torch
+
+    from megatron_rl.job.start import ranks_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert ranks_device("auto", 2) == 2
+    err = capsys.readouterr().err
+    assert "NPROC=2 ranks but 1 visible CUDA GPU(s)" in err and "parallel.device=cpu" in err
+    assert ranks_device("auto", 1) == 0
+    env = {**os.environ, "NPROC": "2", "CONFIG": "configs/demo_gpu.yaml"}
     env["PY"] = "no-such-python"
     proc = subprocess.run(["bash", str(ROOT / "run_megatron.sh")], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 1 and "PY=python3" in proc.stdout
