@@ -1,7 +1,7 @@
 """``rollout.engine_nodes=1`` on the real two-node Slurm cluster (``slurm_cluster.py``): the vLLM demo
 (``configs/demo_vllm.yaml``, two steps) submitted with ``launch.scheduler=slurm launch.nodes=2`` trains to the end
 (exit 0, both steps' metrics, the engine's log-probs equal to the trainer's within the bound of
-``tests/inference/test_engine_nodes_job.py``); its vLLM engine ran on the second Slurm node (``n2``), below that
+``tests/job/test_engine_nodes_job.py``); its vLLM engine ran on the second Slurm node (``n2``), below that
 node's engine host, and no trainer rank did (every process's ``SLURMD_NODENAME``, read from ``/proc/<pid>/environ``
 while the job runs); afterwards no process of the run is left on either node (``ps``).
 
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.engine, pytest.ma
 STEPS = 2
 ENGINE_WITHIN_S = 300
 """The engine has started on n2 by then (~60 s measured under load); without one the trainer would wait for it."""
-TOLERANCE = 1e-4  # as in tests/inference/test_engine_nodes_job.py (and test_vllm_sync.py)
+TOLERANCE = 1e-4  # as in tests/job/test_engine_nodes_job.py (and test_vllm_sync.py)
 
 
 @pytest.fixture(scope="module")
