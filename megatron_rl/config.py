@@ -35,20 +35,13 @@ from megatron_rl.config_files import ConfigError, put_dotted, read_overrides
 from megatron_rl.config_keys import (KEY_ALIASES, KEY_NOTES, Schema, build_config, check_keys,  # noqa: F401
                                      config_to_dict, write_yaml)
 from megatron_rl.config_rules import (AT_LEAST_1, FINITE, NON_NEGATIVE, POSITIVE, UNIT,  # noqa: F401
-                                      ConfigSection, check_fields, reported_as_config_error, valid)
+                                      ConfigSection, check_fields, on_cpu, reported_as_config_error, valid)
 from megatron_rl.data.microbatch import check_microbatch_rule
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Sections
 # --------------------------------------------------------------------------------------------------------------
-
-
-def on_cpu(device: str) -> bool:
-    """Whether ``parallel.device`` (or a torch device type) means CPU here ('auto': no CUDA device)."""
-    import torch
-
-    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 @dataclass(kw_only=True)

@@ -122,3 +122,10 @@ def reported_as_config_error() -> Iterator[None]:
         raise
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def on_cpu(device: str) -> bool:
+    """Whether ``parallel.device`` (or a torch device type) means CPU here ('auto': no CUDA device)."""
+    import torch
+
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())

@@ -193,3 +193,12 @@ class SlurmCluster:
                 proc.wait()
         self.procs = []
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A two-node test cluster per test module (import this fixture by name: ``from ... import cluster``)."""
+    require_slurm()
+    cluster = SlurmCluster().start()
+    yield cluster
+    cluster.stop()

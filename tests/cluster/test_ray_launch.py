@@ -11,7 +11,6 @@ and a second ``ray start --address``, each with its own CPUs and a custom resour
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from tests.cluster.ray_cluster import RayCluster, require_ray
+from tests.support.job_run import untimed_metrics as metrics
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -40,13 +40,6 @@ def cluster():
     print(f"\nRay cluster up in {time.monotonic() - t0:.1f} s")
     yield cluster
     cluster.stop()
-
-
-def metrics(out_dir: Path) -> list[dict]:
-    """Per-step metrics, without the timings (those differ run to run)."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "throughput/", "timing/"))}
-            for row in rows]
 
 
 def launch(cluster: RayCluster, out_dir: Path, *args: str, nproc: int = 1) -> subprocess.Popen:

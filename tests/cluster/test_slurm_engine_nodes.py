@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from tests.support.engine_env import engine_python
-from tests.cluster.slurm_cluster import SlurmCluster, require_slurm
+from tests.cluster.slurm_cluster import SlurmCluster, cluster  # noqa: F401 (the fixture)
 from tests.cluster.test_slurm_launch import ROOT, run_processes, run_env
 
 from megatron_rl.inference.engine_process.zygote import ZYGOTE_ENV
@@ -30,14 +30,6 @@ STEPS = 2
 ENGINE_WITHIN_S = 300
 """The engine has started on n2 by then (~60 s measured under load); without one the trainer would wait for it."""
 TOLERANCE = 1e-4  # as in tests/job/test_engine_nodes_job.py (and test_vllm_sync.py)
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    require_slurm()
-    cluster = SlurmCluster().start()
-    yield cluster
-    cluster.stop()
 
 
 Seen = tuple[str, "str | None", tuple[str, "str | None"]]

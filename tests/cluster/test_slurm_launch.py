@@ -13,7 +13,6 @@ each), both ways, against the by-hand two-node launch.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -22,8 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.cluster.slurm_cluster import SlurmCluster, require_slurm
+from tests.cluster.slurm_cluster import SlurmCluster, cluster  # noqa: F401 (the fixture)
 
+from tests.support.job_run import untimed_metrics as metrics
 from tests.support.multirank import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -32,21 +32,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 DEMO = ["demo.baseline_episodes=20", "logging.progress_bar=false", "logging.tensorboard=false",
         "parallel.device=cpu", f"demo.num_steps={STEPS}", "checkpoint.save_interval=0"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    require_slurm()
-    cluster = SlurmCluster().start()
-    yield cluster
-    cluster.stop()
-
-
-def metrics(out_dir: Path) -> list[dict]:
-    """Per-step metrics, without the timings (those differ run to run)."""
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "throughput/", "timing/"))}
-            for row in rows]
 
 
 def run_env(cluster: SlurmCluster, **extra: str) -> dict[str, str]:

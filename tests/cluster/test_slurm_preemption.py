@@ -8,13 +8,13 @@ the same run launched by hand as two local nodes without a stop. ~195 s with the
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from tests.cluster.slurm_cluster import SlurmCluster, require_slurm
-from tests.cluster.test_slurm_launch import DEMO, ROOT, metrics, run_env
+from tests.cluster.slurm_cluster import SlurmCluster, cluster  # noqa: F401 (the fixture)
+from tests.cluster.test_slurm_launch import DEMO, ROOT, run_env
+from tests.support.job_run import untimed_metrics as metrics
 
 from tests.support.multirank import free_port
 
@@ -22,14 +22,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 # TODO(merge): remove once the `preempt` branch (its distributed/preemption module) is merged with this one;
 # until then the launchers have no preemption handling and this test cannot pass
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    require_slurm()
-    cluster = SlurmCluster().start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.mark.xfail(strict=False, reason="flaky on the one-machine test cluster (3 of 6 runs on 2026-11-28): the requeued "

@@ -47,6 +47,14 @@ def metric_rows(out_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("timing/") and k != "time_s"} for r in rows]
 
 
+def untimed_metrics(out_dir: Path) -> list[dict]:
+    """Per-step metrics without any timing key (``time/``, ``perf/``, ``throughput/``, ``timing/``: they differ run to
+    run): what the same run under another launcher must reproduce."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/", "throughput/", "timing/"))}
+            for row in rows]
+
+
 def example_module(path: str) -> ModuleType:
     """A script of ``examples/`` (e.g. ``examples/digit_game/make_model.py``) imported as a module."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
