@@ -9,10 +9,19 @@ it).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import yaml
+
+logger = logging.getLogger(__name__)
+
+EITHER_OR = (("batch.micro_batch_size", "batch.max_tokens_per_micro_batch"),)
+"""Pairs of keys of which exactly one applies. A layer (a config file, or the overrides) that sets one of a pair
+and not the other sets the other to null: the later layer chose the rule (``batch.micro_batch_size=4`` over
+``configs/user_job.yaml``'s token budget needs no ``batch.max_tokens_per_micro_batch=null``); the same holds
+against the schema's defaults. Setting both in one layer is left to the schema's check (one line naming both)."""
 
 
 class ConfigError(ValueError):
@@ -79,8 +88,30 @@ def read_overrides(path: str | Path | Sequence[str | Path] | None, overrides: Se
     """
     flat: dict[str, Any] = {}
     for file in config_paths(path):
+        layer: dict[str, Any] = {}
         for name, value in read_yaml(file).items():
-            put_dotted(flat, str(name), value, renames or {})
+            put_dotted(layer, str(name), value, renames or {})
+        _merge_layer(flat, layer)
+    layer = {}
     for item in overrides:
-        put_dotted(flat, *_parse_override(item), renames or {})
+        put_dotted(layer, *_parse_override(item), renames or {})
+    _merge_layer(flat, layer)
+    for mine, other in _either_or_pairs():  # against the schema's defaults: the other unset counts as null
+        if flat.get(mine) is not None and other not in flat:
+            flat[other] = None
     return flat
+
+
+def _either_or_pairs() -> list[tuple[str, str]]:
+    return [pair for a, b in EITHER_OR for pair in ((a, b), (b, a))]
+
+
+def _merge_layer(flat: dict[str, Any], layer: Mapping[str, Any]) -> None:
+    """``layer`` over ``flat`` (later wins), with the ``EITHER_OR`` rule: said once per derived null."""
+    for mine, other in _either_or_pairs():
+        if layer.get(mine) is not None and other not in layer and flat.get(other) is not None:
+            logger.info("%s=null: %s=%r is set over it (exactly one of them applies)", other, mine, layer[mine])
+            flat[other] = None
+    for key, value in layer.items():
+        flat.pop(key, None)
+        flat[key] = value

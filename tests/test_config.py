@@ -83,7 +83,7 @@ def test_unknown_keys_and_wrong_types(overrides, needle):
         (["batch.micro_batch_size=-1"], "batch.micro_batch_size=-1"),
         (["parallel.tensor_model_parallel_size=0"], "parallel.tensor_model_parallel_size=0"),
         (["model.num_layers=0"], "model.num_layers=0"),
-        (["batch.max_tokens_per_micro_batch=64"], "exactly one of batch.micro_batch_size"),
+        (["batch.micro_batch_size=4", "batch.max_tokens_per_micro_batch=64"], "exactly one of batch.micro_batch_size"),
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
         (["optimizer.use_distributed_optimizer=true", "optimizer.optimizer=sgd"], "use_distributed_optimizer"),
         (["model.num_query_groups=3"], "model.num_query_groups"),
@@ -225,3 +225,19 @@ def test_dump_is_atomic_and_leaves_no_temp_file(tmp_path):
     dump_config(load_config(None, ["seed=7"]), tmp_path / "c.yaml")
     assert [p.name for p in tmp_path.iterdir()] == ["c.yaml"]
     assert load_config(tmp_path / "c.yaml").seed == 7
+
+
+def test_either_or_keys_derive_the_other_as_null(tmp_path):
+    """Setting one of batch.micro_batch_size / batch.max_tokens_per_micro_batch in a later layer (the overrides, a
+    later file) or over the schema's default nulls the other: derived, not demanded (config_files.EITHER_OR)."""
+    assert (load_config(None, ["batch.max_tokens_per_micro_batch=64"]).batch.micro_batch_size) is None
+    budget = tmp_path / "budget.yaml"
+    budget.write_text("batch:\n  micro_batch_size: null\n  max_tokens_per_micro_batch: 128\n")
+    batch = load_config(budget, ["batch.micro_batch_size=2"]).batch
+    assert (batch.micro_batch_size, batch.max_tokens_per_micro_batch) == (2, None)
+    rows = tmp_path / "rows.yaml"
+    rows.write_text("batch:\n  micro_batch_size: 3\n")
+    batch = load_config([budget, rows]).batch
+    assert (batch.micro_batch_size, batch.max_tokens_per_micro_batch) == (3, None)
+    batch = load_config([rows, budget]).batch
+    assert (batch.micro_batch_size, batch.max_tokens_per_micro_batch) == (None, 128)

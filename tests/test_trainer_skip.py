@@ -19,7 +19,7 @@ from megatron_rl.trainer import Trainer
 MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.num_attention_heads=4",
          "model.num_query_groups=2", "model.vocab_size=24", "model.attention_backend=local", "parallel.device=cpu"]
 BATCH = ["batch.train_batch_size=2", "batch.policy_mini_batch_size=2", "batch.update_epochs_per_batch=1",
-         "batch.micro_batch_size=3", "batch.max_tokens_per_micro_batch=null", "optimizer.optimizer=adam",
+         "batch.micro_batch_size=3", "optimizer.optimizer=adam",
          "optimizer.lr=0.01", "optimizer.lr_warmup_steps=0"]
 
 

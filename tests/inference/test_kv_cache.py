@@ -32,7 +32,7 @@ TOL = 2e-5
 def policy():
     from megatron_rl.model.policy import MegatronPolicy
 
-    config = load_config(None, [*MODEL, "batch.micro_batch_size=2", "batch.max_tokens_per_micro_batch=null"])
+    config = load_config(None, [*MODEL, "batch.micro_batch_size=2"])
     groups = initialize_distributed(config.parallel, seed=5)
     yield MegatronPolicy(config, groups, role="reference", pad_token_id=0)
     destroy_distributed()

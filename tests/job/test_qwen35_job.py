@@ -43,7 +43,7 @@ def _task(tmp_path, **model_overrides):
     reward.write_text("def match(prompt, response, target):\n    return float(len(response))\n")
     return task, lambda out_dir: [*overrides(task, out_dir, reward), "job.max_new_tokens=4",
                                   "job.n_samples_per_prompt=2", "batch.policy_mini_batch_size=2",
-                                  "batch.micro_batch_size=2", "batch.max_tokens_per_micro_batch=null"]
+                                  "batch.micro_batch_size=2"]
 
 
 def _weights(hf_dir):

@@ -21,7 +21,7 @@ from megatron_rl.trainer import Trainer
 
 BATCH = ["batch.train_batch_size=2", "batch.policy_mini_batch_size=2", "batch.update_epochs_per_batch=1",
          "optimizer.optimizer=sgd", "optimizer.lr=0.5", "optimizer.lr_warmup_steps=0"]
-COUNTED = ["batch.micro_batch_size=1", "batch.max_tokens_per_micro_batch=null"]
+COUNTED = ["batch.micro_batch_size=1"]
 AUTO = ["batch.micro_batch_size=null", "batch.max_tokens_per_micro_batch=auto"]
 
 
