@@ -55,10 +55,11 @@ from megatron_rl.environments.registry import make_environment
 from megatron_rl.inference.builtin_engine import rollout_seed
 from megatron_rl.inference.engine import EngineError, EngineStartError, RolloutEngine, SamplingSpec
 from megatron_rl.inference.registry import engine_entry
+from megatron_rl.job import startup
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
 from megatron_rl.job.paths import base_config, resolve_config
 from megatron_rl.job.pipeline import RolloutPipeline
-from megatron_rl.job.reporting import RunReporter, WallTimes, launch_time
+from megatron_rl.job.reporting import RunReporter, WallTimes, launch_time, process_start_time
 from megatron_rl.metrics import Metric
 
 if TYPE_CHECKING:  # type hints only: these modules (and megatron-core) are imported where the job starts
@@ -118,12 +119,15 @@ def main(argv: list[str] | None = None) -> int:
         layers = [resolve_config(c) for c in args.config] if args.config else [base_config(None, args.overrides)[0]]
         config = load_job_config(layers, args.overrides)
         environment = make_environment(config)  # reads the data, checks the reward function: before any collective
+        startup.mark("imports")
         groups = initialize_distributed(config.rl.parallel, config.rl.seed)  # checks the world size first
+        startup.mark("distributed")
     except ConfigError as err:
         return report_config_error(err)
     job = None
     try:
         job = build_job(config, groups, environment)
+        startup.mark("model")
         return run(job)
     except CheckpointProblem as err:
         return report_error(str(err), kind="checkpoint error", code=err.code)
@@ -234,6 +238,7 @@ def run(job: Job) -> int:
     """Resume if possible, then RL steps until ``job.num_steps``; returns the process exit code."""
     config = job.config
     start_step = resume(job)
+    startup.mark("resume")
     if start_step >= config.job.num_steps:
         return report_finished(job, start_step)
     vote = preemption.stop_vote(job.groups.device)  # signalled while starting: nothing new to save
@@ -241,6 +246,7 @@ def run(job: Job) -> int:
         return report_stopped(job, vote, start_step)
     job.engine = start_engine(config, job.policy, job.environment.pad_token_id)  # on the resumed weights
     job.pipeline = build_pipeline(job, start_step)
+    startup.mark("engine")
     job.trained_step = job.saved_step = start_step
     reporter = open_reporter(job, start_step)
     baseline = job.environment.random_baseline(config.rl.seed) if job.is_rank0 else None
@@ -285,7 +291,8 @@ def run(job: Job) -> int:
             reporter.close()
         raise
     if reporter is not None:
-        summary = reporter.finish(baseline=baseline, times=WallTimes.since(launch_time(), started))
+        summary = reporter.finish(baseline=baseline, times=WallTimes.since(
+            launch_time(), started, startup_parts=startup.split(launch_time(), process_start_time())))
         print(f"\n{summary}\nOutputs: {reporter.output_dir} (metrics.jsonl, tensorboard/, reward_loss.png, "
               f"summary.txt); checkpoints: {job.save_dir}", flush=True)
     return 0

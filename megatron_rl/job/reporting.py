@@ -41,6 +41,7 @@ from pathlib import Path
 from megatron_rl.atomic import atomic_replace, atomic_write_text
 from megatron_rl.environments.base import Sample
 from megatron_rl.environments.failures import FAILED_SAMPLES as FAILED_KEY, SampleFailure
+from megatron_rl.job import startup
 
 REWARD_KEY = "reward/mean"
 ZERO_ADVANTAGE_KEY = "rollout/zero_advantage_groups"
@@ -134,6 +135,13 @@ SIGNAL_TOLERANCE = 1e-6
 """Rewards closer than this (relative to 1 or their size) count as equal (``trainer.py: zero_advantage_metrics``)."""
 
 
+def process_start_time() -> float:
+    """When this process started (seconds since the epoch)."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def launch_time() -> float:
     """When the launch began: ``$MEGATRON_RL_LAUNCH_TIME`` (bash's ``$EPOCHREALTIME``, whose decimal mark follows
     the locale), else when this process started."""
@@ -141,9 +149,7 @@ def launch_time() -> float:
     try:
         return float(value)
     except ValueError:
-        import psutil
-
-        return psutil.Process().create_time()
+        return process_start_time()
 
 
 @dataclass(frozen=True)
@@ -156,15 +162,21 @@ class WallTimes:
     """The RL steps: rollouts, train steps, evaluations, checkpoints, exports."""
     total_s: float
     """From the launch to the summary (start-up + loop + what came after the last step)."""
+    startup_parts: tuple[tuple[str, float], ...] = ()
+    """The start-up split into phases (``job/startup.py``); empty: said as one number."""
 
     @classmethod
-    def since(cls, launched: float, loop_started: float, now: float | None = None) -> WallTimes:
+    def since(cls, launched: float, loop_started: float, now: float | None = None,
+              startup_parts: Sequence[tuple[str, float]] = ()) -> WallTimes:
         now = time.time() if now is None else now
-        return cls(startup_s=loop_started - launched, loop_s=now - loop_started, total_s=now - launched)
+        return cls(startup_s=loop_started - launched, loop_s=now - loop_started, total_s=now - launched,
+                   startup_parts=tuple(startup_parts))
 
     def phrase(self) -> str:
-        return (f"{self.total_s:.0f} s of wall time: {self.startup_s:.0f} s of start-up (pre-flight, ranks, model, "
-                f"engine) and {self.loop_s:.0f} s of training loop")
+        parts = (startup.phrase(list(self.startup_parts)) if self.startup_parts
+                 else "pre-flight, ranks, model, engine")
+        return (f"{self.total_s:.0f} s of wall time: {self.startup_s:.0f} s of start-up ({parts}) and "
+                f"{self.loop_s:.0f} s of training loop")
 
 
 def _equal(a: float, b: float) -> bool:

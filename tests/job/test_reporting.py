@@ -65,6 +65,17 @@ def test_the_launch_time_comes_from_the_launcher(monkeypatch):
     assert 0 < launch_time() <= __import__("time").time()  # this process's start
 
 
+def test_the_start_up_splits_into_its_phases():
+    from megatron_rl.job import startup
+
+    marks = {"imports": 104.0, "distributed": 104.5, "model": 107.0, "engine": 110.0}  # not resumed: no 'resume'
+    parts = startup.split(launched=100.0, process_started=101.5, marks=marks)
+    assert parts == [("launch", 1.5), ("imports", 2.5), ("distributed", 0.5), ("model", 2.5), ("engine", 3.0)]
+    times = WallTimes.since(launched=100.0, loop_started=110.2, now=120.0, startup_parts=parts)
+    assert ("10 s of start-up (launch 1.5 s, imports 2.5 s, distributed 0.5 s, model 2.5 s, engine 3.0 s) and "
+            "10 s of training loop") in times.phrase()
+
+
 def test_the_first_failure_names_file_and_line_and_its_traceback_is_kept_once(tmp_path, capsys):
     from megatron_rl.environments.failures import failure
     from megatron_rl.job.reporting import FAILURE_FILE, RunReporter
