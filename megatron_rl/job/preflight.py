@@ -22,7 +22,8 @@ PREFLIGHT_ROWS = 64
 """Rows of each data file the pre-flight reads."""
 
 
-def load_job_rl_config(path: str | list[str], overrides: Sequence[str]) -> MegatronRLConfig:
+def load_job_rl_config(path: str | list[str], overrides: Sequence[str], *,
+                       keep: list | None = None) -> MegatronRLConfig:
     """The library config of the job (the job's sections are validated on the way, by ``load_job_config``, and
     the environment is built on the first rows of its data: ConfigError naming the key); with
     ``model.hf_path``, its model section is the checkpoint's (``config.json``, resolved once by
@@ -32,6 +33,8 @@ def load_job_rl_config(path: str | list[str], overrides: Sequence[str]) -> Megat
 
     config = load_job_config(path, overrides)
     make_environment(config, max_rows=PREFLIGHT_ROWS)
+    if keep is not None:  # the launcher's copy of the whole job config (job/start.py)
+        keep.append(config)
     return config.rl
 
 

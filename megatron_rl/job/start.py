@@ -23,10 +23,13 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 2
     at = argv.index(SEPARATOR)
+    from functools import partial
+
     from megatron_rl.job.preflight import load_job_rl_config
     from megatron_rl.preflight import run as preflight
 
-    code, config = preflight(argv[:at], load=load_job_rl_config)
+    jobs: list = []
+    code, config = preflight(argv[:at], load=partial(load_job_rl_config, keep=jobs))
     if code:
         return code
     torchrun = argv[at + 1:]
@@ -35,7 +38,16 @@ def main(argv: Sequence[str]) -> int:
         return code
     from megatron_rl.distributed.launch import main as launch_main
 
-    return launch_main(torchrun)
+    zygote = None
+    if jobs and jobs[-1].rollout.engine == "vllm":  # CPU engines forked from a zygote importing vLLM meanwhile
+        from megatron_rl.inference.vllm.job_zygote import start_for
+
+        zygote = start_for(jobs[-1])
+    try:
+        return launch_main(torchrun)
+    finally:
+        if zygote is not None:
+            zygote.stop()
 
 
 def ranks_device(device: str, nproc: int | None) -> int:

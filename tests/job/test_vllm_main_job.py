@@ -30,8 +30,8 @@ TOLERANCE = 1e-4  # as in test_vllm_sync.py
 def _launch(out: Path, engine_py: str, *overrides: str, forked: bool = False) -> subprocess.Popen:
     env = {**os.environ, "PY": sys.executable, "MASTER_PORT": str(free_port()), "MEGATRON_RL_ENGINE_PYTHON": engine_py,
            "CONFIG": "configs/demo_vllm.yaml"}
-    if not forked:  # the job starts its engines itself, as a user's does: its own processes (below)
-        env.pop(ZYGOTE_ENV, None)
+    if not forked:  # the job starts its engines itself, as a user's does: forked from its launcher's own zygote
+        env.pop(ZYGOTE_ENV, None)  # (inference/vllm/job_zygote.py), every process of them below the launcher
     args = [f"logging.output_dir={out}", "logging.progress_bar=false", "demo.baseline_episodes=50",
             "checkpoint.save_interval=1", *overrides]
     return subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT, env=env,
@@ -123,7 +123,9 @@ def test_engine_kill_costs_a_restart_then_job_kill_leaves_nothing_and_resumes(en
     assert all(r["rollout/logprob_abs_diff_max"] <= TOLERANCE for r in _rows(out))  # replacement: current weights
 
     job = _descendants(proc.pid)
-    assert len(job) >= 5, job  # below the launcher's shell: the launcher, 2 ranks, 2 engine servers (and their children)
+    # below the launcher's shell: the launcher, its engine zygote, 2 ranks, 2 engine servers (and their children)
+    assert len(job) >= 6, job
+    assert (out / "engine" / "zygote.log").read_text().count("forked server") >= 3  # 2 engines and the replacement
     for pid in _job_pids(out):  # every rank (torchrun gives each its own process group), then the launcher
         os.kill(pid, signal.SIGKILL)
     os.killpg(proc.pid, signal.SIGKILL)

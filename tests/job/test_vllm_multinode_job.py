@@ -32,7 +32,7 @@ def _launch_node(out: Path, engine_py: str, node: int, port: int) -> subprocess.
     env = {**os.environ, "PY": sys.executable, "MEGATRON_RL_ENGINE_PYTHON": engine_py, "CONFIG": "configs/demo_vllm.yaml",
            "NPROC": "1", "NNODES": "2", "NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "VLLM_CPU_OMP_THREADS_BIND": str(node % (os.cpu_count() or 1))}
-    env.pop(ZYGOTE_ENV, None)  # each node's rank starts its engines itself: their parent is that rank (below)
+    env[ZYGOTE_ENV] = "off"  # each node's rank starts its engines itself (no zygote): their parent is that rank
     args = [f"logging.output_dir={out}", "logging.progress_bar=false", "demo.baseline_episodes=0",
             "checkpoint.save_interval=1000", "rollout.num_engines=2", f"demo.num_steps={STEPS}"]
     return subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), *args], cwd=ROOT, env=env,

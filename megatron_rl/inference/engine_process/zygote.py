@@ -43,7 +43,9 @@ import time
 from typing import Any
 
 ZYGOTE_ENV = "MEGATRON_RL_ENGINE_ZYGOTE"
-"""The path of the zygote's Unix socket; unset: every engine starts the usual way."""
+"""The path of the zygote's Unix socket; unset or ``ZYGOTE_OFF``: every engine starts the usual way (a job's
+launcher starts one for its CPU engines where it is unset: ``inference/vllm/job_zygote.py``)."""
+ZYGOTE_OFF = "off"
 
 IMPORT_TIME_ENV = ("VLLM_", "OMP_", "KMP_", "GOMP_", "MKL_", "LD_", "TORCH_LOGS", "TORCH_CPP", "TORCHDYNAMO",
                    "TORCHINDUCTOR", "PYTORCH", "CUDA", "PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS")

@@ -365,7 +365,7 @@ def _forked(command: list[str], env: dict[str, str], log_fd: int) -> zygote.Zygo
     """A CPU server forked by the engine zygote (``$MEGATRON_RL_ENGINE_ZYGOTE``, inference/engine_process/zygote.py), or None:
     start it the usual way (no zygote, or one that cannot start this server: the reason goes to stderr once)."""
     socket_path = os.environ.get(zygote.ZYGOTE_ENV)
-    if not socket_path:
+    if not socket_path or socket_path == zygote.ZYGOTE_OFF:
         return None
     try:
         return zygote.spawn(socket_path, command[0], command[3:], env, str(REPO_ROOT), log_fd)
