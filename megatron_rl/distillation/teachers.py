@@ -81,9 +81,14 @@ def build_teachers(config: MegatronRLConfig, groups: Any, pad_token_id: int) -> 
     from megatron_rl.hf.weights import policy_from_hf
 
     check_teachers(config)
-    base = teacher_config(config)
-    return [policy_from_hf(base, groups, role="reference", hf_dir=teacher.hf_path, pad_token_id=pad_token_id)
-            for teacher in config.distillation.teachers]
+    base, teachers = teacher_config(config), []
+    for teacher in config.distillation.teachers:
+        if groups.rank == 0:
+            print(f"distillation: teacher {teacher.name!r} from {teacher.hf_path} scores every row (coef "
+                  f"{config.distillation.coef} x weight {teacher.weight}, {config.distillation.kind})", flush=True)
+        teachers.append(policy_from_hf(base, groups, role="reference", hf_dir=teacher.hf_path,
+                                       pad_token_id=pad_token_id))
+    return teachers
 
 
 def build_distillation(config: MegatronRLConfig, groups: Any, pad_token_id: int) -> Distillation | None:
