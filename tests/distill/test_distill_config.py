@@ -114,3 +114,14 @@ def test_the_trainer_takes_teachers_exactly_when_the_config_names_them():
     config = DistillationConfig(teachers=[{"name": "t", "hf_path": "/x"}])
     with pytest.raises(ValueError, match="go together"):
         Trainer(MegatronRLConfig(), policy=None, distillation=Distillation(config, [None]))
+
+
+def test_a_relative_teacher_path_is_taken_from_where_the_user_stands(tmp_path, monkeypatch):
+    from megatron_rl.job.config import load_job_config
+    from megatron_rl.job.paths import CALLER_CWD_ENV
+
+    monkeypatch.setenv(CALLER_CWD_ENV, str(tmp_path))
+    for given, expected in (("ckpt/teacher", str(tmp_path / "ckpt" / "teacher")), ("/abs/t", "/abs/t")):
+        overrides = ["model.vocab_size=16", f"distillation.teachers=[{{name: t, hf_path: {given}}}]"]
+        config = load_job_config(None, overrides)
+        assert config.rl.distillation.teachers[0].hf_path == expected
