@@ -244,7 +244,8 @@ class Trainer:
         batch["values"] = self.critic.forward(batch)["values"].to("cpu", torch.float32)
 
     def add_advantages(self, batch: TrainingBatch) -> Metrics:
-        """Token rewards (minus the KL penalty when it goes into the reward) -> ``advantages``, ``returns``."""
+        """Token rewards (minus the KL penalty when it goes into the reward) -> ``advantages``, ``returns``; plus the
+        distillation term on the advantages when there are teachers (``distillation/signal.py``)."""
         algo = self.config.algorithm
         rewards, metrics = batch["rewards"], {}
         if algo.use_kl_in_reward:  # over loss tokens only: observation tokens were not sampled by the policy

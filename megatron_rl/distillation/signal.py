@@ -90,11 +90,12 @@ class Distillation:
 
     def advantage_term(self, batch: TrainingBatch) -> tuple[torch.Tensor, Metrics]:
         """The sum over teachers of ``-coef * weight * (logp_student - logp_teacher)`` on their rows' loss tokens
-        ``[B, R]``, and ``distill/<name>/reverse_kl`` (token mean) and ``distill/<name>/tokens``."""
+        ``[B, R]``, and ``distill/<name>/reverse_kl`` (token mean) and ``distill/<name>/tokens``. Takes the teachers'
+        log-probs out of ``batch`` (the update does not read them; each micro-batch would copy them to the device)."""
         student, mask = student_logprobs(batch), batch["loss_mask"]
         total, metrics = torch.zeros(mask.shape, dtype=torch.float32), {}
         for teacher_cfg in self.config.teachers:
-            teacher = batch[TEACHER_LOGPROBS.format(name=teacher_cfg.name)]
+            teacher = batch.tensors.pop(TEACHER_LOGPROBS.format(name=teacher_cfg.name))
             term, kl = reverse_kl_term(student, teacher, mask, self.config.coef * teacher_cfg.weight)
             total = total + term
             metrics[f"distill/{teacher_cfg.name}/reverse_kl"] = mean_metric(kl, mask)
