@@ -37,6 +37,7 @@ from megatron_rl.config_keys import (KEY_ALIASES, KEY_NOTES, Schema, build_confi
 from megatron_rl.config_rules import (AT_LEAST_1, FINITE, NON_NEGATIVE, POSITIVE, UNIT,  # noqa: F401
                                       ConfigSection, check_fields, on_cpu, reported_as_config_error, valid)
 from megatron_rl.data.microbatch import check_microbatch_rule
+from megatron_rl.distillation.config import DistillationConfig
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -531,6 +532,7 @@ class MegatronRLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)  # megatron_rl/distillation
     seed: int = field(default=1234, metadata=valid(0, 2**32, high_open=True))
     """Global seed (weights, sampling, data order)."""
 

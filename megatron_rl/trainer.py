@@ -7,8 +7,10 @@ Place in the data flow (docs/DESIGN.md section 1): everything between a ``Genera
       -> old log-probs (policy) and reference log-probs (reference model), no grad      [B, R]
          (MoE routing replay R2: the policy also records its routing -> routed_experts [B, S, L, k], replayed
           by every forward_backward of the step; R3: the rollouts' routed_experts, replayed from here on)
+      -> teachers' log-probs (on-policy distillation, optional: distillation/signal.py)   [B, R]
       -> old values (critic, PPO with a critic), no grad                               [B, R]
       -> token rewards (- KL, optional) -> advantages (step-wise aware; GAE over action tokens) -> whitening
+         (+ the distillation term -coef * (logp_student - logp_teacher) per sampled token, optional)
       -> for each epoch, for each prompt-based mini-batch:
              normalize advantages over the mini-batch's rows (loss_reduction)
              -> policy.forward_backward(policy_loss_fn) -> policy.optim_step()     (the policy pads for DP)
@@ -65,6 +67,7 @@ from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.data.generator_output import GeneratorOutput, validate_generator_output
 from megatron_rl.data.merge import merge_stepwise_output
 from megatron_rl.data.minibatch import compute_prompt_mini_batch_boundaries
+from megatron_rl.distillation.signal import Distillation
 from megatron_rl.metrics import Metric, finalize_metrics, mean_metric, merge_metrics
 
 Metrics = dict[str, Metric]
@@ -94,7 +97,8 @@ class Trainer:
     """
 
     def __init__(self, config: MegatronRLConfig, policy: PolicyLike, *, reference: PolicyLike | None = None,
-                 critic: PolicyLike | None = None, skip_old_logprobs: bool = True) -> None:
+                 critic: PolicyLike | None = None, skip_old_logprobs: bool = True,
+                 distillation: Distillation | None = None) -> None:
         config.validate()  # re-checks a config changed after construction (tests and library users mutate fields)
         algo = config.algorithm
         if (algo.use_kl_loss or algo.use_kl_in_reward) and reference is None:
@@ -110,6 +114,11 @@ class Trainer:
         if critic is not None and not config.critic.active(algo):
             raise ValueError("Trainer got a critic but the config runs none; set critic.enabled=true (or "
                              "algorithm.advantage_estimator='gae'), or drop critic=")
+        if config.distillation.enabled != (distillation is not None):
+            raise ValueError("distillation.teachers and Trainer(distillation=...) go together: pass distillation="
+                             "megatron_rl.distillation.teachers.build_distillation(config, groups, pad_id) exactly "
+                             "when distillation.teachers is set")
+        self.distillation = distillation
         self.config = config
         self.policy = policy
         self.reference = reference
@@ -134,6 +143,9 @@ class Trainer:
             self.add_old_and_ref_logprobs(batch, policy=needed)  # old_logprobs (+ ref_logprobs) [B, R]
             metrics.update(self.replay_logprob_metrics(batch))
         metrics["timing/old_logprobs_skipped"] = Metric(0.0 if needed else 1.0, 1.0, "max")
+        if self.distillation is not None:
+            with timed(metrics, "timing/teacher_logprobs_s"):
+                metrics.update(self.distillation.score(batch))  # teacher_logprobs/<name> [B, R]
         if self.critic is not None:
             with timed(metrics, "timing/old_values_s"):
                 self.add_old_values(batch)  # values [B, R]
@@ -180,12 +192,14 @@ class Trainer:
 
     def old_logprobs_needed(self, batch: TrainingBatch) -> bool:
         """Whether the old-log-prob forward can differ from the update's own (module docstring): several optimizer
-        steps this step, a stage before the update that reads them (KL in the reward, MoE routing replay), or
+        steps this step, a stage before the update that reads them (KL in the reward, MoE routing replay,
+        distillation of rollouts without rollout log-probs), or
         ``skip_old_logprobs`` off."""
         cfg = self.config
         mini_batches = len(compute_prompt_mini_batch_boundaries(batch.uids, cfg.batch.policy_mini_batch_size))
         return (not self.skip_old_logprobs or mini_batches * cfg.batch.update_epochs_per_batch != 1
-                or cfg.algorithm.use_kl_in_reward or cfg.model.moe_router_replay != "none")
+                or cfg.algorithm.use_kl_in_reward or cfg.model.moe_router_replay != "none"
+                or (self.distillation is not None and self.distillation.needs_old_logprobs(batch)))
 
     @torch.no_grad()
     def add_old_and_ref_logprobs(self, batch: TrainingBatch, *, policy: bool = True) -> None:
@@ -230,7 +244,8 @@ class Trainer:
         batch["values"] = self.critic.forward(batch)["values"].to("cpu", torch.float32)
 
     def add_advantages(self, batch: TrainingBatch) -> Metrics:
-        """Token rewards (minus the KL penalty when it goes into the reward) -> ``advantages``, ``returns``."""
+        """Token rewards (minus the KL penalty when it goes into the reward) -> ``advantages``, ``returns``; plus the
+        distillation term on the advantages when there are teachers (``distillation/signal.py``)."""
         algo = self.config.algorithm
         rewards, metrics = batch["rewards"], {}
         if algo.use_kl_in_reward:  # over loss tokens only: observation tokens were not sampled by the policy
@@ -245,6 +260,10 @@ class Trainer:
         )
         if algo.advantage_whitening:
             advantages = whiten_advantages(advantages, batch["loss_mask"])  # trained tokens, not observations
+        if self.distillation is not None:  # after whitening: the reverse KL keeps its own units
+            term, distill_metrics = self.distillation.advantage_term(batch)
+            advantages = advantages + term
+            metrics.update(distill_metrics)
         batch["advantages"], batch["returns"] = advantages, returns
         metrics["advantages/mean"] = mean_metric(advantages, batch["loss_mask"])
         metrics["advantages/abs_max"] = Metric(float(advantages.abs().max()), 1.0, "max")

@@ -172,7 +172,7 @@ def test_each_rule_runs_once_per_load(monkeypatch):
     monkeypatch.setattr(config_rules, "check_fields", counted)  # each section's (ConfigSection.__post_init__)
     load_config(None, ["optimizer.lr=1e-4", "optimizer.min_lr=1e-5", "batch.train_batch_size=8"])
     assert sorted(calls) == sorted(["", "parallel.", "model.", "model.lora.", "optimizer.", "algorithm.", "batch.", "stepwise.",
-                                    "checkpoint.", "logging.", "critic."])
+                                    "checkpoint.", "logging.", "critic.", "distillation."])
 
 
 @pytest.mark.parametrize(

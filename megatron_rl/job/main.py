@@ -169,7 +169,9 @@ class CheckpointProblem(Exception):
 
 
 def build_job(config: JobConfig, groups: ParallelGroups, environment: Environment) -> Job:
-    """Policy (+ reference for KL, + critic), trainer, rollout engine (the config was validated when loaded)."""
+    """Policy (+ reference for KL, + critic, + distillation teachers), trainer, rollout engine (the config was
+    validated when loaded)."""
+    from megatron_rl.distillation.teachers import build_distillation, check_teachers
     from megatron_rl.model.critic import MegatronCritic
     from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
@@ -177,6 +179,7 @@ def build_job(config: JobConfig, groups: ParallelGroups, environment: Environmen
     job, batch, pad_id = config.job, config.rl.batch, environment.pad_token_id
     if groups.rank == 0 and hasattr(environment, "describe"):
         print(environment.describe(), flush=True)
+    check_teachers(config.rl)  # files only: a teacher that cannot score the student's tokens stops every rank here
     policy = build_policy(config, groups, pad_id)
     rl = policy.config  # with model.hf_path: the model section as read from the checkpoint's config.json
     reference = None
@@ -192,6 +195,7 @@ def build_job(config: JobConfig, groups: ParallelGroups, environment: Environmen
         if critic_cfg.init_from_policy:
             critic.load_trunk(policy.full_state_dict())
     trainer = Trainer(rl, policy, reference=reference, critic=critic,
+                      distillation=build_distillation(rl, groups, pad_id),
                       skip_old_logprobs=config.rollout.max_staleness == 0)  # async: keep the forward
     sampling = SamplingSpec(max_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
                             stop_token_ids=environment.stop_token_ids)

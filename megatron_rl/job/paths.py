@@ -13,8 +13,8 @@ on the base the command would have picked (its own task keys count), unless it s
 ``base:`` (a path, relative to the YAML's folder, or ``null``: the defaults alone). The layers are printed one
 per line; the launcher passes each as ``--config`` (later ones override earlier ones).
 
-Paths: every relative value of ``PATH_KEYS`` (and the file part of ``path/to/file.py:name`` in ``SPEC_KEYS``, a
-``path/to/file.py`` of ``MODULE_KEYS``),
+Paths: every relative value of ``PATH_KEYS`` (and each teacher's ``hf_path`` under ``TEACHERS_KEY``, the file part
+of ``path/to/file.py:name`` in ``SPEC_KEYS``, a ``path/to/file.py`` of ``MODULE_KEYS``),
 from the YAML or the command line, is made absolute against the caller's directory (``caller_cwd``), so the
 config a run writes holds absolute paths and the ranks (which run in the repository) find the same files.
 ``$CONFIG`` itself is taken from the caller's directory too; a relative one that is not there but is in the
@@ -41,6 +41,8 @@ DEMO_ENVIRONMENTS = ("auto", "next_digit")
 PATH_KEYS = ("model.hf_path", "data.train_files", "data.val_files", "logging.output_dir", "checkpoint.save_dir",
              "export.dir", "rollout.sync_dir")
 """Keys whose values are file-system paths (a string, or a list of them)."""
+TEACHERS_KEY = "distillation.teachers"
+"""A list of mappings whose ``hf_path`` values are file-system paths."""
 SHIPPED_CONFIGS = REPO_ROOT / "configs"
 """Complete configs: a ``$CONFIG`` here is read alone."""
 BASE_KEY = "base"
@@ -140,6 +142,10 @@ def resolve_path_keys(flat: Mapping[str, Any], base: Path | None = None) -> dict
             out[key] = absolute(value, base)
         elif isinstance(value, list):
             out[key] = [absolute(v, base) if isinstance(v, str) and v else v for v in value]
+    if isinstance(out.get(TEACHERS_KEY), list):  # each teacher's hf_path (megatron_rl/distillation)
+        out[TEACHERS_KEY] = [dict(t, hf_path=absolute(t["hf_path"], base))
+                             if isinstance(t, dict) and isinstance(t.get("hf_path"), str) and t["hf_path"] else t
+                             for t in out[TEACHERS_KEY]]
     for key in SPEC_KEYS:
         if isinstance(out.get(key), str):
             out[key] = _resolve_spec(out[key], base)

@@ -1,0 +1,125 @@
+"""The ``distillation`` config section: on-policy distillation from frozen teachers (docs/DISTILLATION.md).
+
+A teacher is a Hugging Face checkpoint of its own size (layers, hidden) that shares the student's tokenizer. The
+student samples as in RL; each teacher scores the sampled tokens of its rows; the per-token reverse KL
+``log pi_student(y_t) - log pi_teacher(y_t)`` times ``-coef * weight`` joins the token's advantage
+(``distillation/signal.py``).
+
+    distillation:
+      teachers: [{name: big, hf_path: /ckpt/teacher}]    # one teacher: every row
+      coef: 1.0
+      kind: reverse_kl
+
+This module imports nothing of ``megatron_rl.config`` (which imports it): it checks its own fields and the rules
+between them; the rules that need files (vocabularies) are in ``distillation/teachers.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from megatron_rl.config_files import ConfigError
+from megatron_rl.config_rules import NON_NEGATIVE, ConfigSection, FINITE, check_fields
+
+KINDS_NOT_YET = {"full_kl": "the full-vocabulary KL (teacher and student logits over the whole vocabulary) is "
+                            "not yet implemented; use distillation.kind=reverse_kl (the sampled tokens' log-probs)"}
+"""Kinds the config declares but the trainer refuses, and why."""
+
+
+@dataclass(kw_only=True)
+class TeacherConfig:
+    """One frozen teacher (an entry of ``distillation.teachers``)."""
+
+    name: str
+    """Short name of the teacher: its metrics are ``distill/<name>/reverse_kl``, ``distill/<name>/tokens``,
+    ``distill/<name>/time_s``. Letters, digits, '_', '-' and '.'; unique among the teachers."""
+    hf_path: str
+    """Local Hugging Face checkpoint directory of the teacher (config.json + *.safetensors; no downloads). Its
+    shapes (layers, hidden size, heads) are its own; its vocabulary must hold every token the student can sample
+    and its tokenizer (when both have one) must be the student's."""
+    weight: float = field(default=1.0, metadata=FINITE)
+    """Multiplies this teacher's term: a row scored by it gets ``-distillation.coef * weight * (logp_student -
+    logp_teacher)`` per sampled token."""
+    when: dict[str, Any] | None = None
+    """Rows this teacher scores, ``{column: value}`` over the rows' data columns; None = every row. Several
+    teachers (one per domain) need rows that carry data columns, which the trainer does not receive yet: only
+    one teacher without ``when`` is accepted for now."""
+
+
+_TEACHER_FIELDS = tuple(f.name for f in dataclasses.fields(TeacherConfig))
+
+
+def _teacher(entry: Any, index: int) -> TeacherConfig:
+    """``distillation.teachers[index]`` as a ``TeacherConfig`` (a mapping from YAML, or one already built)."""
+    key = f"distillation.teachers[{index}]"
+    if isinstance(entry, TeacherConfig):
+        entry = dataclasses.asdict(entry)
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{key}={entry!r} must be a mapping like {{name: big, hf_path: /ckpt/teacher}}")
+    for name in entry:
+        if name not in _TEACHER_FIELDS:
+            match = difflib.get_close_matches(str(name), _TEACHER_FIELDS, n=1, cutoff=0.6)
+            hint = f"did you mean {match[0]!r}?" if match else f"valid keys: {list(_TEACHER_FIELDS)}"
+            raise ConfigError(f"unknown key {key}.{name}; {hint}")
+    for name in ("name", "hf_path"):
+        if not isinstance(entry.get(name), str) or not entry[name]:
+            raise ConfigError(f"{key}.{name} is missing or not a string ({entry.get(name)!r}); every teacher needs "
+                              "name (for its metrics) and hf_path (a local HF checkpoint directory)")
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise ConfigError(f"{key}.weight={weight!r} must be a number")
+    when = entry.get("when")
+    if when is not None and not (isinstance(when, dict) and when):
+        raise ConfigError(f"{key}.when={when!r} must be a non-empty mapping {{column: value}} or unset (every row)")
+    teacher = TeacherConfig(name=entry["name"], hf_path=entry["hf_path"], weight=float(weight), when=when)
+    check_fields(teacher, f"{key}.")
+    return teacher
+
+
+@dataclass(kw_only=True)
+class DistillationConfig(ConfigSection):
+    """On-policy distillation (docs/DISTILLATION.md): frozen teachers score the student's sampled tokens and the
+    per-token reverse KL joins the advantage. Off when ``teachers`` is empty (the default)."""
+
+    SECTION: ClassVar[str] = "distillation"
+
+    teachers: list[TeacherConfig] = field(default_factory=list)
+    """The teachers, each ``{name, hf_path, weight, when}`` (``TeacherConfig``); [] = no distillation. A
+    one-liner: ``distillation.teachers=[{name: big, hf_path: /ckpt/teacher}]``."""
+    coef: float = field(default=1.0, metadata=NON_NEGATIVE)
+    """Weight of the distillation term beside the task advantage: each sampled token's advantage gets
+    ``-coef * weight * (logp_student - logp_teacher)``. Pure distillation: rewards that are all 0 (GRPO/RLOO
+    then give a zero task advantage), so the term is the whole advantage."""
+    kind: Literal["reverse_kl", "full_kl"] = "reverse_kl"
+    """'reverse_kl': the per-token reverse KL on the sampled tokens (their log-probs only); 'full_kl' (the
+    full-vocabulary KL) is declared but not yet implemented (a ConfigError says so)."""
+
+    def __post_init__(self) -> None:
+        self.teachers = [_teacher(entry, i) for i, entry in enumerate(self.teachers or [])]
+        super().__post_init__()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any teacher is configured."""
+        return bool(self.teachers)
+
+    def _check_rules(self) -> None:
+        if self.kind in KINDS_NOT_YET:
+            raise ConfigError(f"distillation.kind={self.kind!r}: {KINDS_NOT_YET[self.kind]}")
+        names = [t.name for t in self.teachers]
+        for i, name in enumerate(names):
+            if not all(c.isalnum() or c in "_-." for c in name):
+                raise ConfigError(f"distillation.teachers[{i}].name={name!r}: use letters, digits, '_', '-' or '.' "
+                                  "(it names the teacher's metrics distill/<name>/...)")
+            if name in names[:i]:
+                raise ConfigError(f"distillation.teachers[{i}].name={name!r} is used twice; give each teacher its "
+                                  "own name")
+        if len(self.teachers) > 1 or any(t.when is not None for t in self.teachers):
+            raise ConfigError(
+                f"distillation.teachers: {len(self.teachers)} teacher(s), "
+                f"{sum(t.when is not None for t in self.teachers)} with 'when': routing rows to teachers by a "
+                "data column is not yet implemented (the trainer receives no data columns); use one teacher "
+                "without 'when' (it scores every row)")

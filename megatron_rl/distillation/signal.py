@@ -1,0 +1,103 @@
+"""The distillation signal: teachers' log-probs of the sampled tokens -> a per-token advantage term.
+
+Place in the data flow (megatron_rl/trainer.py): after the old and reference log-probs, before the advantages::
+
+    TrainingBatch [B, S] / [B, R]
+      -> Distillation.score: each teacher's forward (frozen, the reference model's path)  teacher_logprobs [B, R]
+      -> (the task's token rewards -> advantages -> whitening, unchanged)
+      -> Distillation.advantage_term: -coef * weight * (logp_student - logp_teacher)      [B, R], added
+      -> per mini-batch normalization (loss_reduction), summed loss: unchanged
+
+The student's log-probs are the policy's before this step's update: ``old_logprobs`` when the trainer ran that
+forward, else the rollouts' ``rollout_logprobs`` (what the sampler drew them with; the trainer runs the forward
+when the rollouts carry none: ``needs_old_logprobs``). Nothing here is differentiated: the term is an advantage,
+so the policy-gradient loss carries it (its gradient is the reverse KL's on the sampled tokens, as in the
+on-policy distillation of Agarwal et al. 2024 and Thinking Machines' recipe).
+
+The term is zero outside ``loss_mask`` (observation tokens were not sampled by the student), and the log ratio
+is clamped to ``algorithms.kl.KL_LOG_RATIO_CLAMP`` (a teacher that gives a sampled token ~0 probability cannot
+make one token's advantage unbounded). It is added after whitening (``algorithm.advantage_whitening`` rescales
+the task's advantages only; the reverse KL keeps its own units).
+
+Pure orchestration: the teachers are anything with the policy's ``forward`` (``MegatronPolicy(role='reference')``
+built by ``distillation/teachers.py``); no Megatron internal and no ``torch.distributed`` here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_rl.algorithms.kl import masked_log_ratio
+from megatron_rl.data.batch import TrainingBatch
+from megatron_rl.distillation.config import DistillationConfig
+from megatron_rl.metrics import Metric, mean_metric
+
+Metrics = dict[str, Metric]
+
+TEACHER_LOGPROBS = "teacher_logprobs/{name}"
+"""Batch key of a teacher's per-token log-probs ``[B, R]`` (host, fp32)."""
+
+
+def student_logprobs(batch: TrainingBatch) -> torch.Tensor:
+    """The student's log-probs of its sampled tokens ``[B, R]``: ``old_logprobs``, else ``rollout_logprobs``."""
+    for key in ("old_logprobs", "rollout_logprobs"):
+        if key in batch:
+            return batch[key]
+    raise ValueError("distillation needs the student's log-probs of the sampled tokens: the batch has neither "
+                     "'old_logprobs' nor 'rollout_logprobs' (the Trainer runs the old-log-prob forward when the "
+                     "rollouts carry no rollout_logprobs)")
+
+
+def reverse_kl_term(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, coef: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(-coef * kl, kl)`` per token ``[B, R]`` with ``kl = student - teacher`` (0 where ``mask`` is 0)."""
+    kl = masked_log_ratio(student.float(), teacher.float(), mask)
+    return -coef * kl, kl
+
+
+class Distillation:
+    """The teachers of ``config`` (``teachers[i]`` is the model of ``config.teachers[i]``) and their signal."""
+
+    def __init__(self, config: DistillationConfig, teachers: Sequence[Any]) -> None:
+        if not config.enabled:
+            raise ValueError("Distillation needs distillation.teachers; set at least one {name, hf_path}")
+        if len(teachers) != len(config.teachers):
+            raise ValueError(f"Distillation got {len(teachers)} teacher model(s) for {len(config.teachers)} "
+                             "distillation.teachers entries; build one per entry (distillation/teachers.py)")
+        self.config = config
+        self.teachers = list(teachers)
+
+    @staticmethod
+    def needs_old_logprobs(batch: TrainingBatch) -> bool:
+        """Whether the student's log-probs need the old-log-prob forward (the rollouts carry none)."""
+        return "rollout_logprobs" not in batch
+
+    @torch.no_grad()
+    def score(self, batch: TrainingBatch) -> Metrics:
+        """Each teacher's log-probs of the batch's tokens -> ``batch[TEACHER_LOGPROBS.format(name=...)]``;
+        ``distill/<name>/time_s`` per teacher. Every teacher scores every row (one teacher, no ``when``)."""
+        metrics: Metrics = {}
+        for teacher_cfg, teacher in zip(self.config.teachers, self.teachers):
+            start = time.perf_counter()
+            logprobs = teacher.forward(batch)["logprobs"].to("cpu", torch.float32)
+            batch[TEACHER_LOGPROBS.format(name=teacher_cfg.name)] = logprobs
+            metrics[f"distill/{teacher_cfg.name}/time_s"] = Metric(time.perf_counter() - start, 1.0, "sum")
+        return metrics
+
+    def advantage_term(self, batch: TrainingBatch) -> tuple[torch.Tensor, Metrics]:
+        """The sum over teachers of ``-coef * weight * (logp_student - logp_teacher)`` on their rows' loss tokens
+        ``[B, R]``, and ``distill/<name>/reverse_kl`` (token mean) and ``distill/<name>/tokens``. Takes the teachers'
+        log-probs out of ``batch`` (the update does not read them; each micro-batch would copy them to the device)."""
+        student, mask = student_logprobs(batch), batch["loss_mask"]
+        total, metrics = torch.zeros(mask.shape, dtype=torch.float32), {}
+        for teacher_cfg in self.config.teachers:
+            teacher = batch.tensors.pop(TEACHER_LOGPROBS.format(name=teacher_cfg.name))
+            term, kl = reverse_kl_term(student, teacher, mask, self.config.coef * teacher_cfg.weight)
+            total = total + term
+            metrics[f"distill/{teacher_cfg.name}/reverse_kl"] = mean_metric(kl, mask)
+            metrics[f"distill/{teacher_cfg.name}/tokens"] = Metric(float(mask.sum()), 1.0, "sum")
+        return total, metrics
