@@ -17,11 +17,13 @@ The model side (``model/vision_language.py: MropeParams``) turns ``[3, T]`` into
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_rl.data.packing import cu_seq_starts
+from megatron_rl.data.packing import PackedBatch, cu_seq_starts
 
 
 def image_token_counts(image_grid_thw: torch.Tensor, spatial_merge_size: int) -> list[int]:
@@ -88,3 +90,70 @@ def pack_positions(positions: torch.Tensor, attention_mask: torch.Tensor, packed
     out = packed.position_ids.reshape(1, -1).expand(3, -1).clone()
     out[:, dest] = positions[:, valid].to(out.device)
     return out
+
+
+def row_images(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A batch's per-row images -> the vision tower's input: ``pixel_values [b, P, F]`` (each row's patches
+    first, zero-padded to P) and ``image_grid_thw [b, K, 3]`` (each row's images first; all-zero rows = none) ->
+    ``(pixels [N, F], grids [n, 3])`` in row order, or ``(None, None)`` when the rows hold no image."""
+    if image_grid_thw is None:
+        return None, None
+    pixels, grids = [], []
+    for i in range(image_grid_thw.shape[0]):
+        mine = image_grid_thw[i][image_grid_thw[i].prod(-1) > 0]  # [k, 3]
+        if len(mine):
+            grids.append(mine)
+            pixels.append(pixel_values[i, : int(mine.prod(-1).sum())])
+    if not grids:
+        return None, None
+    return torch.cat(pixels), torch.cat(grids)
+
+
+def batch_images(rows: list[list[tuple[torch.Tensor, tuple[int, int, int]]]]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row images ``[[(pixels [n, F], (t, h, w)), ...], ...]`` -> the batch tensors ``row_images`` reads:
+    ``pixel_values [B, P, F]`` float, ``image_grid_thw [B, K, 3]`` int64 (zero-padded; a row may have none)."""
+    features = next((p.shape[1] for row in rows for p, _ in row), 1)
+    width = max([sum(p.shape[0] for p, _ in row) for row in rows] + [1])
+    count = max([len(row) for row in rows] + [1])
+    pixel_values = torch.zeros(len(rows), width, features)
+    image_grid_thw = torch.zeros(len(rows), count, 3, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            patches = torch.cat([p for p, _ in row])
+            pixel_values[i, : patches.shape[0]] = patches
+            image_grid_thw[i, : len(row)] = torch.tensor([list(g) for _, g in row])
+    return pixel_values, image_grid_thw
+
+
+@dataclass
+class VisionPack(PackedBatch):
+    """A ``PackedBatch`` of a vision-language model: its 3-D positions and images ride with it to the model
+    (``packed_seq_params`` gives ``model/vision_language.py: MropeParams``)."""
+
+    mrope_positions: torch.Tensor | None = None
+    """``[3, T]`` int64 (``pack_positions``)."""
+    mrope_section: tuple[int, ...] = ()
+    pixel_values: torch.Tensor | None = None
+    """``[N, F]`` every patch of the micro-batch's images, row order (``row_images``); None: no image."""
+    image_grid_thw: torch.Tensor | None = None
+    """``[n, 3]`` int64 their patch grids."""
+
+    def packed_seq_params(self) -> Any:
+        from megatron_rl.model.vision_language import mrope_params
+
+        return mrope_params(self, self.mrope_positions, self.mrope_section, pixel_values=self.pixel_values,
+                            image_grid_thw=self.image_grid_thw)
+
+
+def vision_pack(packed: PackedBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None, *, image_token_id: int,
+                spatial_merge_size: int, mrope_section: list[int]) -> VisionPack:
+    """``packed`` (= ``pack(input_ids, attention_mask)``) with the rows' 3-D positions and images."""
+    pixels, grids = row_images(pixel_values, image_grid_thw)
+    rows = mrope_positions(input_ids, attention_mask, grids, image_token_id=image_token_id,
+                           spatial_merge_size=spatial_merge_size)
+    fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(PackedBatch)}
+    return VisionPack(**fields, mrope_positions=pack_positions(rows, attention_mask, packed),
+                      mrope_section=tuple(mrope_section), pixel_values=pixels, image_grid_thw=grids)

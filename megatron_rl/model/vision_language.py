@@ -36,6 +36,10 @@ class MropeParams(PackedRopeParams):
     24]); section i takes its angles from position row ``i % 3``; text tokens carry equal rows (plain RoPE)."""
 
     mrope_section: tuple[int, ...] = ()
+    pixel_values: torch.Tensor | None = None
+    """``[N, F]`` the micro-batch's image patches (row order) when they ride with the pack (``data/mrope.py:
+    VisionPack``); the model's ``pixel_values`` argument otherwise."""
+    image_grid_thw: torch.Tensor | None = None
 
     def rope_cos_sin(self, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (id(table), dtype)
@@ -54,11 +58,13 @@ class MropeParams(PackedRopeParams):
         return self.rope_cache[key]
 
 
-def mrope_params(packed: Any, positions: torch.Tensor, mrope_section: list[int]) -> MropeParams:
-    """``MropeParams`` for a pack and its 3-D positions ``[3, T]`` (``data/mrope.py: pack_positions``)."""
+def mrope_params(packed: Any, positions: torch.Tensor, mrope_section: list[int] | tuple[int, ...],
+                 **images: Any) -> MropeParams:
+    """``MropeParams`` for a pack and its 3-D positions ``[3, T]`` (``data/mrope.py: pack_positions``);
+    ``images``: ``pixel_values``, ``image_grid_thw`` riding with it."""
     return MropeParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
                        max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen, position_ids=positions,
-                       mrope_section=tuple(mrope_section))
+                       mrope_section=tuple(mrope_section), **images)
 
 
 class VisionLanguageModel(torch.nn.Module):
@@ -72,10 +78,22 @@ class VisionLanguageModel(torch.nn.Module):
         self.language_model = language_model
         self.visual = visual
         self.image_token_id = image_token_id
-        self.config = language_model.config
+        # what megatron-core's schedule, DDP and grad finalization read from a model chunk
+        self.config, self.model_type = language_model.config, language_model.model_type
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+
+    @property
+    def decoder(self) -> torch.nn.Module:
+        """The language model's decoder (``model/weights.py`` numbers layers by it); a property, not a second
+        registration of the module."""
+        return self.language_model.decoder
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        return self.language_model.shared_embedding_or_output_weight()
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
               image_grid_thw: torch.Tensor | None) -> torch.Tensor:
@@ -96,6 +114,8 @@ class VisionLanguageModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any, *,
                 packed_seq_params: Any = None, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        if pixel_values is None and isinstance(packed_seq_params, MropeParams):  # images riding with the pack
+            pixel_values, image_grid_thw = packed_seq_params.pixel_values, packed_seq_params.image_grid_thw
         decoder_input = None
         if self.visual is not None and self.language_model.pre_process:
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
@@ -110,9 +130,11 @@ def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, 
 
     from megatron_rl.model.builder import _DTYPES, build_gpt_model
 
-    if parallel_cfg.pipeline_model_parallel_size > 1 or parallel_cfg.context_parallel_size > 1:
-        raise ValueError("a vision-language model (model_type qwen2_5_vl) runs with pipeline_model_parallel_size=1 "
-                         "and context_parallel_size=1 for now (docs/VISION.md); set both to 1")
+    if (parallel_cfg.pipeline_model_parallel_size > 1 or parallel_cfg.context_parallel_size > 1
+            or parallel_cfg.sequence_parallel):
+        raise ValueError("a vision-language model (model_type qwen2_5_vl) runs with parallel."
+                         "pipeline_model_parallel_size=1, context_parallel_size=1 and sequence_parallel=false for "
+                         "now (docs/VISION.md section 6); set them so")
     language = build_gpt_model(model_cfg, parallel_cfg, groups)
     visual = None
     if groups.is_first_stage:

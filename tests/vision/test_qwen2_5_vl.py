@@ -6,7 +6,7 @@ forward), and the 3-D RoPE positions equal transformers' ``get_rope_index`` per 
 Planted bug (negative control, kept): 1-D text positions for the image tokens (what a model without multimodal
 RoPE would use) moves the log-probs by ~3e-3 >> the 1e-5 bound. Measured: the correct path matches bitwise
 (0.0) on this machine; the bound is 1e-5 (fp32, the same formulas in another order elsewhere).
-Cost: ~6 s (one process; building the model and transformers' reference).
+Cost: ~12 s CPU (one process: the model, a policy, transformers' reference).
 """
 
 from pathlib import Path
@@ -49,55 +49,6 @@ def test_export_round_trips_bitwise_with_the_vision_tower(groups, model, checkpo
     assert sum(name.startswith("visual.") for name in source) == 30  # patch embed, 2 blocks x 12, merger 5
 
 
-def _rows(gen: torch.Generator) -> list[tuple[list[int], list[tuple[int, int, int]], int]]:
-    """(prompt tokens, its images' (t, h, w) patch grids, response length): one image, two images of other
-    shapes, text only, an image first (1x4x4 -> 4 tokens, 4x8 and 8x4 -> 8, 4x12 -> 12: 3 windows)."""
-    def text(n):
-        return torch.randint(3, 240, (n,), generator=gen).tolist()
-
-    img = tiny.image_tokens
-    return [(text(2) + img((1, 4, 4)) + text(3), [(1, 4, 4)], 4),
-            (text(1) + img((1, 4, 8)) + text(1) + img((1, 8, 4)) + text(2), [(1, 4, 8), (1, 8, 4)], 6),
-            (text(5), [], 3),
-            (img((1, 4, 12)) + text(2), [(1, 4, 12)], 5)]
-
-
-def _batch():
-    """Left-padded rows with right-aligned responses, the images' pixel values in row order."""
-    gen = torch.Generator().manual_seed(0)
-    rows = _rows(gen)
-    seqs = [prompt + torch.randint(3, 240, (r,), generator=gen).tolist() for prompt, _, r in rows]
-    width, resp = max(map(len, seqs)), max(r for *_, r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    response_mask = torch.zeros(len(rows), resp, dtype=torch.bool)
-    for i, (seq, (_, _, r)) in enumerate(zip(seqs, rows)):
-        ids[i, width - len(seq):], mask[i, width - len(seq):] = torch.tensor(seq), 1
-        response_mask[i, resp - r:] = True
-    pixels = [tiny.pixel_values(grids, gen) if grids else None for _, grids, _ in rows]
-    return rows, seqs, ids, mask, response_mask, pixels
-
-
-def _transformers_logprobs(checkpoint, rows, seqs, pixels, width: int, positions: torch.Tensor) -> torch.Tensor:
-    """[b, R] response log-probs from transformers, one unpadded sequence per forward; checks on the way that
-    ``positions [3, b, S]`` (ours) equal its ``get_rope_index`` on each row's valid tokens."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    out = torch.zeros(len(rows), max(r for *_, r in rows))
-    for i, ((_, grids, r), seq) in enumerate(zip(rows, seqs)):
-        x = torch.tensor(seq)[None]
-        kinds = (x == tiny.IMAGE_TOKEN).int()
-        thw = torch.tensor(grids) if grids else None
-        with torch.no_grad():
-            logits = hf(input_ids=x, mm_token_type_ids=kinds, pixel_values=pixels[i], image_grid_thw=thw).logits
-            want_pos, _ = hf.model.get_rope_index(x, kinds, thw)
-        assert torch.equal(positions[:, i, width - len(seq):], want_pos[:, 0]), f"row {i}: 3-D positions differ"
-        lp = torch.log_softmax(logits[0].float(), -1)[:-1].gather(-1, x[0, 1:, None])[:, 0]
-        out[i, out.shape[1] - r:] = lp[-r:]
-    return out
-
-
 def test_packed_logprobs_match_transformers_and_a_position_bug_is_caught(model, checkpoint):
     from megatron_rl.data.packing import pack, unpack_response
     from megatron_rl.hf.config import load_hf_config
@@ -105,7 +56,7 @@ def test_packed_logprobs_match_transformers_and_a_position_bug_is_caught(model, 
     from megatron_rl.data.mrope import mrope_positions, pack_positions
     from megatron_rl.model.vision_language import mrope_params
 
-    rows, seqs, ids, mask, response_mask, pixels = _batch()
+    rows, seqs, ids, mask, response_mask, pixels = tiny.batch()
     grids = torch.tensor([g for _, gs, _ in rows for g in gs])
     section = load_hf_config(checkpoint).text_config.rope_parameters["mrope_section"]
     packed = pack(ids, mask)
@@ -119,7 +70,7 @@ def test_packed_logprobs_match_transformers_and_a_position_bug_is_caught(model, 
         lp, _ = vocab_parallel_logprobs_entropy(logits, packed.labels, None, False, valid_vocab_size=tiny.VOCAB)
         return unpack_response(lp, packed, response_mask.shape[1])
 
-    want = _transformers_logprobs(checkpoint, rows, seqs, pixels, ids.shape[1], positions)
+    want = tiny.transformers_logprobs(checkpoint, rows, seqs, pixels, ids.shape[1], positions)
     got = logprobs(pack_positions(positions, mask, packed))
     assert (got - want)[response_mask].abs().max() < TOL
     planted = logprobs(packed.position_ids.reshape(1, -1).expand(3, -1))  # text positions for image tokens
@@ -133,3 +84,33 @@ def test_image_token_and_grid_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="image tokens"):
         mrope_positions(ids, torch.ones_like(ids), torch.tensor([[1, 4, 8]]), image_token_id=tiny.IMAGE_TOKEN,
                         spatial_merge_size=tiny.MERGE)
+
+
+def test_policy_with_images_in_the_batch_matches_transformers(groups, checkpoint):
+    """``VisionLanguagePolicy.forward`` on a ``TrainingBatch`` carrying ``pixel_values`` / ``image_grid_thw``
+    (one row per micro-batch: the images split between micro-batches) gives transformers' log-probs."""
+    from megatron_rl.data.mrope import mrope_positions, row_images
+    from tests.support.batches import training_batch
+
+    tensors, (rows, seqs, pixels) = tiny.batch_tensors()
+    policy = tiny.vl_policy(checkpoint, groups)
+    policy.config.batch.micro_batch_size = 1
+    got = policy.forward(training_batch(tensors))["logprobs"]
+    _, grids = row_images(tensors["pixel_values"], tensors["image_grid_thw"])
+    ids, mask = tensors["sequences"], tensors["attention_mask"]
+    positions = mrope_positions(ids, mask, grids, image_token_id=tiny.IMAGE_TOKEN, spatial_merge_size=tiny.MERGE)
+    want = tiny.transformers_logprobs(checkpoint, rows, seqs, pixels, ids.shape[1], positions)
+    assert (got - want)[tensors["response_mask"].bool()].abs().max() < TOL
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        policy.forward(training_batch({k: v for k, v in tensors.items() if k != "image_grid_thw"}))
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline_model_parallel_size=2), dict(context_parallel_size=2)])
+def test_unsupported_layouts_are_refused_in_one_line(groups, checkpoint, layout):
+    from megatron_rl.config import ModelConfig, ParallelConfig
+    from megatron_rl.hf.config import load_hf_config, model_config_from_hf
+    from megatron_rl.model.vision_language import build_vision_language_model
+
+    cfg = model_config_from_hf(checkpoint, base=ModelConfig(attention_backend="local"))
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size=1, context_parallel_size=1"):
+        build_vision_language_model(cfg, ParallelConfig(**layout), groups, load_hf_config(checkpoint))
