@@ -94,9 +94,10 @@ def pack_positions(positions: torch.Tensor, attention_mask: torch.Tensor, packed
 
 def row_images(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None
                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """A batch's per-row images -> the vision tower's input: ``pixel_values [b, P, F]`` (each row's patches
-    first, zero-padded to P) and ``image_grid_thw [b, K, 3]`` (each row's images first; all-zero rows = none) ->
-    ``(pixels [N, F], grids [n, 3])`` in row order, or ``(None, None)`` when the rows hold no image."""
+    """A batch's per-row images -> the vision tower's input. Right-aligned like every per-row tensor of a
+    ``TrainingBatch`` (so ``TrainingBatch.concat``'s left padding keeps them valid): ``pixel_values [b, P, F]``
+    (each row's patches last, zero rows before) and ``image_grid_thw [b, K, 3]`` (each row's images last,
+    all-zero rows before) -> ``(pixels [N, F], grids [n, 3])`` in row order, or ``(None, None)`` without images."""
     if image_grid_thw is None:
         return None, None
     pixels, grids = [], []
@@ -104,7 +105,7 @@ def row_images(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor |
         mine = image_grid_thw[i][image_grid_thw[i].prod(-1) > 0]  # [k, 3]
         if len(mine):
             grids.append(mine)
-            pixels.append(pixel_values[i, : int(mine.prod(-1).sum())])
+            pixels.append(pixel_values[i, pixel_values.shape[1] - int(mine.prod(-1).sum()):])
     if not grids:
         return None, None
     return torch.cat(pixels), torch.cat(grids)
@@ -113,7 +114,7 @@ def row_images(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor |
 def batch_images(rows: list[list[tuple[torch.Tensor, tuple[int, int, int]]]]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row images ``[[(pixels [n, F], (t, h, w)), ...], ...]`` -> the batch tensors ``row_images`` reads:
-    ``pixel_values [B, P, F]`` float, ``image_grid_thw [B, K, 3]`` int64 (zero-padded; a row may have none)."""
+    ``pixel_values [B, P, F]`` float, ``image_grid_thw [B, K, 3]`` int64, right-aligned (a row may have none)."""
     features = next((p.shape[1] for row in rows for p, _ in row), 1)
     width = max([sum(p.shape[0] for p, _ in row) for row in rows] + [1])
     count = max([len(row) for row in rows] + [1])
@@ -122,8 +123,8 @@ def batch_images(rows: list[list[tuple[torch.Tensor, tuple[int, int, int]]]]
     for i, row in enumerate(rows):
         if row:
             patches = torch.cat([p for p, _ in row])
-            pixel_values[i, : patches.shape[0]] = patches
-            image_grid_thw[i, : len(row)] = torch.tensor([list(g) for _, g in row])
+            pixel_values[i, width - patches.shape[0]:] = patches
+            image_grid_thw[i, count - len(row):] = torch.tensor([list(g) for _, g in row])
     return pixel_values, image_grid_thw
 
 

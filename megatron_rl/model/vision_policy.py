@@ -9,8 +9,8 @@ checkpoint. What differs from the text policy, and nothing else:
                      ``packed_seq_params`` like any pack
 
 Batch keys beside the standard ones (docs/INTERFACES.md): ``pixel_values [B, P, F]`` float (each row's image
-patches, zero-padded) and ``image_grid_thw [B, K, 3]`` int64 (each row's images; all-zero rows = none), as
-``data/mrope.py: batch_images`` builds them; a batch without them is text only.
+patches, right-aligned: zero rows first) and ``image_grid_thw [B, K, 3]`` int64 (each row's images, right-aligned;
+all-zero rows = none), as ``data/mrope.py: batch_images`` builds them; a batch without them is text only.
 """
 
 from __future__ import annotations

@@ -114,3 +114,19 @@ def test_unsupported_layouts_are_refused_in_one_line(groups, checkpoint, layout)
     cfg = model_config_from_hf(checkpoint, base=ModelConfig(attention_backend="local"))
     with pytest.raises(ValueError, match="pipeline_model_parallel_size=1, context_parallel_size=1"):
         build_vision_language_model(cfg, ParallelConfig(**layout), groups, load_hf_config(checkpoint))
+
+
+def test_batch_images_survive_concat_and_dp_padding():
+    """``batch_images`` right-aligns each row's images, so ``TrainingBatch.concat`` (left-pads narrower tensors)
+    and DP padding rows (zeros: no image) keep ``row_images`` exact."""
+    from megatron_rl.data.batch import TrainingBatch
+    from megatron_rl.data.mrope import batch_images, row_images
+    from tests.support.batches import training_batch
+
+    tensors, _ = tiny.batch_tensors()
+    want = row_images(tensors["pixel_values"], tensors["image_grid_thw"])
+    halves = [training_batch({k: v[rows] for k, v in tensors.items()}) for rows in (slice(0, 1), slice(1, 4))]
+    halves[0]["pixel_values"], halves[0]["image_grid_thw"] = batch_images([[(want[0][:16], (1, 4, 4))]])
+    joined, _ = TrainingBatch.concat(halves).pad_to_multiple(3, 0)
+    got = row_images(joined["pixel_values"], joined["image_grid_thw"])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
