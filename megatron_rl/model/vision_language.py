@@ -134,7 +134,7 @@ def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, 
             or parallel_cfg.sequence_parallel):
         raise ValueError("a vision-language model (model_type qwen2_5_vl) runs with parallel."
                          "pipeline_model_parallel_size=1, context_parallel_size=1 and sequence_parallel=false for "
-                         "now (docs/VISION.md section 7); set them so")
+                         "now (docs/VISION.md section 8); set them so")
     language = build_gpt_model(model_cfg, parallel_cfg, groups)
     visual = None
     if groups.is_first_stage:

@@ -49,12 +49,31 @@ def make_model(seed: int = 0):
     return model
 
 
+SPECIAL_TOKENS = {"<|image_pad|>": IMAGE_TOKEN, "<|video_pad|>": 251, "<|vision_start|>": VISION_START,
+                  "<|vision_end|>": VISION_END}
+
+
+def save_tokenizer(path: Path) -> None:
+    """A WordLevel tokenizer over t0..t255 (pad t0, unk t1, eos t2: special, so they split "t10" into t1 + 0) with
+    Qwen2.5-VL's vision tokens at 250-253."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(VOCAB) if i not in SPECIAL_TOKENS.values()} | SPECIAL_TOKENS
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", unk_token="t1", eos_token="t2",
+                            additional_special_tokens=list(SPECIAL_TOKENS)).save_pretrained(path)
+
+
 def save_checkpoint(path: Path, seed: int = 0) -> Path:
-    """Save the tiny model with the WordLevel tokenizer of tests/hf/conftest.py."""
-    from tests.hf.conftest import save_tokenizer
+    """Save the tiny model with its tokenizer and image processor (patch 4, 2x2 merge, 8x8 to 32x32 pixels)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     make_model(seed).save_pretrained(path)
     save_tokenizer(path)
+    Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=TEMPORAL_PATCH, merge_size=MERGE,
+                             min_pixels=8 * 8, max_pixels=32 * 32).save_pretrained(path)
     return path
 
 

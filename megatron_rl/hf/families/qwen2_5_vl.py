@@ -112,4 +112,4 @@ QWEN2_5_VL = Qwen25VLFamily(
     support=Support(kv_cache_decoding=False, vllm_adapter_sync=False),
 )
 """Qwen2.5-VL. Its support in this first slice: training and log-probs (``model/vision_language.py``); the
-rollout engines do not serve it yet (docs/VISION.md section 6)."""
+rollout engines do not serve it yet (docs/VISION.md section 8)."""
