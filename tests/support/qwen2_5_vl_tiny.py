@@ -161,15 +161,14 @@ def batch_tensors() -> tuple[dict[str, torch.Tensor], tuple]:
 
 
 def vl_policy(checkpoint, groups, **parallel):
-    """A ``VisionLanguagePolicy`` of the checkpoint (SGD, lr 0.05, no clipping) under ``ParallelConfig(**parallel)``."""
+    """``policy_from_hf`` of the checkpoint (a ``VisionLanguagePolicy``; SGD, lr 0.05, no clipping) under
+    ``ParallelConfig(**parallel)``."""
     from megatron_rl.config import MegatronRLConfig, ModelConfig, OptimizerConfig, ParallelConfig
-    from megatron_rl.hf.config import model_config_from_hf
-    from megatron_rl.hf.weights import load_hf_into_policy
+    from megatron_rl.hf.weights import policy_from_hf
     from megatron_rl.model.vision_policy import VisionLanguagePolicy
 
-    cfg = MegatronRLConfig(parallel=ParallelConfig(**parallel), seed=1234,
-                           model=model_config_from_hf(checkpoint, base=ModelConfig(attention_backend="local")),
+    cfg = MegatronRLConfig(parallel=ParallelConfig(**parallel), seed=1234, model=ModelConfig(attention_backend="local"),
                            optimizer=OptimizerConfig(optimizer="sgd", lr=0.05, clip_grad=1e6))
-    policy = VisionLanguagePolicy(cfg, groups, pad_token_id=0)
-    load_hf_into_policy(policy, checkpoint)
+    policy = policy_from_hf(cfg, groups, hf_dir=checkpoint)
+    assert isinstance(policy, VisionLanguagePolicy)
     return policy

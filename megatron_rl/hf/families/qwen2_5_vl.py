@@ -70,6 +70,11 @@ class Qwen25VLFamily(DenseFamily):
         raise ValueError("model family 'qwen2_5_vl' writes no HF config for a model trained from scratch; set "
                          "model.hf_path to a Qwen2.5-VL checkpoint")
 
+    def policy_class(self) -> type:
+        from megatron_rl.model.vision_policy import VisionLanguagePolicy
+
+        return VisionLanguagePolicy
+
     def bridge_config(self, hf_config: Any) -> Any:
         """The text config as mbridge's ``qwen2`` bridge reads it (tied embeddings from the top level)."""
         text = copy.deepcopy(self.text_config(hf_config))
