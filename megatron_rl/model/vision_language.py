@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core.transformer.module import MegatronModule
 
 from megatron_rl.model.rotary import PackedRopeParams
 
@@ -67,19 +68,21 @@ def mrope_params(packed: Any, positions: torch.Tensor, mrope_section: list[int] 
                        mrope_section=tuple(mrope_section), **images)
 
 
-class VisionLanguageModel(torch.nn.Module):
+class VisionLanguageModel(MegatronModule):
     """``language_model`` (our GPTModel stage) and, on the first pipeline stage, ``visual`` (the vision tower).
+    A ``MegatronModule``: its default ``sharded_state_dict`` (distributed checkpoints) takes the language model's
+    and saves the tower's tensors as replicated over TP and DP.
 
     ``forward(input_ids, position_ids, attention_mask, packed_seq_params=MropeParams, pixel_values=..., image_
     grid_thw=...)``: ``pixel_values [patches, C*tp*p*p]`` of every image of the micro-batch, in row order."""
 
     def __init__(self, language_model: torch.nn.Module, visual: torch.nn.Module | None, image_token_id: int) -> None:
-        super().__init__()
+        super().__init__(config=language_model.config)
         self.language_model = language_model
         self.visual = visual
         self.image_token_id = image_token_id
         # what megatron-core's schedule, DDP and grad finalization read from a model chunk
-        self.config, self.model_type = language_model.config, language_model.model_type
+        self.model_type = language_model.model_type
         self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
         self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
 

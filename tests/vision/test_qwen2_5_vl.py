@@ -1,12 +1,14 @@
 """Qwen2.5-VL (hf/families/qwen2_5_vl.py, model/vision_language.py): a tiny random checkpoint made by transformers
 loads into the Megatron model with its vision tower and exports back bitwise; a packed batch of left-padded rows
 (right-aligned responses) with images of different sizes gives transformers' response log-probs (one sequence per
-forward), and the 3-D RoPE positions equal transformers' ``get_rope_index`` per row.
+forward), and the 3-D RoPE positions equal transformers' ``get_rope_index`` per row; the policy
+(model/vision_policy.py) gives the same with images in its ``TrainingBatch``, and a trained one resumes from a
+distributed checkpoint.
 
 Planted bug (negative control, kept): 1-D text positions for the image tokens (what a model without multimodal
 RoPE would use) moves the log-probs by ~3e-3 >> the 1e-5 bound. Measured: the correct path matches bitwise
 (0.0) on this machine; the bound is 1e-5 (fp32, the same formulas in another order elsewhere).
-Cost: ~12 s CPU (one process: the model, a policy, transformers' reference).
+Cost: ~15 s CPU (one process: the model, three policies, transformers' reference, a checkpoint).
 """
 
 from pathlib import Path
@@ -130,3 +132,23 @@ def test_batch_images_survive_concat_and_dp_padding():
     joined, _ = TrainingBatch.concat(halves).pad_to_multiple(3, 0)
     got = row_images(joined["pixel_values"], joined["image_grid_thw"])
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_trained_policy_saves_and_resumes_from_a_distributed_checkpoint(groups, checkpoint, tmp_path):
+    """One SGD step moves the vision tower too; the distributed checkpoint (``checkpoint/dist.py``, the
+    model's ``sharded_state_dict``: the tower saved as replicated) gives a fresh policy every tensor back."""
+    from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
+    from tests.model.test_policy_multirank import summed_pg_loss
+    from tests.support.batches import training_batch
+
+    policy = tiny.vl_policy(checkpoint, groups)
+    tensors, _ = tiny.batch_tensors()
+    policy.forward_backward(training_batch(tensors), summed_pg_loss, None)
+    policy.optim_step()
+    save_checkpoint(policy, tmp_path / "save", {"step": 1})
+    trained = {k: v.clone() for k, v in policy.full_state_dict().items()}
+    fresh = tiny.vl_policy(checkpoint, groups)
+    assert not torch.equal(fresh.full_state_dict()["visual.merger.mlp.2.weight"], trained["visual.merger.mlp.2.weight"])
+    assert load_checkpoint(fresh, tmp_path / "save")["step"] == 1
+    resumed = fresh.full_state_dict()
+    assert sorted(resumed) == sorted(trained) and all(torch.equal(resumed[k], trained[k]) for k in trained)
