@@ -12,6 +12,8 @@ import torch
 
 from tests.support import qwen2_5_vl_tiny as tiny
 
+pytestmark = pytest.mark.core  # the policy forward runs megatron-core
+
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
