@@ -127,7 +127,8 @@ def policy_from_hf(config: MegatronRLConfig, groups: ParallelGroups, *, role: Li
     pad_id, pad_source = resolve_pad_token_id(hf_dir, pad_token_id, key=key)
     if groups.rank == 0:
         print(describe_hf_load(hf_dir, config.model, pad_id, pad_source), flush=True)
-    policy = MegatronPolicy(config, groups, role=role, pad_token_id=pad_id, **policy_kwargs)
+    policy_class = family_of_checkpoint(load_hf_config(hf_dir, key=key)).policy_class() or MegatronPolicy
+    policy = policy_class(config, groups, role=role, pad_token_id=pad_id, **policy_kwargs)
     load_hf_into_policy(policy, hf_dir if key == HF_DIR_KEY else None)
     return policy
 

@@ -92,6 +92,11 @@ class Family:
         raise ValueError(f"model family {self.name!r} writes no HF config for a model trained from scratch; "
                          "set model.hf_path to a checkpoint of it")
 
+    def policy_class(self) -> type | None:
+        """The ``MegatronPolicy`` subclass its models train with (``hf/weights.py: policy_from_hf``); None:
+        ``MegatronPolicy`` itself."""
+        return None
+
     # --- weights (collective: run on every rank) -----------------------------------------------------------
 
     def load_weights(self, model_chunks: list, hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,

@@ -1,0 +1,146 @@
+"""A vision-language model (Qwen2.5-VL) on megatron-core: the vision tower beside our language GPTModel, images
+riding in the packed THD batch, 3-D multimodal RoPE positions built per sequence (docs/VISION.md).
+
+Place in the data flow: the "Megatron model" box of docs/DESIGN.md section 1 for a ``qwen2_5_vl`` checkpoint
+(``hf/families/qwen2_5_vl.py`` loads and exports its weights). Per micro-batch:
+
+    rows [b, S] left-padded, responses right-aligned           (the layout of docs/DESIGN.md section 2)
+    data.mrope.mrope_positions   -> [3, b, S]  per row, on its valid tokens only (padding never shifts them)
+    data.packing.pack(rows)      -> PackedBatch [1, T] (padding removed)
+    data.mrope.pack_positions    -> [3, T]     the same scatter as the tokens'
+    VisionLanguageModel.forward  (first stage) embeddings [T, 1, H]; the vision tower runs ONCE over all images
+                                 of the micro-batch; its outputs replace the image-token embeddings in pack
+                                 order (= row order = image order); the language GPTModel (local spec) runs on
+                                 them with RoPE cos/sin from ``MropeParams`` (per-token 3-D positions)
+
+The vision tower is transformers' own ``Qwen2_5_VisionTransformerPretrainedModel`` (replicated on every TP rank
+of the first pipeline stage; plain torch, runs on CPU): mbridge 0.15.1's Megatron tower is TE-only with
+hard-coded full-size shapes (docs/VISION.md section 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_rl.model.rotary import PackedRopeParams
+
+
+@dataclass
+class MropeParams(PackedRopeParams):
+    """``PackedRopeParams`` whose ``position_ids`` are 3-D: ``[3, T]`` (temporal, height, width) per token.
+
+    Qwen2-VL's multimodal RoPE: the rotary half-dimension ``D/2`` is split into ``mrope_section`` (e.g. [16, 24,
+    24]); section i takes its angles from position row ``i % 3``; text tokens carry equal rows (plain RoPE)."""
+
+    mrope_section: tuple[int, ...] = ()
+    pixel_values: torch.Tensor | None = None
+    """``[N, F]`` the micro-batch's image patches (row order) when they ride with the pack (``data/mrope.py:
+    VisionPack``); the model's ``pixel_values`` argument otherwise."""
+    image_grid_thw: torch.Tensor | None = None
+
+    def rope_cos_sin(self, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(table), dtype)
+        if key not in self.rope_cache:
+            half = table.shape[-1] // 2  # table [S, 1, 1, D] = cat(freqs, freqs): angles pos * inv_freq
+            if sum(self.mrope_section) != half:
+                raise ValueError(f"mrope_section {list(self.mrope_section)} must sum to half the rotary dim ({half})")
+            rows = [table[self.position_ids[k]][..., :half] for k in range(3)]  # 3 x [T, 1, 1, D/2]
+            parts, start = [], 0
+            for i, width in enumerate(self.mrope_section):
+                parts.append(rows[i % 3][..., start:start + width])
+                start += width
+            freqs = torch.cat(parts, dim=-1)
+            freqs = torch.cat((freqs, freqs), dim=-1)  # [T, 1, 1, D]
+            self.rope_cache[key] = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
+        return self.rope_cache[key]
+
+
+def mrope_params(packed: Any, positions: torch.Tensor, mrope_section: list[int] | tuple[int, ...],
+                 **images: Any) -> MropeParams:
+    """``MropeParams`` for a pack and its 3-D positions ``[3, T]`` (``data/mrope.py: pack_positions``);
+    ``images``: ``pixel_values``, ``image_grid_thw`` riding with it."""
+    return MropeParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
+                       max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen, position_ids=positions,
+                       mrope_section=tuple(mrope_section), **images)
+
+
+class VisionLanguageModel(MegatronModule):
+    """``language_model`` (our GPTModel stage) and, on the first pipeline stage, ``visual`` (the vision tower).
+    A ``MegatronModule``: its default ``sharded_state_dict`` (distributed checkpoints) takes the language model's
+    and saves the tower's tensors as replicated over TP and DP.
+
+    ``forward(input_ids, position_ids, attention_mask, packed_seq_params=MropeParams, pixel_values=..., image_
+    grid_thw=...)``: ``pixel_values [patches, C*tp*p*p]`` of every image of the micro-batch, in row order."""
+
+    def __init__(self, language_model: torch.nn.Module, visual: torch.nn.Module | None, image_token_id: int) -> None:
+        super().__init__(config=language_model.config)
+        self.language_model = language_model
+        self.visual = visual
+        self.image_token_id = image_token_id
+        # what megatron-core's schedule, DDP and grad finalization read from a model chunk
+        self.model_type = language_model.model_type
+        self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
+        self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+
+    @property
+    def decoder(self) -> torch.nn.Module:
+        """The language model's decoder (``model/weights.py`` numbers layers by it); a property, not a second
+        registration of the module."""
+        return self.language_model.decoder
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor | None:
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+              image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """``[S, b, H]`` token embeddings with each image token's row replaced by the vision tower's output."""
+        embeds = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [S, b, H]
+        is_image = (input_ids == self.image_token_id).transpose(0, 1)  # [S, b]
+        if pixel_values is None:
+            if bool(is_image.any()):
+                raise ValueError("image tokens in the batch but no pixel_values")
+            return embeds
+        image = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
+        image = getattr(image, "pooler_output", image)  # transformers 5: an output object; 4.x: the merged tensor
+        if int(is_image.sum()) != image.shape[0]:
+            raise ValueError(f"{int(is_image.sum())} image tokens but the vision tower gave {image.shape[0]} "
+                             "embeddings (image_grid_thw does not match the image placeholders)")
+        return embeds.masked_scatter(is_image[..., None], image.to(embeds.dtype))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any, *,
+                packed_seq_params: Any = None, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        if pixel_values is None and isinstance(packed_seq_params, MropeParams):  # images riding with the pack
+            pixel_values, image_grid_thw = packed_seq_params.pixel_values, packed_seq_params.image_grid_thw
+        decoder_input = None
+        if self.visual is not None and self.language_model.pre_process:
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+        return self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
+                                   packed_seq_params=packed_seq_params, **kwargs)
+
+
+def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, hf_config: Any) -> VisionLanguageModel:
+    """This rank's stage of a Qwen2.5-VL: ``model/builder.py``'s GPTModel for the language model, and the vision
+    tower (``hf_config.vision_config``, ``model_cfg.params_dtype``) on the first stage."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from megatron_rl.model.builder import _DTYPES, build_gpt_model
+
+    if (parallel_cfg.pipeline_model_parallel_size > 1 or parallel_cfg.context_parallel_size > 1
+            or parallel_cfg.sequence_parallel):
+        raise ValueError("a vision-language model (model_type qwen2_5_vl) runs with parallel."
+                         "pipeline_model_parallel_size=1, context_parallel_size=1 and sequence_parallel=false for "
+                         "now (docs/VISION.md section 8); set them so")
+    language = build_gpt_model(model_cfg, parallel_cfg, groups)
+    visual = None
+    if groups.is_first_stage:
+        visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+            hf_config.vision_config, dtype=_DTYPES[model_cfg.params_dtype]).to(groups.device)
+    return VisionLanguageModel(language, visual, image_token_id=hf_config.image_token_id)

@@ -1,0 +1,93 @@
+"""A Qwen2.5-VL policy (model/vision_policy.py) with images in the batch: its log-probs equal transformers' per
+sequence, and the step's loss, gradients (vision tower included) and grad norm do not depend on micro-batching,
+DP2 or TP2 (docs/VISION.md section 2: the tower is replicated over TP, its gradients agree there without a
+reduction and the grad norm counts it once).
+
+Reference: the single-process policy with one micro-batch (in this process). ONE 2-rank spawn runs DP2 and TP2
+in turn, each with 2 micro-batches per rank (images split between micro-batches). Tolerances: fp32 with another
+reduction order, relative 1e-5 (as tests/model/test_hybrid_multirank.py). Cost: one 2-rank spawn, ~40 s wall.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import qwen2_5_vl_tiny as tiny
+from tests.support.batches import full_grads, max_rel_err, micro_batch_size, training_batch
+from tests.support.multirank import run_ranks
+from tests.model.test_policy_multirank import summed_pg_loss
+
+pytestmark = [pytest.mark.multirank, pytest.mark.core]
+
+LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2)}
+COUNTS = (1, 2)
+
+
+def _runs(policy, groups, tensors, counts) -> dict:
+    """Loss and finalized gradients per micro-batch count, then the grad norm of one optimizer step."""
+    batch = training_batch(tensors)
+    out = {"logprobs": policy.forward(batch)["logprobs"]}
+    for count in counts:
+        policy.config.batch.micro_batch_size = micro_batch_size(len(batch), groups.dp_size, count)
+        out[f"loss_{count}"] = float(policy.forward_backward(batch, summed_pg_loss, None)["loss"].value)
+        policy.finalize_grads()
+        out[f"grad_{count}"] = full_grads(policy)
+        policy.zero_grad()
+    policy.forward_backward(batch, summed_pg_loss, None)
+    out["grad_norm"] = policy.optim_step()["grad_norm"]
+    return out
+
+
+def _layouts_rank(rank, world_size, checkpoint, tensors):
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+
+    results = {}
+    for name, parallel in LAYOUTS.items():
+        groups = initialize_distributed(ParallelConfig(**parallel), 1234)
+        try:
+            results[name] = _runs(tiny.vl_policy(checkpoint, groups, **parallel), groups, tensors, (2,))
+        finally:
+            destroy_distributed(keep_process_group=True)  # the next layout reuses the process group
+    return results
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny.save_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl_mr") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from megatron_rl.config import ParallelConfig
+    from megatron_rl.data.mrope import mrope_positions, row_images
+    from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
+
+    tensors, (rows, seqs, pixels) = tiny.batch_tensors()
+    groups = initialize_distributed(ParallelConfig(), 1234)
+    try:
+        ref = _runs(tiny.vl_policy(checkpoint, groups), groups, tensors, COUNTS)
+    finally:
+        destroy_distributed()
+    ids, mask = tensors["sequences"], tensors["attention_mask"]
+    _, grids = row_images(tensors["pixel_values"], tensors["image_grid_thw"])
+    positions = mrope_positions(ids, mask, grids, image_token_id=tiny.IMAGE_TOKEN, spatial_merge_size=tiny.MERGE)
+    ref["transformers"] = tiny.transformers_logprobs(checkpoint, rows, seqs, pixels, ids.shape[1], positions)
+    return tensors, ref
+
+
+def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoint, reference):
+    tensors, ref = reference
+    mask = tensors["response_mask"].bool()
+    assert (ref["logprobs"] - ref["transformers"])[mask].abs().max() < 1e-5
+    assert ref["loss_1"] != 0.0 and float(ref["grad_1"]["visual.patch_embed.proj.weight"].norm()) > 0
+    assert max_rel_err(ref["grad_2"], ref["grad_1"]) < 1e-5
+    for rank_results in run_ranks(2, _layouts_rank, checkpoint, tensors, timeout=600):
+        for name, got in rank_results.items():
+            assert (got["logprobs"] - ref["logprobs"])[mask].abs().max() < 1e-5, name
+            assert got["loss_2"] == pytest.approx(ref["loss_1"], rel=1e-5), name
+            err = max_rel_err(got["grad_2"], ref["grad_1"])
+            assert err < 1e-5, f"{name}: gradient relative error {err:.2e}"
+            vision = {k: v for k, v in ref["grad_1"].items() if k.startswith("visual.")}
+            assert max_rel_err(got["grad_2"], vision) < 1e-5, f"{name}: vision tower gradients"
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), name
