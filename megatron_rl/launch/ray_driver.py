@@ -106,15 +106,18 @@ def start(argv: Sequence[str]) -> int:
         ray = connect(launch.ray.address)
         resources = ray.cluster_resources()
         device = str(flat.get("parallel.device") or "auto")
-        layout = layout_from(launch, os.environ, gpus_per_rank(launch, device, resources.get("GPU", 0)))
+        layout = layout_from(launch, os.environ, gpus_per_rank(launch, device, resources.get("GPU", 0)), flat)
     except ConfigError as err:
         print(f"run_megatron.sh: {err}", file=sys.stderr, flush=True)
         return 2
     except RayLaunchError as err:
         print(err, file=sys.stderr, flush=True)
         return err.code
-    print(f"run_megatron.sh: {layout.nproc} process(es) per node x {layout.nodes} node(s) on the Ray cluster "
-          f"({resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU), config {' '.join(configs)}"
+    engine_nodes = len(layout.engine_bundles)
+    print(f"run_megatron.sh: {layout.nproc} process(es) per node x {layout.nodes} node(s)"
+          + (f" + {engine_nodes} engine node(s) (rollout.engine_nodes)" if engine_nodes else "")
+          + f" on the Ray cluster ({resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU), config "
+          f"{' '.join(configs)}"
           + (f", overrides: {' '.join(overrides)}" if overrides else ""), flush=True)
     code = preflight(argv, layout.world)
     if code:

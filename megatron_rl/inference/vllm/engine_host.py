@@ -58,7 +58,12 @@ class Host:
         self.generations = dict.fromkeys(self.mine, 0)
 
     def start(self) -> None:
+        """This node's engines, each at the generation rank 0 asked for last; at the next one when a host before
+        this one answered that already (it died and this one replaces it: ``launch/ray_engines.py``): rank 0
+        adopts it when it asks for a replacement."""
         for index in self.mine:
+            generation = self.store.add(f"{PREFIX}restart/{index}", 0)
+            self.generations[index] = generation + int(self.store.check([url_key(index, generation)]))
             self._launch(index)
 
     def _launch(self, index: int) -> None:
