@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from megatron_rl.inference.nodes import check_engine_nodes, engines_on_node
 from megatron_rl.job.launch_config import LaunchConfig
+from megatron_rl.job.ray_launch_config import ENGINE_RESOURCE_SHARE
 from megatron_rl.launch.placement import engine_nodes_of
 
 POLL_S = 0.5
@@ -119,7 +120,8 @@ def layout_from(launch: LaunchConfig, env: Mapping[str, str], gpus_per_rank: flo
 
 def engine_layout(layout: Layout, launch: LaunchConfig, flat: Mapping[str, Any]) -> Layout:
     """``layout`` (all ``launch.nodes``) with the vLLM fleet's share: with ``rollout.engine_nodes`` K, its last K
-    nodes as engine bundles (each: its engines x ``launch.ray.cpus_per_engine`` / ``gpus_per_engine``); else the
+    nodes as engine bundles (each: its engines x ``launch.ray.cpus_per_engine`` / ``gpus_per_engine``, and some of
+    ``launch.ray.engine_node_resource`` when set: Ray places it on such a node); else the
     engines' CPUs in the bundle of the trainer node that starts them (``inference/nodes.py``'s rule)."""
     if flat.get("rollout.engine", "builtin") != "vllm":
         return layout
@@ -139,7 +141,10 @@ def engine_layout(layout: Layout, launch: LaunchConfig, flat: Mapping[str, Any])
     bundles = []
     for node in range(trainer, layout.nodes):
         count = len(engines_on_node(engines, node, trainer, engine_nodes))
-        bundles.append({"CPU": count * cpus, **({"GPU": count * gpus} if gpus else {})})
+        bundle = {"CPU": count * cpus, **({"GPU": count * gpus} if gpus else {})}
+        if launch.ray.engine_node_resource:
+            bundle[launch.ray.engine_node_resource] = ENGINE_RESOURCE_SHARE
+        bundles.append(bundle)
     return replace(layout, nodes=trainer, engine_bundles=tuple(bundles))
 
 
