@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.job.paths import REPO_ROOT
-from megatron_rl.launch.ray_layout import STOP_GRACE_S, Layout, RayLaunchError, last_line
+from megatron_rl.launch.ray_layout import STOP_GRACE_S, Layout, RayLaunchError, death_reason, last_line
 from megatron_rl.launch.ray_rank import RankProcess
 
 ENGINE_ACTOR_NAME = "megatron_rl-engine_node{node}"
@@ -111,7 +111,7 @@ class EngineNodes:
             except self.ray.exceptions.ActorUnavailableError:
                 continue
             except self.ray.exceptions.RayActorError as err:
-                self._replace(node, f"its actor died: {last_line(err)}")
+                self._replace(node, f"its actor died: {death_reason(err)}")
                 continue
             output += chunks
             if code in (None, 0, USAGE_ERROR):  # running; the fleet closed; a usage error (its line is echoed)

@@ -12,6 +12,7 @@ CPUs are reserved in their node's bundle (``packed_cpus``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
@@ -162,3 +163,13 @@ def last_line(err: Exception) -> str:
     """The last line of a Ray error (its cause), short."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[-1][:300] if lines else type(err).__name__
+
+
+def death_reason(err: Exception) -> str:
+    """Ray's reason a dead actor gives, short: its first sentence that is not an id field, and the worker's exit
+    type when given ("The actor is dead because its worker process has died (exit type SYSTEM_ERROR)")."""
+    text = " ".join(line.strip() for line in str(err).splitlines()[1:] if line.strip() and not line.startswith("\t"))
+    text = text or str(err).strip() or type(err).__name__
+    reason = text.split(". ")[0].rstrip(".")
+    kind = re.search(r"Worker exit type: (\w+)", text)
+    return (reason + (f" (exit type {kind.group(1)})" if kind else ""))[:300]

@@ -20,7 +20,6 @@ with its actor.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import time
@@ -31,7 +30,8 @@ from megatron_rl.job.launch_config import LaunchConfig
 from megatron_rl.job.paths import REPO_ROOT
 from megatron_rl.launch.ray_engines import EngineNodes
 from megatron_rl.launch.ray_layout import (ACTOR_NAME, FAILURE_GRACE_S, INTERRUPT_GRACE_S, POLL_S, STOP_GRACE_S,
-                                           Layout, RayLaunchError, last_line, visible_devices)
+                                           Layout, RayLaunchError, death_reason, last_line,
+                                           visible_devices)
 from megatron_rl.launch.ray_rank import RankProcess
 
 
@@ -197,7 +197,7 @@ class RayRun:
 
     def died_line(self, died: RankDied) -> str:
         return (f"run_megatron.sh: trainer rank {died.rank} (Ray actor {ACTOR_NAME.format(rank=died.rank)}) on "
-                f"{self.where(died.rank)} died: {_reason(died.err)}; the run stopped (the other ranks were ended); "
+                f"{self.where(died.rank)} died: {death_reason(died.err)}; the run stopped (the other ranks were ended); "
                 "the same command resumes from the last checkpoint")
 
     def interrupted(self) -> int:
@@ -252,13 +252,3 @@ def echo(chunks: Sequence[tuple[str, bytes]]) -> None:
         stream = sys.stdout if name == "stdout" else sys.stderr
         stream.buffer.write(data)
         stream.flush()
-
-
-def _reason(err: Exception) -> str:
-    """Ray's reason a dead actor gives, short: its first sentence that is not an id field, and the worker's exit
-    type when given ("The actor is dead because its worker process has died (exit type SYSTEM_ERROR)")."""
-    text = " ".join(line.strip() for line in str(err).splitlines()[1:] if line.strip() and not line.startswith("\t"))
-    text = text or str(err).strip() or type(err).__name__
-    reason = text.split(". ")[0].rstrip(".")
-    kind = re.search(r"Worker exit type: (\w+)", text)
-    return (reason + (f" (exit type {kind.group(1)})" if kind else ""))[:300]

@@ -133,6 +133,7 @@ def test_the_engine_runs_on_its_own_ray_node_and_a_killed_engine_actor_is_replac
             assert time.monotonic() - t0 < 600, "the run did not end within 600 s"
             time.sleep(0.5)
         text = run.stdout.read()
+        (tmp_path / "driver.out").write_text(text)  # (kept with the run's folder: pytest's basetemp)
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
