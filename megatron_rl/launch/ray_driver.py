@@ -7,7 +7,9 @@ Place in the data flow: ``run_megatron.sh`` execs ``python -m megatron_rl.launch
                        launch runs it: exit 2 and one line when the run cannot start)
     join the cluster   ray.init(launch.ray.address | $RAY_ADDRESS | auto): never starts one
     placement group    one bundle per node {CPU: NPROC x cpus_per_rank, GPU: NPROC x gpus_per_rank}, STRICT_SPREAD
-                       (each bundle on its own Ray node); waits launch.ray.placement_timeout_s for room
+                       (each bundle on its own Ray node); waits launch.ray.placement_timeout_s for room; with
+                       rollout.engine_nodes K the last K bundles are the engines' (``ray_layout.py``), one actor
+                       each running the engine host there (``ray_engines.py``)
     one actor per rank megatron_rl-rank<N> (launch/ray_rank.py) in bundle GROUP_RANK; it starts
                        ``python -m megatron_rl.job.main <the same arguments>``, the entry point torchrun runs, with
                        torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,

@@ -12,8 +12,11 @@ torchrun's launch (``distributed/launch.py``):
     Ctrl-C / SIGTERM of the driver           SIGINT to every rank (each stops at a step boundary and says what it
                                              kept: the reported line), exit 130; a second Ctrl-C ends them at once
 
-``teardown`` always runs: each rank is stopped (SIGTERM, then SIGKILL), each actor killed, the placement group
-removed. Should this process be killed outright, Ray ends its actors (they are not detached) and each rank dies
+With ``rollout.engine_nodes`` the engine nodes' actors (``ray_engines.py``) start with the ranks, are polled
+with them (an engine host that is down is replaced, the run goes on) and end after them.
+
+``teardown`` always runs: each rank is stopped (SIGTERM, then SIGKILL), each engine host (SIGINT first), each
+actor killed, the placement group removed. Should this process be killed outright, Ray ends its actors (they are not detached) and each rank dies
 with its actor.
 """
 
