@@ -130,7 +130,12 @@ class EngineNodes:
               "bundle (its engines rejoin the fleet at the next weight sync)", file=sys.stderr, flush=True)
         self._kill(node)
         self.restarts[node] += 1
-        self._start(node)
+        try:
+            self._start(node)
+        except RayLaunchError as err:  # e.g. its node gone and no other with room: the run goes on without it
+            self.ended.add(node)
+            print(f"{err}; its engines stay down", file=sys.stderr, flush=True)
+            return
         print(f"run_megatron.sh: engine host of node {node} started again on {self.where(node)}", flush=True)
 
     def _kill(self, node: int) -> None:
