@@ -16,8 +16,8 @@ With ``rollout.engine_nodes`` the engine nodes' actors (``ray_engines.py``) star
 with them (an engine host that is down is replaced, the run goes on) and end after them.
 
 ``teardown`` always runs: each rank is stopped (SIGTERM, then SIGKILL), each engine host (SIGINT first), each
-actor killed, the placement group removed. Should this process be killed outright, Ray ends its actors (they are not detached) and each rank dies
-with its actor.
+actor killed, the placement group removed. Should this process be killed outright, Ray ends its actors (they are
+not detached) and each rank and engine host dies with its actor.
 """
 
 from __future__ import annotations
@@ -200,8 +200,8 @@ class RayRun:
 
     def died_line(self, died: RankDied) -> str:
         return (f"run_megatron.sh: trainer rank {died.rank} (Ray actor {ACTOR_NAME.format(rank=died.rank)}) on "
-                f"{self.where(died.rank)} died: {death_reason(died.err)}; the run stopped (the other ranks were ended); "
-                "the same command resumes from the last checkpoint")
+                f"{self.where(died.rank)} died: {death_reason(died.err)}; the run stopped (the other ranks were "
+                "ended); the same command resumes from the last checkpoint")
 
     def interrupted(self) -> int:
         """Ctrl-C: SIGINT to every rank, as the terminal gives it under torchrun; they stop at a step boundary and
