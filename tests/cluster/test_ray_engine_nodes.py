@@ -15,8 +15,8 @@ one run of the vLLM demo (``configs/demo_vllm.yaml``, ``NPROC=1 launch.nodes=2``
 
 The engine is started by the engine host itself, not forked from the test session's zygote
 (``tests/support/engine_zygote.py``: a zygote's engine would run outside the Ray node). Cost: the cluster's start
-(~20-50 s) and one vLLM run with two engine starts: ~150 s on the loaded 2-core machine (measured in the test's
-printout).
+(~15-50 s) and one vLLM run with two engine starts: 95-290 s on the 2-core machine (measured at load averages of ~5
+to ~28; the test prints its time).
 """
 
 from __future__ import annotations
