@@ -7,7 +7,9 @@ Place in the data flow: ``run_megatron.sh`` execs ``python -m megatron_rl.launch
                        launch runs it: exit 2 and one line when the run cannot start)
     join the cluster   ray.init(launch.ray.address | $RAY_ADDRESS | auto): never starts one
     placement group    one bundle per node {CPU: NPROC x cpus_per_rank, GPU: NPROC x gpus_per_rank}, STRICT_SPREAD
-                       (each bundle on its own Ray node); waits launch.ray.placement_timeout_s for room
+                       (each bundle on its own Ray node); waits launch.ray.placement_timeout_s for room; with
+                       rollout.engine_nodes K the last K bundles are the engines' (``ray_layout.py``), one actor
+                       each running the engine host there (``ray_engines.py``)
     one actor per rank megatron_rl-rank<N> (launch/ray_rank.py) in bundle GROUP_RANK; it starts
                        ``python -m megatron_rl.job.main <the same arguments>``, the entry point torchrun runs, with
                        torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
@@ -106,15 +108,18 @@ def start(argv: Sequence[str]) -> int:
         ray = connect(launch.ray.address)
         resources = ray.cluster_resources()
         device = str(flat.get("parallel.device") or "auto")
-        layout = layout_from(launch, os.environ, gpus_per_rank(launch, device, resources.get("GPU", 0)))
+        layout = layout_from(launch, os.environ, gpus_per_rank(launch, device, resources.get("GPU", 0)), flat)
     except ConfigError as err:
         print(f"run_megatron.sh: {err}", file=sys.stderr, flush=True)
         return 2
     except RayLaunchError as err:
         print(err, file=sys.stderr, flush=True)
         return err.code
-    print(f"run_megatron.sh: {layout.nproc} process(es) per node x {layout.nodes} node(s) on the Ray cluster "
-          f"({resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU), config {' '.join(configs)}"
+    engine_nodes = len(layout.engine_bundles)
+    print(f"run_megatron.sh: {layout.nproc} process(es) per node x {layout.nodes} node(s)"
+          + (f" + {engine_nodes} engine node(s) (rollout.engine_nodes)" if engine_nodes else "")
+          + f" on the Ray cluster ({resources.get('CPU', 0):g} CPU, {resources.get('GPU', 0):g} GPU), config "
+          f"{' '.join(configs)}"
           + (f", overrides: {' '.join(overrides)}" if overrides else ""), flush=True)
     code = preflight(argv, layout.world)
     if code:

@@ -12,15 +12,17 @@ torchrun's launch (``distributed/launch.py``):
     Ctrl-C / SIGTERM of the driver           SIGINT to every rank (each stops at a step boundary and says what it
                                              kept: the reported line), exit 130; a second Ctrl-C ends them at once
 
-``teardown`` always runs: each rank is stopped (SIGTERM, then SIGKILL), each actor killed, the placement group
-removed. Should this process be killed outright, Ray ends its actors (they are not detached) and each rank dies
-with its actor.
+With ``rollout.engine_nodes`` the engine nodes' actors (``ray_engines.py``) start with the ranks, are polled
+with them (an engine host that is down is replaced, the run goes on) and end after them.
+
+``teardown`` always runs: each rank is stopped (SIGTERM, then SIGKILL), each engine host (SIGINT first), each
+actor killed, the placement group removed. Should this process be killed outright, Ray ends its actors (they are
+not detached) and each rank and engine host dies with its actor.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import time
@@ -29,8 +31,10 @@ from typing import Any, Sequence
 
 from megatron_rl.job.launch_config import LaunchConfig
 from megatron_rl.job.paths import REPO_ROOT
+from megatron_rl.launch.ray_engines import EngineNodes
 from megatron_rl.launch.ray_layout import (ACTOR_NAME, FAILURE_GRACE_S, INTERRUPT_GRACE_S, POLL_S, STOP_GRACE_S,
-                                           Layout, RayLaunchError, visible_devices)
+                                           Layout, RayLaunchError, death_reason, last_line,
+                                           visible_devices)
 from megatron_rl.launch.ray_rank import RankProcess
 
 
@@ -56,6 +60,8 @@ class RayRun:
         self.codes: dict[int, int] = {}
         self.reported: dict[int, tuple[int, str]] = {}
         self.failed_first: int | None = None
+        self.engine_nodes: EngineNodes | None = None
+        """``rollout.engine_nodes``: their engine host actors (``ray_engines.py``)."""
 
     def run(self) -> int:
         try:
@@ -86,10 +92,10 @@ class RayRun:
             nodes = sum(1 for node in self.ray.nodes() if node.get("Alive"))
             free = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
             raise RayLaunchError(
-                f"run_megatron.sh: the Ray cluster has no room for {layout.nodes} bundle(s) of {layout.bundles()[0]} "
-                f"({layout.strategy}: each on its own Ray node) after {timeout:g} s (launch.ray.placement_timeout_s); "
-                f"it has {nodes} node(s), {free} free: lower launch.nodes, NPROC or launch.ray.cpus_per_rank / "
-                "gpus_per_rank, or add nodes")
+                f"run_megatron.sh: the Ray cluster has no room for the bundles {layout.bundles()} ({layout.strategy}: "
+                f"each on its own Ray node) after {timeout:g} s (launch.ray.placement_timeout_s); it has {nodes} "
+                f"node(s), {free} free: lower launch.nodes, NPROC or launch.ray.cpus_per_rank / gpus_per_rank / "
+                "cpus_per_engine / gpus_per_engine, or add nodes")
 
     def start_ranks(self) -> None:
         """One actor per rank in its node's bundle; each starts its rank once all are placed."""
@@ -105,10 +111,14 @@ class RayRun:
             self.places = self.ray.get([a.place.remote() for a in self.actors])
         except self.ray.exceptions.RayActorError as err:
             raise RayLaunchError(f"run_megatron.sh: the rank actors did not start on the Ray cluster ("
-                                 f"{_last_line(err)}); every node needs this checkout and venv at the same paths "
+                                 f"{last_line(err)}); every node needs this checkout and venv at the same paths "
                                  "(docs/CLUSTER.md)") from None
         master = self.places[0]["ip"]
         port = int(os.environ.get("MASTER_PORT") or self.ray.get(self.actors[0].free_port.remote()))
+        if layout.engine_bundles:  # they wait for rank 0's store at master:port (inference/vllm/engine_nodes.py)
+            self.engine_nodes = EngineNodes(self.ray, layout, self.pg, self.env, self.log_dir,
+                                            self.launch.ray.placement_timeout_s)
+            self.engine_nodes.start(master, port)
         starts = []
         for rank, handle in enumerate(self.actors):
             env = {**self.env, **layout.rank_env(rank, master, port, self.visible(rank))}
@@ -118,7 +128,7 @@ class RayRun:
         try:
             self.ray.get(starts)
         except self.ray.exceptions.RayError as err:  # e.g. the log folder not writable on a node
-            raise RayLaunchError(f"run_megatron.sh: a rank did not start on the Ray cluster ({_last_line(err)})") \
+            raise RayLaunchError(f"run_megatron.sh: a rank did not start on the Ray cluster ({last_line(err)})") \
                 from None
         print(f"run_megatron.sh: Ray placement group {self.pg.id.hex()[:12]} ({layout.strategy}): "
               f"{self.where_all()}; rendezvous at {master}:{port}; each rank's log: "
@@ -133,14 +143,18 @@ class RayRun:
                 f"{str(place.get('node_id', '?'))[:8]}, host {place.get('host', '?')})")
 
     def where_all(self) -> str:
-        nproc = self.layout.nproc
-        return ", ".join(f"ranks {n * nproc}-{(n + 1) * nproc - 1} on {self.where(n * nproc)}"
-                         for n in range(self.layout.nodes))
+        nproc, hosts = self.layout.nproc, self.engine_nodes
+        return ", ".join([f"ranks {n * nproc}-{(n + 1) * nproc - 1} on {self.where(n * nproc)}"
+                          for n in range(self.layout.nodes)]
+                         + ([f"engine host on {hosts.where(n)}" for n in hosts.nodes()] if hosts else []))
 
     # -- supervise ---------------------------------------------------------------------------------------------
 
     def poll(self) -> None:
-        """One round: print every running rank's new output, note those that ended."""
+        """One round: print every running rank's new output, note those that ended; the engine hosts' output
+        (one that is down is replaced: ``ray_engines.py``)."""
+        if self.engine_nodes is not None:
+            echo(self.engine_nodes.poll())
         refs = {rank: self.actors[rank].poll.remote() for rank in sorted(self.running)}
         for rank, ref in refs.items():
             try:
@@ -186,8 +200,8 @@ class RayRun:
 
     def died_line(self, died: RankDied) -> str:
         return (f"run_megatron.sh: trainer rank {died.rank} (Ray actor {ACTOR_NAME.format(rank=died.rank)}) on "
-                f"{self.where(died.rank)} died: {_reason(died.err)}; the run stopped (the other ranks were ended); "
-                "the same command resumes from the last checkpoint")
+                f"{self.where(died.rank)} died: {death_reason(died.err)}; the run stopped (the other ranks were "
+                "ended); the same command resumes from the last checkpoint")
 
     def interrupted(self) -> int:
         """Ctrl-C: SIGINT to every rank, as the terminal gives it under torchrun; they stop at a step boundary and
@@ -221,6 +235,8 @@ class RayRun:
                 self.stop_ranks()
         except Exception:  # noqa: BLE001 (a dead actor: its rank died with it)
             pass
+        if self.engine_nodes is not None:
+            self.engine_nodes.teardown()
         for handle in self.actors:
             try:
                 self.ray.kill(handle, no_restart=True)
@@ -239,18 +255,3 @@ def echo(chunks: Sequence[tuple[str, bytes]]) -> None:
         stream = sys.stdout if name == "stdout" else sys.stderr
         stream.buffer.write(data)
         stream.flush()
-
-
-def _last_line(err: Exception) -> str:
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return lines[-1][:300] if lines else type(err).__name__
-
-
-def _reason(err: Exception) -> str:
-    """Ray's reason a dead actor gives, short: its first sentence that is not an id field, and the worker's exit
-    type when given ("The actor is dead because its worker process has died (exit type SYSTEM_ERROR)")."""
-    text = " ".join(line.strip() for line in str(err).splitlines()[1:] if line.strip() and not line.startswith("\t"))
-    text = text or str(err).strip() or type(err).__name__
-    reason = text.split(". ")[0].rstrip(".")
-    kind = re.search(r"Worker exit type: (\w+)", text)
-    return (reason + (f" (exit type {kind.group(1)})" if kind else ""))[:300]

@@ -53,11 +53,41 @@ def test_nodes_ranks_and_gpus_from_the_config_and_environment() -> None:
         gpus_per_rank(LaunchConfig(), "cuda", 0)
 
 
+VLLM = {"rollout.engine": "vllm", "rollout.num_engines": 3}
+
+
+def test_engine_nodes_are_bundles_of_their_own_after_the_trainers() -> None:
+    """rollout.engine_nodes=2 of launch.nodes=4: 2 trainer nodes (the world), then one bundle per engine node with
+    its engines' CPUs and GPUs (engine i on engine node i % 2: two, then one), and the engine nodes' resource."""
+    launch = launch_config_from_flat({"launch.nodes": 4, "launch.ray.cpus_per_engine": 2,
+                                      "launch.ray.engine_node_resource": "inference"})
+    layout = layout_from(launch, {"NPROC": "2"}, 1, {**VLLM, "rollout.engine_nodes": 2,
+                                                     "rollout.engine_tensor_parallel_size": 2})
+    assert (layout.nodes, layout.world, layout.all_nodes, layout.strategy) == (2, 4, 4, "STRICT_SPREAD")
+    assert layout.bundles() == [{"CPU": 2, "GPU": 2}] * 2 + [
+        {"CPU": 4, "GPU": 4, "inference": 0.001}, {"CPU": 2, "GPU": 2, "inference": 0.001}]
+    cpu = layout_from(LaunchConfig(nodes=2), {"NPROC": "1"}, 0, {**VLLM, "rollout.engine_nodes": 1})
+    assert cpu.bundles() == [{"CPU": 1}, {"CPU": 3}] and cpu.world == 1  # CPU ranks: no GPU for the engines
+    with pytest.raises(RayLaunchError, match="rollout.engine_nodes=2 but the job has 2 node"):
+        layout_from(LaunchConfig(nodes=2), {}, 0, {**VLLM, "rollout.engine_nodes": 2})
+
+
+def test_engines_beside_the_trainer_have_their_cpus_in_its_bundles() -> None:
+    """No engine nodes: engine i runs on trainer node i % nodes (inference/nodes.py), its CPUs in that bundle;
+    the built-in engine (no process) reserves nothing."""
+    layout = layout_from(LaunchConfig(nodes=2), {"NPROC": "2"}, 0, VLLM)
+    assert layout.bundles() == [{"CPU": 4}, {"CPU": 3}] and layout.engine_bundles == ()
+    assert layout_from(LaunchConfig(nodes=2), {"NPROC": "2"}, 0, {}).bundles() == [{"CPU": 2}] * 2
+
+
 @pytest.mark.parametrize(("key", "value", "message"), [
     ("launch.ray.cpus_per_rank", 0, "must be a number > 0"),
     ("launch.ray.gpus_per_rank", -1, "must be a number >= 0"),
     ("launch.ray.placement_timeout_s", "soon", "must be a number > 0"),
     ("launch.ray.address", "", "must be a Ray address"),
+    ("launch.ray.cpus_per_engine", 0, "must be a number > 0"),
+    ("launch.ray.gpus_per_engine", -1, "must be a number >= 0"),
+    ("launch.ray.engine_node_resource", " ", "must be the name of a custom resource"),
     ("launch.scheduler", "kubernetes", "is not one of ['local', 'slurm', 'ray']"),
     ("launch.ray.adress", "auto", "unknown config key 'launch.ray.adress'"),
 ])

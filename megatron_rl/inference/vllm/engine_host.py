@@ -3,7 +3,8 @@
     python -m megatron_rl.inference.vllm.engine_host --nodes N --engine-nodes K --node-rank R   (run_megatron.sh)
 
 Place in the data flow: ``run_megatron.sh`` on one of the job's last K nodes runs this (no torchrun, no rank, no
-process group). It waits on torchrun's store (``engine_nodes.py``) until global rank 0 publishes the engines'
+process group); under ``launch.scheduler=ray`` an actor per engine node runs it (``launch/ray_engines.py``) and
+starts a new one should it die. It waits on torchrun's store (``engine_nodes.py``) until global rank 0 publishes the engines'
 settings, starts this node's engines (``nodes.engines_on_node``: engine i on node ``N - K + i % K``) exactly as a
 node's local rank 0 does on a trainer node (``vllm/launcher.py: Launcher``: its share of the cores or its devices, a
 watchdog on this process's pid, ``<work_dir>/engine<i>.log``), tells rank 0 their URLs, and from then on replaces
@@ -58,7 +59,12 @@ class Host:
         self.generations = dict.fromkeys(self.mine, 0)
 
     def start(self) -> None:
+        """This node's engines, each at the generation rank 0 asked for last; at the next one when a host before
+        this one answered that already (it died and this one replaces it: ``launch/ray_engines.py``): rank 0
+        adopts it when it asks for a replacement."""
         for index in self.mine:
+            generation = self.store.add(f"{PREFIX}restart/{index}", 0)
+            self.generations[index] = generation + int(self.store.check([url_key(index, generation)]))
             self._launch(index)
 
     def _launch(self, index: int) -> None:

@@ -2,13 +2,14 @@
 
 Place in the data flow: ``vllm/engine.py: VLLMEngine.start`` (rank 0) publishes what an engine needs (``EngineHosts``:
 the serve options, model and work directories, the job's token) and takes back each engine's URL; the engine
-host of each engine node (``inference/vllm/engine_host.py``, started by ``run_megatron.sh`` there instead of torchrun)
+host of each engine node (``inference/vllm/engine_host.py``, started by ``run_megatron.sh`` there instead of
+torchrun, or by its actor under Ray: ``launch/ray_engines.py``)
 starts its engines (``nodes.engines_on_node``) and answers restart requests. Healing is unchanged: rank 0 marks an
 engine-node engine down like another node's engine, and at the next collective point (``_restart_remote``) asks
 its host for a replacement here instead of a torchrun rank.
 
 The channel is torchrun's own rendezvous store (a ``TCPStore`` at ``$MASTER_ADDR:$MASTER_PORT``, served by the
-first node's launcher for the whole job), under ``PREFIX``: the engine hosts are not ranks of the process group,
+first node's launcher for the whole job; under Ray, with no launcher, by rank 0's process group: ``env://``), under ``PREFIX``: the engine hosts are not ranks of the process group,
 so the trainer's collectives, world size and DP stay those of the trainer nodes. Keys: ``spec`` (JSON, set once
 by rank 0), ``url/<i>/<g>`` (set by the host: generation ``g`` of engine ``i``), ``restart/<i>`` (a counter rank 0
 raises: the generation it asks for), ``done`` (rank 0 closed the fleet: the hosts kill their engines and exit).
