@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -147,7 +148,10 @@ class SlurmCluster:
             f"SlurmdLogFile={f / 'slurmd-%n.log'}", f"SlurmctldPort={ctld}", "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "ReturnToService=2",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "KillWait=10", "MinJobAge=600",
-            "SlurmctldDebug=debug", "SlurmdDebug=debug", "JobCompType=jobcomp/filetxt", f"JobCompLoc={f / 'jobcomp.txt'}",
+            # for a failing test's message (report): the daemons' debug logs and the job records (no accounting
+            # database, so no sacct)
+            "SlurmctldDebug=debug", "SlurmdDebug=debug", "JobCompType=jobcomp/filetxt",
+            f"JobCompLoc={f / 'jobcomp.txt'}",
             # job ids (and so the default rendezvous ports, launch/slurm_env.py) differ between clusters running at
             # once on this machine: each would otherwise start at job 1, port 20001
             f"FirstJobId={random.randrange(1000, 19000)}",
@@ -182,19 +186,18 @@ class SlurmCluster:
         raise TimeoutError(f"Slurm job {job_id} still running after {timeout} s")
 
     def report(self, job_id: str | None = None, lines: int = 60) -> str:
-        """What a failing test prints: ``scontrol show job``, ``sinfo``, the job records and the daemons' logs
-        (their last ``lines`` lines, and every line naming the job)."""
+        """What a failing test prints: ``scontrol show job`` (or ``squeue``), ``sinfo``, the job records and the
+        daemons' logs (every line naming the job, then the last ``lines`` lines of each)."""
         parts = []
         for command in ((["scontrol", "show", "job", job_id] if job_id else ["squeue"]), ["sinfo", "-N", "-l"]):
             got = subprocess.run(command, env=self.env(), capture_output=True, text=True, timeout=30)
             parts.append(f"--- {' '.join(command)}\n{got.stdout}{got.stderr}")
-        for path in sorted([self.folder / "jobcomp.txt", *self.folder.glob("*.log")]):
-            if not path.exists():
-                continue
-            text = path.read_text(errors="replace").splitlines()
-            named = [line for line in text[:-lines] if job_id and job_id in line]
-            parts.append(f"--- {path.name} (lines naming job {job_id}, then the last {lines})\n"
-                         + "\n".join([*named[-lines:], "...", *text[-lines:]]))
+        naming = re.compile(rf"\b{job_id}\b" if job_id else r"(?!)")
+        for path in [self.folder / "jobcomp.txt", *sorted(self.folder.glob("*.log"))]:
+            if path.exists():
+                text = path.read_text(errors="replace").splitlines()
+                named = [line for line in text[:-lines] if naming.search(line)]
+                parts.append("\n".join([f"--- {path.name}", *named[-lines:], "...", *text[-lines:]]))
         return "\n".join(parts)
 
     def stop(self) -> None:
