@@ -3,8 +3,10 @@ submitted with ``launch.slurm.requeue=true``; SIGUSR1 to the batch script (what 
 before the time limit) as soon as every rank handles it -> every node's launcher saves at the next step boundary
 (after step 1, or a later one if the signal is slow: 3 steps to spare) and exits 3 -> the batch script requeues the
 job -> Slurm holds it 6 s (the test cluster's ``cred_expire``) -> it resumes from that checkpoint and finishes; its
-per-step metrics equal those of the same run launched by hand as two local nodes without a stop. COST s
-(a submitted run stopped and resumed, and the reference run: three start-ups of ~15-50 s, 4 steps each)."""
+per-step metrics equal those of the same run launched by hand as two local nodes without a stop. 127-302 s with the
+machine's load average at 12-20 (three start-ups of 20-60 s each: the submitted run, its resumption and the
+reference run; 4 steps in all for each run, ~1-2 s a step); it passed 6 runs in a row on 2026-11-28, two of them
+beside other tests (after failing 3 of 6 before: docs/CLUSTER.md)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS = 4
 
 
-@pytest.mark.xfail(strict=False, reason="flaky on the one-machine test cluster (3 of 6 runs on 2026-11-28): the requeued "
-                   "job sometimes ends FAILED before its batch script prints a line, and on a quiet machine the USR1 can "
-                   "arrive after the last step (the job completes unrequeued); the stop, save and exit 3 pass every time "
-                   "(tests/job/test_preemption.py); issue 49 stays open on it")
 def test_usr1_saves_requeues_and_resumes_bitwise(cluster: SlurmCluster, tmp_path: Path) -> None:
     overrides = [*DEMO, f"demo.num_steps={STEPS}"]
     out = tmp_path / "preempted"
