@@ -140,8 +140,10 @@ class SlurmCluster:
             # cred_expire: Slurm holds a requeued job for cred_expire + 1 s (BeginTime) so that its new launch
             # credential is newer than the revocation of the old one, which slurmd records with the second of the
             # requeue: a relaunch within that second is refused ("Job <id> already killed, do not launch batch job")
-            # and the job ends FAILED. The default hold is 121 s; 5 (Slurm's minimum) keeps it to 6 s in the tests.
+            # and the job ends FAILED. The default hold is 121 s; 5 (Slurm's minimum) keeps it to 6 s in the tests,
+            # and a scheduling pass each second (default: 60 s) starts the job when the hold ends
             "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=5",
+            "SchedulerParameters=sched_interval=1",
             f"StateSaveLocation={f / 'state'}",
             f"SlurmdSpoolDir={f / 'spool-%n'}", f"SlurmctldPidFile={f / 'slurmctld.pid'}",
             f"SlurmdPidFile={f / 'slurmd-%n.pid'}", f"SlurmctldLogFile={f / 'slurmctld.log'}",
