@@ -192,8 +192,11 @@ class SlurmCluster:
         daemons' logs (every line naming the job, then the last ``lines`` lines of each)."""
         parts = []
         for command in ((["scontrol", "show", "job", job_id] if job_id else ["squeue"]), ["sinfo", "-N", "-l"]):
-            got = subprocess.run(command, env=self.env(), capture_output=True, text=True, timeout=30)
-            parts.append(f"--- {' '.join(command)}\n{got.stdout}{got.stderr}")
+            try:
+                got = subprocess.run(command, env=self.env(), capture_output=True, text=True, timeout=30)
+                parts.append(f"--- {' '.join(command)}\n{got.stdout}{got.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as err:  # slurmctld gone: the logs below still tell
+                parts.append(f"--- {' '.join(command)}: {err}")
         naming = re.compile(rf"\b{job_id}\b" if job_id else r"(?!)")
         for path in [self.folder / "jobcomp.txt", *sorted(self.folder.glob("*.log"))]:
             if path.exists():
