@@ -3,10 +3,11 @@ submitted with ``launch.slurm.requeue=true``; SIGUSR1 to the batch script (what 
 before the time limit) as soon as every rank handles it -> every node's launcher saves at the next step boundary
 (after step 1, or a later one if the signal is slow: 3 steps to spare) and exits 3 -> the batch script requeues the
 job -> Slurm holds it 6 s (the test cluster's ``cred_expire``) -> it resumes from that checkpoint and finishes; its
-per-step metrics equal those of the same run launched by hand as two local nodes without a stop. 127-302 s with the
-machine's load average at 12-20 (three start-ups of 20-60 s each: the submitted run, its resumption and the
-reference run; 4 steps in all for each run, ~1-2 s a step); it passed 6 runs in a row on 2026-11-28, two of them
-beside other tests (after failing 3 of 6 before: docs/CLUSTER.md)."""
+per-step metrics equal those of the same run launched by hand as two local nodes without a stop. 78-185 s with the
+machine's load average at 5-20 (78 s at 5, 185 s at 20 beside test_slurm_launch.py): three start-ups of 12-60 s
+(the submitted run, its resumption, the reference run), 4 steps of under a second to ~2 s each, and the 6 s hold.
+It passed 16 runs in a row on 2026-11-28 (the last 7 with the test cluster's final settings; four beside other
+tests), after failing 3 of 6 before (docs/CLUSTER.md says why)."""
 
 from __future__ import annotations
 
