@@ -9,6 +9,9 @@
                 with its own port, spool folder and log
 
 and ``stop()`` cancels the jobs still there and ends exactly those processes (the Popen handles it holds).
+The daemons log at level ``debug`` and a finished job's record goes to ``jobcomp.txt`` (``jobcomp/filetxt``; there
+is no accounting database, so no ``sacct``): ``report(job_id)`` gathers them, with ``scontrol show job`` and
+``sinfo``, for a failing test's message. ``MEGATRON_RL_KEEP_SLURM=1`` keeps the folder after ``stop()``.
 Clients reach the cluster through ``env()`` (``SLURM_CONF``). ``scripts/setup_slurm.sh`` installs the packages;
 ``require_slurm()`` fails (CI, ``MEGATRON_RL_REQUIRE_SLURM=1``) or skips when they are missing.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -133,12 +137,23 @@ class SlurmCluster:
         f = self.folder
         lines = [
             "ClusterName=megatronrltest", f"SlurmctldHost={host}(127.0.0.1)", "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket}", f"StateSaveLocation={f / 'state'}",
+            # cred_expire: Slurm holds a requeued job for cred_expire + 1 s (BeginTime) so that its new launch
+            # credential is newer than the revocation of the old one, which slurmd records with the second of the
+            # requeue: a relaunch within that second is refused ("Job <id> already killed, do not launch batch job")
+            # and the job ends FAILED. The default hold is 121 s; 5 (Slurm's minimum) keeps it to 6 s in the tests,
+            # and a scheduling pass each second (default: 60 s) starts the job when the hold ends
+            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=5",
+            "SchedulerParameters=sched_interval=1",
+            f"StateSaveLocation={f / 'state'}",
             f"SlurmdSpoolDir={f / 'spool-%n'}", f"SlurmctldPidFile={f / 'slurmctld.pid'}",
             f"SlurmdPidFile={f / 'slurmd-%n.pid'}", f"SlurmctldLogFile={f / 'slurmctld.log'}",
             f"SlurmdLogFile={f / 'slurmd-%n.log'}", f"SlurmctldPort={ctld}", "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none", "MpiDefault=none", "ReturnToService=2",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "KillWait=10", "MinJobAge=600",
+            # for a failing test's message (report): the daemons' debug logs and the job records (no accounting
+            # database, so no sacct)
+            "SlurmctldDebug=debug", "SlurmdDebug=debug", "JobCompType=jobcomp/filetxt",
+            f"JobCompLoc={f / 'jobcomp.txt'}",
             # job ids (and so the default rendezvous ports, launch/slurm_env.py) differ between clusters running at
             # once on this machine: each would otherwise start at job 1, port 20001
             f"FirstJobId={random.randrange(1000, 19000)}",
@@ -172,6 +187,24 @@ class SlurmCluster:
             time.sleep(0.5)
         raise TimeoutError(f"Slurm job {job_id} still running after {timeout} s")
 
+    def report(self, job_id: str | None = None, lines: int = 60) -> str:
+        """What a failing test prints: ``scontrol show job`` (or ``squeue``), ``sinfo``, the job records and the
+        daemons' logs (every line naming the job, then the last ``lines`` lines of each)."""
+        parts = []
+        for command in ((["scontrol", "show", "job", job_id] if job_id else ["squeue"]), ["sinfo", "-N", "-l"]):
+            try:
+                got = subprocess.run(command, env=self.env(), capture_output=True, text=True, timeout=30)
+                parts.append(f"--- {' '.join(command)}\n{got.stdout}{got.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as err:  # slurmctld gone: the logs below still tell
+                parts.append(f"--- {' '.join(command)}: {err}")
+        naming = re.compile(rf"\b{job_id}\b" if job_id else r"(?!)")
+        for path in [self.folder / "jobcomp.txt", *sorted(self.folder.glob("*.log"))]:
+            if path.exists():
+                text = path.read_text(errors="replace").splitlines()
+                named = [line for line in text[:-lines] if naming.search(line)]
+                parts.append("\n".join([f"--- {path.name}", *named[-lines:], "...", *text[-lines:]]))
+        return "\n".join(parts)
+
     def stop(self) -> None:
         """Cancel every job of this cluster, then end the daemons this object started (only those)."""
         if len(self.procs) > 1 and self.procs[1].poll() is None:  # slurmctld
@@ -192,7 +225,8 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
         self.procs = []
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if os.environ.get("MEGATRON_RL_KEEP_SLURM") != "1":
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
