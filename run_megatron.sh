@@ -20,6 +20,11 @@
 # preemption) stopped it after it saved a checkpoint at the end of a step (one line: how far it got and the
 # command that resumes; docs/PREEMPTION_AND_PLACEMENT.md); otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
+# A preemption warning (SIGUSR1) while starting is kept and passed on, not fatal (megatron_rl/early_signals.py):
+# this shell records it, the Python processes below record their own until the launcher's handler takes over.
+early_stop=""
+trap 'early_stop=SIGUSR1' USR1
+export MEGATRON_RL_HOLD_STOP_SIGNALS=1
 if [ -z "${MEGATRON_RL_COMMAND:-}" ]; then  # the command that resumes, quoted in the line of a preemption stop
   MEGATRON_RL_COMMAND=""
   for v in PY CONFIG NPROC NNODES NODE_RANK MASTER_ADDR MASTER_PORT RDZV_ENDPOINT; do
@@ -56,10 +61,11 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 # One node: a free port unless MASTER_PORT is given (then it must be free: one line instead of torchrun's
 # EADDRINUSE traceback). Several nodes share MASTER_PORT (default 29500).
-port_free() { "$PY" -c 'import socket,sys; s=socket.socket(); s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
+bare_py() { (trap '' USR1; exec "$PY" "$@"); }  # a Python without megatron_rl (no handler): SIGUSR1 ignored
+port_free() { bare_py -c 'import socket,sys; s=socket.socket(); s.bind(("", int(sys.argv[1])))' "$1" 2>/dev/null; }
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
   if [ -z "${MASTER_PORT:-}" ]; then
-    MASTER_PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+    MASTER_PORT=$(bare_py -c 'import socket; s=socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
   elif ! port_free "$MASTER_PORT"; then
     echo "run_megatron.sh: MASTER_PORT=$MASTER_PORT is in use by another process; unset MASTER_PORT (a single-node" \
       "run picks a free port) or choose another" >&2
@@ -83,5 +89,6 @@ world=(); [[ "$NPROC$NNODES" =~ ^[0-9]+$ ]] && world=(--world-size "$((NPROC * N
 # The pre-flight (megatron_rl.job.preflight: exit 2 and one line when the run cannot start), then torchrun through
 # megatron_rl.distributed.launch (an error the ranks report, a config or checkpoint mistake, is one line and its
 # exit code instead of torchrun's failure report), in one process (megatron_rl/job/start.py: one torch import).
+[ -z "$early_stop" ] || export MEGATRON_RL_EARLY_STOP=$early_stop
 exec "$PY" -m megatron_rl.job.start "${config_args[@]}" "${world[@]}" "$@" --then-torchrun \
   --nproc-per-node "$NPROC" "${launch[@]}" -m megatron_rl.job.main "${config_args[@]}" "$@"

@@ -7,6 +7,10 @@ places touching megatron-core or torch.distributed), ``trainer`` (the order of s
 
 __version__ = "0.1.0"
 
+from megatron_rl import early_signals as _early_signals
+
+_early_signals.install()  # under run_megatron.sh: a preemption warning while starting is kept, not fatal
+
 from megatron_rl import warnings_filter as _warnings_filter
 
 _warnings_filter.install()  # before megatron-core is imported: its known fallback warnings -> one line

@@ -103,6 +103,10 @@ def watch_launcher(directory: Path) -> None:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
+    from megatron_rl import early_signals
+
+    if early := early_signals.received():  # got while this node was starting (early_signals.py): stop now
+        on_signal(early, None)
 
 
 def torchrun_arguments() -> list[str]:
@@ -125,7 +129,9 @@ def watch_rank() -> None:
     """In every rank, on the main thread at start: SIGUSR1 (never sent by torchrun) is a stop request; SIGTERM
     is one only when the launcher asked for a stop too, else the rank dies of it as before (module docstring)."""
     global _received
-    _received = 0
+    from megatron_rl import early_signals
+
+    _received = early_signals._received  # got while this rank imported (early_signals.py); the launcher's: its file
 
     def on_usr1(signum: int, _frame: object) -> None:
         global _received

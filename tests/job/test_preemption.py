@@ -137,3 +137,54 @@ def test_a_signalled_node_stops_both_with_a_checkpoint_and_the_printed_command_r
     assert straight.returncode == 0, straight.stdout[-4000:]
     assert metric_rows(out) == metric_rows(ref)  # DP2 either way: the same losses, rewards, samples, bit for bit
     assert not _left_over(out)
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every live descendant (what Slurm signals: the step's whole process tree)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) if proc.name.isdigit() else None
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid is not None:
+            children.setdefault(ppid, []).append(int(proc.name))
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["megatron_rl.job.start", "megatron_rl.job.main"])
+def test_a_warning_while_starting_stops_with_exit_3(phase: str, tmp_path: Path) -> None:
+    """SIGUSR1 to every process of the launch (as srun forwards Slurm's warning) while the launcher runs its
+    pre-flight (before its own handler), or while the ranks import (before theirs): the run stops before step 1
+    with exit code 3 instead of dying of the signal (``megatron_rl/early_signals.py``). ~12 s each (a launch of
+    the CPU demo stopped before its first step). Planted: no ``early_signals.install()`` -> killed (-10 / 1)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(["bash", str(ROOT / "run_megatron.sh"), f"logging.output_dir={out}", *FAST], cwd=ROOT,
+                            env={**os.environ, "PY": sys.executable, "NPROC": "2"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not any(phase in _cmdline(pid) for pid in _tree(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+        time.sleep(0.05)
+    time.sleep(0.3)  # past the interpreter's start (~0.05 s): the rest of the phase is seconds of imports
+    for pid in _tree(proc.pid):
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    text = _communicate(proc, preemption.EXIT_CODE)
+    assert "megatron_rl: stopped on SIGUSR1" in text and "Traceback" not in text, text[-4000:]
+    assert not (out / "metrics.jsonl").exists() and not _left_over(out)
