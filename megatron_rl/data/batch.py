@@ -229,8 +229,8 @@ class TrainingBatch:
     ``loss_mask [B,R] float32``, ``rewards [B,R] float32``; optional ``rollout_logprobs``, ``old_logprobs``,
     ``ref_logprobs``, ``advantages``, ``returns``, ``values`` (``[B,R] float32``), ``routed_experts``
     (``[B,S,L,k]`` integer, left-padded like ``sequences``: MoE routing replay, model/router_replay.py),
-    ``teacher_ids`` (``[B]`` int64: the distillation teacher of each row, -1 none; distillation/signal.py). Per-token tensors are
-    right-aligned (docs/DESIGN.md section 2), so widening one means left-padding it.
+    ``teacher_ids`` (``[B]`` int64: the distillation teacher of each row, -1 none; distillation/signal.py).
+    Per-token tensors are right-aligned (docs/DESIGN.md section 2), so widening one means left-padding it.
     """
 
     def __init__(

@@ -261,9 +261,15 @@ def distillation_trend(rows: list[dict[str, float]], *, window: int) -> str | No
     ``distill/<name>/reverse_kl`` metrics of on-policy distillation), None when the run had no teacher."""
     names = sorted({key.split("/")[1] for r in rows for key in r
                     if key.startswith("distill/") and key.endswith("/reverse_kl")})
-    parts = [f"teacher {name!r} {window_mean(rows, f'distill/{name}/reverse_kl', first=True, window=window):.3f} -> "
-             f"{window_mean(rows, f'distill/{name}/reverse_kl', first=False, window=window):.3f}" for name in names]
-    return f"reverse KL to the teacher (first {window} steps -> last {window}): {', '.join(parts)}" if parts else None
+    if not names:
+        return None
+    short = len(rows) < 2 * window  # too few steps for two windows: the first and the last step
+    span = f"step {int(rows[0]['step'])} -> step {int(rows[-1]['step'])}" if short else \
+        f"first {window} steps -> last {window}"
+    size = 1 if short else window
+    parts = [f"teacher {name!r} {window_mean(rows, f'distill/{name}/reverse_kl', first=True, window=size):.3f} -> "
+             f"{window_mean(rows, f'distill/{name}/reverse_kl', first=False, window=size):.3f}" for name in names]
+    return f"reverse KL to the teacher ({span}): {', '.join(parts)}"
 
 
 def is_pure_distillation(rows: list[dict[str, float]]) -> bool:

@@ -67,3 +67,10 @@ def test_the_summary_of_pure_distillation_reports_the_reverse_kl_not_the_reward(
     rows = [{**r, "reward/mean": 0.5, "reward/max": 1.0} for r in rows]  # with a reward: both trends
     text = summary_paragraph(rows, baseline=None, times=WallTimes(startup_s=8.0, loop_s=2.0, total_s=10.0))
     assert "the policy did not clearly learn: mean reward 0.500" in text and "teacher 'big' 5.400 -> 2.400" in text
+
+
+def test_a_short_run_names_its_first_and_last_step():
+    rows = [{"step": s, "reward/mean": 0.0, "distill/a/reverse_kl": 1.0 / s} for s in (1, 2)]
+    text = summary_paragraph(rows, baseline=None, times=WallTimes(startup_s=8.0, loop_s=2.0, total_s=10.0))
+    assert "pure distillation (every reward 0), reverse KL to the teacher (step 1 -> step 2): teacher 'a' 1.000 -> " \
+           "0.500" in text
