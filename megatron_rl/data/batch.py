@@ -228,8 +228,9 @@ class TrainingBatch:
     Standard keys: ``sequences [B,S] int64``, ``attention_mask [B,S] int64``, ``response_mask [B,R] int64``,
     ``loss_mask [B,R] float32``, ``rewards [B,R] float32``; optional ``rollout_logprobs``, ``old_logprobs``,
     ``ref_logprobs``, ``advantages``, ``returns``, ``values`` (``[B,R] float32``), ``routed_experts``
-    (``[B,S,L,k]`` integer, left-padded like ``sequences``: MoE routing replay, model/router_replay.py). Per-token tensors are
-    right-aligned (docs/DESIGN.md section 2), so widening one means left-padding it.
+    (``[B,S,L,k]`` integer, left-padded like ``sequences``: MoE routing replay, model/router_replay.py),
+    ``teacher_ids`` (``[B]`` int64: the distillation teacher of each row, -1 none; distillation/signal.py).
+    Per-token tensors are right-aligned (docs/DESIGN.md section 2), so widening one means left-padding it.
     """
 
     def __init__(
@@ -371,6 +372,8 @@ class TrainingBatch:
             tensors["rollout_logprobs"] = logprobs
         if out.get("routed_experts") is not None:
             tensors["routed_experts"] = routed_experts_block(out["routed_experts"], sequences.shape[1])
+        if out.get("teacher_ids") is not None:
+            tensors["teacher_ids"] = torch.tensor(out["teacher_ids"], dtype=torch.int64)  # [B]
         num_seqs = len(out["uids"])
         if step_wise:
             return TrainingBatch(tensors, out["uids"], out["trajectory_ids"], out["is_last_step"])

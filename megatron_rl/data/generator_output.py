@@ -17,6 +17,9 @@ before anything is converted to tensors, so every later stage can rely on these 
 - values: every reward is finite (wherever it sits, also on a step whose reward is not used), every rollout
   log-prob is finite and ``<= LOGPROB_TOLERANCE`` (a log-probability is <= 0; float rounding aside), uids are
   hashable;
+- ``teacher_ids[i]`` (optional; on-policy distillation, megatron_rl/distillation) is an int, the index of the
+  ``distillation.teachers`` entry that scores the row, or -1 (no teacher); step-wise, every step of a trajectory
+  has the same one (its prompt row's);
 - ``routed_experts[i]`` (optional; MoE routing replay R3, model/router_replay.py) is an integer array
   ``[p_i + r_i, L, k]``: the engine's top-k experts of every MoE layer for each prompt and response token, one
   ``(L, k)`` for all rows, ids in ``[0, num_experts)`` when the caller passes ``routing=(L, k, num_experts)``;
@@ -67,6 +70,10 @@ class GeneratorOutput(TypedDict):
     routed_experts: NotRequired[list[Any] | None]
     """MoE routing replay R3: per sequence an integer array ``[p_i + r_i, L, k]``, the engine's top-k experts of
     each MoE layer for every prompt and response token."""
+    teacher_ids: NotRequired[list[int] | None]
+    """On-policy distillation: per sequence the index of the ``distillation.teachers`` entry that scores it (its
+    prompt row's, by the teachers' ``when``), -1 = no teacher. None = every row teacher 0 (one teacher, no
+    ``when``)."""
 
 
 PER_SEQUENCE_FIELDS = (
@@ -80,11 +87,13 @@ PER_SEQUENCE_FIELDS = (
     "is_last_step",
     "stop_reasons",
     "routed_experts",
+    "teacher_ids",
 )
 """Fields holding one entry per sequence (all must have the same length when present)."""
 
 REQUIRED_FIELDS = ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "uids")
-OPTIONAL_FIELDS = ("rollout_logprobs", "trajectory_ids", "is_last_step", "stop_reasons", "routed_experts")
+OPTIONAL_FIELDS = ("rollout_logprobs", "trajectory_ids", "is_last_step", "stop_reasons", "routed_experts",
+                   "teacher_ids")
 """The only other keys a ``GeneratorOutput`` may hold (``None`` = absent). Anything else is rejected."""
 STEP_WISE_FIELDS = ("trajectory_ids", "is_last_step")
 TOKEN_FIELDS = ("prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs")
@@ -119,10 +128,25 @@ def validate_generator_output(out: GeneratorOutput, step_wise: bool, *,
     _check_values(out)
     if out.get("routed_experts") is not None:
         out = {**out, "routed_experts": _check_routed_experts(out, routing)}  # a copy: ``out`` is not modified
+    if out.get("teacher_ids") is not None:
+        _check_teacher_ids(out["teacher_ids"], out["trajectory_ids"] if step_wise else None)
     if step_wise:
         _check_step_wise(out["trajectory_ids"], out["is_last_step"], out["uids"])
         _check_rewards_on_last_steps(out["rewards"], out["is_last_step"])
     return out
+
+
+def _check_teacher_ids(teacher_ids: list, trajectory_ids: list | None) -> None:
+    """Each an int >= -1; step-wise, one per trajectory (every step has its prompt row's teacher)."""
+    for i, tid in enumerate(teacher_ids):
+        if isinstance(tid, bool) or not isinstance(tid, numbers.Integral) or tid < -1:
+            raise ValueError(f"GeneratorOutput['teacher_ids'][{i}] = {tid!r}: give the index of the "
+                             "distillation.teachers entry that scores the row, or -1 for none")
+        if trajectory_ids is not None and i > 0 and trajectory_ids[i] == trajectory_ids[i - 1] \
+                and tid != teacher_ids[i - 1]:
+            raise ValueError(f"GeneratorOutput['teacher_ids'][{i}] = {tid!r} differs from teacher_ids[{i - 1}] = "
+                             f"{teacher_ids[i - 1]!r} within trajectory {trajectory_ids[i]!r}: every step of a "
+                             "trajectory is scored by its prompt row's teacher")
 
 
 def _check_known_keys(out: Mapping) -> None:

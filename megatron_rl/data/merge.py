@@ -17,8 +17,9 @@ Scalar rewards: a merged group takes its last step's reward (the trajectory rewa
 Per-token rewards are concatenated like loss masks. Mixing both kinds inside one group is a ``ValueError``.
 Routed experts (R3): a merged group's tokens are exactly its last step's prompt + response, so it takes that
 step's ``routed_experts`` row.
-Output keys: the standard per-sequence fields (``rollout_logprobs`` / ``stop_reasons`` / ``routed_experts``
-only when given);
+Teacher ids (distillation): one per trajectory, so a merged group keeps it.
+Output keys: the standard per-sequence fields (``rollout_logprobs`` / ``stop_reasons`` / ``routed_experts`` /
+``teacher_ids`` only when given);
 other keys are dropped. Cost: O(tokens of the input) per trajectory (list slice comparisons, amortized appends).
 """
 
@@ -44,6 +45,7 @@ class _Group:
     trajectory_id: Hashable
     stop_reason: Any
     routed_experts: Any = None
+    teacher_id: Any = None
 
 
 def merge_stepwise_output(
@@ -94,6 +96,7 @@ def _new_group(out: GeneratorOutput, i: int) -> _Group:
         trajectory_id=out["trajectory_ids"][i],
         stop_reason=stop_reasons[i] if stop_reasons is not None else None,
         routed_experts=_row(out, "routed_experts", i),
+        teacher_id=_row(out, "teacher_ids", i),  # one per trajectory (validated): the group's
     )
 
 
@@ -151,4 +154,6 @@ def _to_generator_output(groups: list[_Group], original: GeneratorOutput) -> Gen
         merged["stop_reasons"] = [g.stop_reason for g in groups]
     if original.get("routed_experts") is not None:
         merged["routed_experts"] = [g.routed_experts for g in groups]
+    if original.get("teacher_ids") is not None:
+        merged["teacher_ids"] = [g.teacher_id for g in groups]
     return merged

@@ -44,9 +44,11 @@ class TeacherConfig:
     """Multiplies this teacher's term: a row scored by it gets ``-distillation.coef * weight * (logp_student -
     logp_teacher)`` per sampled token."""
     when: dict[str, Any] | None = None
-    """Rows this teacher scores, ``{column: value}`` over the rows' data columns; None = every row. Several
-    teachers (one per domain) need rows that carry data columns, which the trainer does not receive yet: only
-    one teacher without ``when`` is accepted for now."""
+    """Rows this teacher scores, ``{column: value}`` over the prompt row's data columns (every pair must equal
+    the row's value); None = every row. Needs rows with data columns (``job.environment: single_turn``: the
+    prompt files' columns; other environments have none: a ``when`` there is a ConfigError). With several
+    teachers each needs a ``when``, and no training row may match two (checked at start-up); rows matched by
+    none get no distillation term (``distill/unscored_rows``)."""
 
 
 _TEACHER_FIELDS = tuple(f.name for f in dataclasses.fields(TeacherConfig))
@@ -74,6 +76,10 @@ def _teacher(entry: Any, index: int) -> TeacherConfig:
     when = entry.get("when")
     if when is not None and not (isinstance(when, dict) and when):
         raise ConfigError(f"{key}.when={when!r} must be a non-empty mapping {{column: value}} or unset (every row)")
+    for column, value in (when or {}).items():
+        if not isinstance(column, str) or not (value is None or isinstance(value, (str, int, float, bool))):
+            raise ConfigError(f"{key}.when={when!r}: each entry must be column: value with a string column and a "
+                              f"scalar value (string, number, bool or null), got {column!r}: {value!r}")
     teacher = TeacherConfig(name=entry["name"], hf_path=entry["hf_path"], weight=float(weight), when=when)
     check_fields(teacher, f"{key}.")
     return teacher
@@ -88,11 +94,13 @@ class DistillationConfig(ConfigSection):
 
     teachers: list[TeacherConfig] = field(default_factory=list)
     """The teachers, each ``{name, hf_path, weight, when}`` (``TeacherConfig``); [] = no distillation. A
-    one-liner: ``distillation.teachers=[{name: big, hf_path: /ckpt/teacher}]``."""
+    one-liner: ``distillation.teachers=[{name: big, hf_path: /ckpt/teacher}]``; several, one per domain:
+    ``[{name: m, hf_path: /ckpt/math, when: {domain: math}}, {name: c, hf_path: /ckpt/code, when: {domain: code}}]``."""
     coef: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Weight of the distillation term beside the task advantage: each sampled token's advantage gets
     ``-coef * weight * (logp_student - logp_teacher)``. Pure distillation: rewards that are all 0 (GRPO/RLOO
-    then give a zero task advantage), so the term is the whole advantage."""
+    then give a zero task advantage), so the term is the whole advantage; in the ``single_turn`` environment
+    ``reward.function`` may then be left unset (every reward 0) when ``coef > 0``."""
     kind: Literal["reverse_kl", "full_kl"] = "reverse_kl"
     """'reverse_kl': the per-token reverse KL on the sampled tokens (their log-probs only); 'full_kl' (the
     full-vocabulary KL) is declared but not yet implemented (a ConfigError says so)."""
@@ -117,9 +125,15 @@ class DistillationConfig(ConfigSection):
             if name in names[:i]:
                 raise ConfigError(f"distillation.teachers[{i}].name={name!r} is used twice; give each teacher its "
                                   "own name")
-        if len(self.teachers) > 1 or any(t.when is not None for t in self.teachers):
-            raise ConfigError(
-                f"distillation.teachers: {len(self.teachers)} teacher(s), "
-                f"{sum(t.when is not None for t in self.teachers)} with 'when': routing rows to teachers by a "
-                "data column is not yet implemented (the trainer receives no data columns); use one teacher "
-                "without 'when' (it scores every row)")
+        if len(self.teachers) > 1:
+            for i, teacher in enumerate(self.teachers):
+                if teacher.when is None:
+                    raise ConfigError(
+                        f"distillation.teachers[{i}].when is unset but there are {len(self.teachers)} teachers: a "
+                        "teacher without 'when' scores every row, so every row would have two teachers; give each "
+                        "teacher its rows, e.g. when: {domain: math}")
+
+    @property
+    def routed(self) -> bool:
+        """Whether rows are routed to teachers by a data column (some teacher has ``when``)."""
+        return any(t.when is not None for t in self.teachers)

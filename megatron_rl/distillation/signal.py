@@ -2,8 +2,9 @@
 
 Place in the data flow (megatron_rl/trainer.py): after the old and reference log-probs, before the advantages::
 
-    TrainingBatch [B, S] / [B, R]
-      -> Distillation.score: each teacher's forward (frozen, the reference model's path)  teacher_logprobs [B, R]
+    TrainingBatch [B, S] / [B, R], teacher_ids [B] (each row's teacher, distillation/routing.py)
+      -> Distillation.score: each teacher's forward on its rows (frozen, the reference model's path)
+                                                                                       teacher_logprobs [B, R]
       -> (the task's token rewards -> advantages -> whitening, unchanged)
       -> Distillation.advantage_term: -coef * weight * (logp_student - logp_teacher)      [B, R], added
       -> per mini-batch normalization (loss_reduction), summed loss: unchanged
@@ -39,7 +40,13 @@ from megatron_rl.metrics import Metric, mean_metric
 Metrics = dict[str, Metric]
 
 TEACHER_LOGPROBS = "teacher_logprobs/{name}"
-"""Batch key of a teacher's per-token log-probs ``[B, R]`` (host, fp32)."""
+"""Batch key of a teacher's per-token log-probs ``[B, R]`` (host, fp32; 0 on rows it does not score)."""
+TEACHER_IDS = "teacher_ids"
+"""Batch key of each row's teacher ``[B]`` int64 (``GeneratorOutput['teacher_ids']``; -1 = none)."""
+UNSCORED_ROWS = "distill/unscored_rows"
+"""Metric: rows of the step that no teacher scores (their ``when`` matched none)."""
+FORWARD_KEYS = ("sequences", "attention_mask", "response_mask")
+"""What a teacher's forward reads of the batch."""
 
 
 def student_logprobs(batch: TrainingBatch) -> torch.Tensor:
@@ -76,28 +83,61 @@ class Distillation:
         """Whether the student's log-probs need the old-log-prob forward (the rollouts carry none)."""
         return "rollout_logprobs" not in batch
 
+    def teacher_ids(self, batch: TrainingBatch) -> torch.Tensor:
+        """Each row's teacher ``[B]`` (-1 = none): ``batch['teacher_ids']``, else 0 for every row when one
+        teacher without ``when`` scores everything; ValueError when routed teachers get rows without ids."""
+        if TEACHER_IDS in batch:
+            ids = batch[TEACHER_IDS]
+            if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= len(self.teachers)):
+                raise ValueError(f"GeneratorOutput['teacher_ids'] holds {int(ids.min())}..{int(ids.max())}: give each "
+                                 f"row the index of its distillation.teachers entry (0..{len(self.teachers) - 1}) "
+                                 "or -1 (none)")
+            return ids
+        if self.config.routed:
+            raise ValueError("distillation.teachers route rows by 'when', but the rollouts carry no "
+                             "GeneratorOutput['teacher_ids'] (the single_turn environment fills them from the prompt "
+                             "rows' columns); fill one teacher index per sequence, or use one teacher without 'when'")
+        return torch.zeros(len(batch), dtype=torch.int64)
+
     @torch.no_grad()
     def score(self, batch: TrainingBatch) -> Metrics:
-        """Each teacher's log-probs of the batch's tokens -> ``batch[TEACHER_LOGPROBS.format(name=...)]``;
-        ``distill/<name>/time_s`` per teacher. Every teacher scores every row (one teacher, no ``when``)."""
-        metrics: Metrics = {}
-        for teacher_cfg, teacher in zip(self.config.teachers, self.teachers):
+        """Each teacher's log-probs of its rows' tokens -> ``batch[TEACHER_LOGPROBS.format(name=...)]`` ``[B, R]``
+        (0 on other rows): its forward runs on its rows only (the same rows on every rank; none: no forward).
+        ``distill/<name>/time_s`` per teacher and ``distill/unscored_rows``."""
+        ids = self.teacher_ids(batch)
+        width = batch["response_mask"].shape[1]
+        metrics: Metrics = {UNSCORED_ROWS: Metric(float((ids < 0).sum()), 1.0, "sum")}
+        for index, (teacher_cfg, teacher) in enumerate(zip(self.config.teachers, self.teachers)):
             start = time.perf_counter()
-            logprobs = teacher.forward(batch)["logprobs"].to("cpu", torch.float32)
+            rows = torch.nonzero(ids == index).flatten()
+            logprobs = torch.zeros((len(batch), width), dtype=torch.float32)
+            if len(rows):
+                logprobs[rows] = teacher.forward(_rows_of(batch, rows))["logprobs"].to("cpu", torch.float32)
             batch[TEACHER_LOGPROBS.format(name=teacher_cfg.name)] = logprobs
             metrics[f"distill/{teacher_cfg.name}/time_s"] = Metric(time.perf_counter() - start, 1.0, "sum")
         return metrics
 
     def advantage_term(self, batch: TrainingBatch) -> tuple[torch.Tensor, Metrics]:
         """The sum over teachers of ``-coef * weight * (logp_student - logp_teacher)`` on their rows' loss tokens
-        ``[B, R]``, and ``distill/<name>/reverse_kl`` (token mean) and ``distill/<name>/tokens``. Takes the teachers'
-        log-probs out of ``batch`` (the update does not read them; each micro-batch would copy them to the device)."""
-        student, mask = student_logprobs(batch), batch["loss_mask"]
-        total, metrics = torch.zeros(mask.shape, dtype=torch.float32), {}
-        for teacher_cfg in self.config.teachers:
+        ``[B, R]``, and ``distill/<name>/reverse_kl`` (token mean over its rows) and ``distill/<name>/tokens``. Takes
+        the teachers' log-probs and ``teacher_ids`` out of ``batch`` (the update does not read them; each
+        micro-batch would copy them to the device)."""
+        student, loss_mask = student_logprobs(batch), batch["loss_mask"]
+        ids = self.teacher_ids(batch)
+        batch.tensors.pop(TEACHER_IDS, None)
+        total, metrics = torch.zeros(loss_mask.shape, dtype=torch.float32), {}
+        for index, teacher_cfg in enumerate(self.config.teachers):
             teacher = batch.tensors.pop(TEACHER_LOGPROBS.format(name=teacher_cfg.name))
+            mask = loss_mask * (ids == index).to(loss_mask.dtype)[:, None]  # its rows' loss tokens
             term, kl = reverse_kl_term(student, teacher, mask, self.config.coef * teacher_cfg.weight)
             total = total + term
             metrics[f"distill/{teacher_cfg.name}/reverse_kl"] = mean_metric(kl, mask)
             metrics[f"distill/{teacher_cfg.name}/tokens"] = Metric(float(mask.sum()), 1.0, "sum")
         return total, metrics
+
+
+def _rows_of(batch: TrainingBatch, rows: torch.Tensor) -> TrainingBatch:
+    """Rows ``rows`` of ``batch``, only the tensors a teacher's forward reads (widths unchanged)."""
+    index = rows.tolist()
+    return TrainingBatch({k: batch[k][rows] for k in FORWARD_KEYS}, [batch.uids[i] for i in index],
+                         [batch.trajectory_ids[i] for i in index], [batch.is_last_step[i] for i in index])

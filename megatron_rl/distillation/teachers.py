@@ -84,7 +84,8 @@ def build_teachers(config: MegatronRLConfig, groups: Any, pad_token_id: int) -> 
     base, teachers = teacher_config(config), []
     for teacher in config.distillation.teachers:
         if groups.rank == 0:
-            print(f"distillation: teacher {teacher.name!r} from {teacher.hf_path} scores every row (coef "
+            rows = "every row" if teacher.when is None else f"the rows where {teacher.when}"
+            print(f"distillation: teacher {teacher.name!r} from {teacher.hf_path} scores {rows} (coef "
                   f"{config.distillation.coef} x weight {teacher.weight}, {config.distillation.kind})", flush=True)
         teachers.append(policy_from_hf(base, groups, role="reference", hf_dir=teacher.hf_path,
                                        pad_token_id=pad_token_id))

@@ -92,11 +92,17 @@ def prompt_limit(config: Any, context: int) -> int:
 
 
 def _single_turn(config: Any, *, max_rows: int | None = None) -> Environment:
+    from megatron_rl.distillation.routing import check_routing, router
     from megatron_rl.environments.single_turn.environment import SingleTurnEnvironment
 
     tokenizer, context = _tokenizer_and_context(config)
-    return SingleTurnEnvironment(config.data, config.reward, tokenizer, seed=config.rl.seed,
-                                 max_prompt_tokens=prompt_limit(config, context), context=context, max_rows=max_rows)
+    distillation = config.rl.distillation
+    environment = SingleTurnEnvironment(config.data, config.reward, tokenizer, seed=config.rl.seed,
+                                        max_prompt_tokens=prompt_limit(config, context), context=context,
+                                        max_rows=max_rows, teacher_of=router(distillation))
+    if distillation.routed:  # every training row once: a 'when' column no row has, a row two teachers match
+        check_routing(distillation, [p.extra for p in environment.train.kept], "data.train_files")
+    return environment
 
 
 def turn_prompt_limit(config: Any, context: int) -> int:

@@ -60,10 +60,11 @@ class JobSection(ConfigSection):
     """RL train steps (one batch of fresh rollouts each; ``batch.train_batch_size`` prompts per step)."""
     environment: str = "auto"
     """The task (``megatron_rl/environments/registry.py``): 'next_digit' (the toy multi-turn game),
-    'single_turn' (``data.train_files`` + ``reward.function``; needs ``model.hf_path``), 'auto': single_turn
-    when ``data.train_files`` is set, else next_digit; or a step-API class, ``path/to/file.py:Class`` or
-    ``package.module:Class`` (``Class(**row)`` per episode, ``reset()``, ``step(response)``: docs/JOB.md; needs
-    ``model.hf_path`` and ``data.train_files``; implies step-wise training with merging, ``job/implied.py``)."""
+    'single_turn' (``data.train_files`` + ``reward.function``, which pure distillation may leave unset; needs
+    ``model.hf_path``), 'auto': single_turn when ``data.train_files`` is set, else next_digit; or a step-API
+    class, ``path/to/file.py:Class`` or ``package.module:Class`` (``Class(**row)`` per episode, ``reset()``,
+    ``step(response)``: docs/JOB.md; needs ``model.hf_path`` and ``data.train_files``; implies step-wise training
+    with merging, ``job/implied.py``)."""
     agent: str | None = None
     """A user's OpenAI-client agent, ``path/to/file.py:function`` or ``package.module:function``: called once per
     episode as ``function(base_url=<an OpenAI-compatible /v1 URL the job serves for that episode>, **row)`` and
@@ -221,16 +222,31 @@ def check_job_config(config: JobConfig) -> None:
         check_demo_config(config.rl, DigitTokenizer())
         check_rollout_shapes(config)
     elif env == "single_turn":
+        distilling = config.rl.distillation.enabled and config.rl.distillation.coef > 0  # pure distillation: no reward
         for key, value in (("model.hf_path", config.rl.model.hf_path), ("data.train_files", config.data.train_files),
-                           ("reward.function", config.reward.function)):
+                           ("reward.function", config.reward.function or distilling)):
             if not value:
+                alone = (" or distil from a teacher without one (docs/DISTILLATION.md)" if key == "reward.function"
+                         else "")
                 raise ConfigError(f"job.environment=single_turn needs {key}; set it (README: 'Your model, your "
-                                  "prompts, your reward')")
+                                  f"prompts, your reward'){alone}")
+    if env != "single_turn":
+        check_no_routing(config)
     check_warmup(config)
     reads_rows = env in ("single_turn", "agent") or is_class_spec(env)
     if config.eval.interval > 0 and reads_rows and not config.data.val_files:
         raise ConfigError(f"eval.interval={config.eval.interval} but data.val_files is not set; set it to a "
                           "held-out prompt file, or eval.interval=0")
+
+
+def check_no_routing(config: JobConfig) -> None:
+    """Teachers routed by a data column (``distillation.teachers[i].when``) need rows with data columns: only the
+    ``single_turn`` environment's prompt rows have them."""
+    for i, teacher in enumerate(config.rl.distillation.teachers):
+        if teacher.when is not None:
+            raise ConfigError(f"distillation.teachers[{i}].when={teacher.when!r}: job.environment="
+                              f"{config.environment!r} gives its rows no data columns to route by (only "
+                              "single_turn's prompt files have them); remove 'when' (one teacher scores every row)")
 
 
 def check_warmup(config: JobConfig) -> None:

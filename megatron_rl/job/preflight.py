@@ -6,7 +6,8 @@ torchrun starts any rank; exit code 2 and one line on stderr when the run cannot
 The environment is built once here on the first ``PREFLIGHT_ROWS`` rows of each data file: the files are read,
 the prompt column and the chat template resolved, the reward function imported and called on the first row, so
 these mistakes come in the pre-flight (seconds, mostly imports), before any rank starts (every rank builds it
-again on all the rows).
+again on all the rows). The distillation teachers' checkpoints are checked here too (``check_teachers``: readable,
+vocabulary and tokenizer the student's; files only).
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ def load_job_rl_config(path: str | list[str], overrides: Sequence[str], *,
     ``model.hf_path``, its model section is the checkpoint's (``config.json``, resolved once by
     ``load_job_config``), so the parallel-size and free-space checks see the real shapes (a folder that is not a
     supported checkpoint: ConfigError naming ``model.hf_path``, exit 2)."""
+    from megatron_rl.distillation.teachers import check_teachers
     from megatron_rl.environments.registry import make_environment
 
     config = load_job_config(path, overrides)
     make_environment(config, max_rows=PREFLIGHT_ROWS)
+    check_teachers(config.rl)  # files only: a teacher of another vocabulary stops the run here, not in the ranks
     if keep is not None:  # the launcher's copy of the whole job config (job/start.py)
         keep.append(config)
     return config.rl

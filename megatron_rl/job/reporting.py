@@ -256,15 +256,41 @@ def reward_trend(rows: list[dict[str, float]], *, baseline: float | None, window
             f"last {window} steps")
 
 
+def distillation_trend(rows: list[dict[str, float]], *, window: int) -> str | None:
+    """"reverse KL to teacher <name> a over the first N steps -> b over the last N" per teacher (the
+    ``distill/<name>/reverse_kl`` metrics of on-policy distillation), None when the run had no teacher."""
+    names = sorted({key.split("/")[1] for r in rows for key in r
+                    if key.startswith("distill/") and key.endswith("/reverse_kl")})
+    if not names:
+        return None
+    short = len(rows) < 2 * window  # too few steps for two windows: the first and the last step
+    span = f"step {int(rows[0]['step'])} -> step {int(rows[-1]['step'])}" if short else \
+        f"first {window} steps -> last {window}"
+    size = 1 if short else window
+    parts = [f"teacher {name!r} {window_mean(rows, f'distill/{name}/reverse_kl', first=True, window=size):.3f} -> "
+             f"{window_mean(rows, f'distill/{name}/reverse_kl', first=False, window=size):.3f}" for name in names]
+    return f"reverse KL to the teacher ({span}): {', '.join(parts)}"
+
+
+def is_pure_distillation(rows: list[dict[str, float]]) -> bool:
+    """A run with a teacher whose rewards were 0 at every step (no reward function): nothing was learned from
+    the reward, the reverse KL is the whole signal."""
+    return (distillation_trend(rows, window=1) is not None
+            and all(r.get(REWARD_KEY, 0.0) == 0.0 and r.get("reward/max", 0.0) == 0.0 for r in rows))
+
+
 def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, times: WallTimes,
                       window: int = 5) -> str:
     """One paragraph: the run's wall time (start-up, loop, total), the reward at the start and end of training
     (means over ``window`` steps; too short a run says so), the random baseline (when the environment has one),
-    the first and last evaluation (when the run evaluated), failed samples, and a missing learning signal."""
+    the first and last evaluation (when the run evaluated), failed samples, and a missing learning signal. With
+    distillation teachers, the reverse KL's trend; pure distillation (every reward 0) claims nothing of the reward."""
     steps = int(rows[-1]["step"]) if rows else 0
-    trend = reward_trend(rows, baseline=baseline, window=window)
+    pure, distill = is_pure_distillation(rows), distillation_trend(rows, window=window)
+    trend = "pure distillation (every reward 0), " + distill if pure else \
+        reward_trend(rows, baseline=baseline, window=window) + (f"; {distill}" if distill else "")
     text = f"After {steps} train steps ({times.phrase()} in this run), {trend}"
-    if baseline is not None:
+    if baseline is not None and not pure:
         text += f", against {baseline:.3f} for a uniformly random policy (rewards are in [0, 1])"
     evals = [r for r in rows if EVAL_KEYS[0] in r]
     if evals:
@@ -275,7 +301,7 @@ def summary_paragraph(rows: list[dict[str, float]], *, baseline: float | None, t
     failed = sum(r.get(FAILED_KEY, 0.0) for r in rows)
     if failed:
         text += f"; {failed:.0f} samples failed (left out of training: {FAILED_KEY})"
-    no_signal = no_signal_sentence(rows)
+    no_signal = None if pure else no_signal_sentence(rows)  # pure distillation: the task advantage is 0 by design
     return text + "." + (f" {no_signal[0].upper()}{no_signal[1:]}." if no_signal else "")
 
 

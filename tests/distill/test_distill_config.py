@@ -37,8 +37,8 @@ def test_the_one_liner_loads_and_round_trips():
     ("distillation.teachers=[{name: a b, hf_path: /x}]", r"distillation\.teachers\[0\]\.name='a b': use letters"),
     ("distillation.teachers=[{name: a, hf_path: /x}, {name: a, hf_path: /y}]", r"teachers\[1\]\.name='a' is used "
                                                                                 "twice"),
-    ("distillation.teachers=[{name: a, hf_path: /x}, {name: b, hf_path: /y}]", "not yet implemented"),
-    ("distillation.teachers=[{name: a, hf_path: /x, when: {domain: math}}]", "not yet implemented"),
+    ("distillation.teachers=[{name: a, hf_path: /x}, {name: b, hf_path: /y}]", r"teachers\[0\]\.when is unset but "
+                                                                                "there are 2 teachers"),
     ("distillation.teachers=[big]", r"distillation\.teachers\[0\]='big' must be a mapping"),
     ("distillation.kind=full_kl", r"distillation\.kind='full_kl': .*not yet implemented; use "
                                   "distillation.kind=reverse_kl"),

@@ -10,8 +10,11 @@ it. Each run scores a left-padded batch of rollouts (rows of different lengths, 
 - the wiring: ``distill/t/reverse_kl`` is the mean of (the student's log-probs - transformers' teacher's) over
   the sampled tokens; the old log-probs are the update's, so the ratio is 1 and the token-mean loss is exactly
   ``coef * distill/t/reverse_kl``;
-- an off-by-one between the teacher's tokens and the student's (a shifted column) is far outside the tolerance.
-Cost: ~40-60 s on 2 cores (four spawns: one rank, then three layouts of two).
+- an off-by-one between the teacher's tokens and the student's (a shifted column) is far outside the tolerance;
+- two teachers routed by ``when`` (``teacher_ids`` per row, as the single_turn environment writes them): each scores
+  only its rows (2 and 3 of 6: odd under DP2), and each row's log-probs are its own teacher's per transformers,
+  every layout; the row of no teacher stays 0 (a row scored by the other teacher fails it).
+Cost: ~40-70 s on 2 cores (four spawns: one rank, then three layouts of two).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ PROMPTS = [[5, 9, 3], [7, 4, 4, 11, 6, 20, 8], [3, 3]]
 RESPONSES = [[12, 40, 7, 9], [100, 3], [55, 6, 17, 90, 31, 4], [8], [127, 64, 5], [9, 9, 9, 2, 77]]
 COEF = 0.7
 TOL = 1e-5
+ROUTE = [0, 1, -1, 1, 0, 1]
+"""Each row's teacher in the routed run (``GeneratorOutput['teacher_ids']``; -1: none)."""
 
 
 def _rollouts() -> dict:
@@ -54,7 +59,26 @@ def _config(teacher_dir: str, tp: int = 1, pp: int = 1):
     )
 
 
-def _run(teacher_dir: str, tp: int, pp: int, full_sd: dict | None) -> dict:
+def _routed(cfg, teacher_dirs: tuple[str, str], groups) -> dict:
+    """Two teachers ``a`` (rows with d=0) and ``b`` (d=1) score the rollouts routed by ``ROUTE``."""
+    import dataclasses
+
+    from megatron_rl.data.batch import TrainingBatch
+    from megatron_rl.distillation.config import DistillationConfig
+    from megatron_rl.distillation.signal import TEACHER_LOGPROBS, UNSCORED_ROWS
+    from megatron_rl.distillation.teachers import build_distillation
+
+    teachers = [{"name": name, "hf_path": path, "when": {"d": d}}
+                for d, (name, path) in enumerate(zip("ab", teacher_dirs))]
+    routed = build_distillation(dataclasses.replace(cfg, distillation=DistillationConfig(teachers=teachers)), groups,
+                                pad_token_id=0)
+    batch = TrainingBatch.from_generator_output({**_rollouts(), "teacher_ids": ROUTE}, pad_token_id=0)
+    metrics = routed.score(batch)
+    return {**{name: batch[TEACHER_LOGPROBS.format(name=name)] for name in "ab"},
+            "unscored": metrics[UNSCORED_ROWS].final()}
+
+
+def _run(teacher_dirs: tuple[str, str], tp: int, pp: int, full_sd: dict | None) -> dict:
     from megatron_rl.data.batch import TrainingBatch
     from megatron_rl.distillation.signal import TEACHER_LOGPROBS
     from megatron_rl.distillation.teachers import build_distillation
@@ -62,6 +86,7 @@ def _run(teacher_dir: str, tp: int, pp: int, full_sd: dict | None) -> dict:
     from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
 
+    teacher_dir = teacher_dirs[0]
     cfg = _config(teacher_dir, tp, pp)
     groups = initialize_distributed(cfg.parallel, cfg.seed)
     policy = MegatronPolicy(cfg, groups, pad_token_id=0)
@@ -75,6 +100,7 @@ def _run(teacher_dir: str, tp: int, pp: int, full_sd: dict | None) -> dict:
     out["student"] = policy.forward(batch)["logprobs"]  # before the step: the old log-probs
     out["response_mask"] = batch["response_mask"]
     out["metrics"] = Trainer(cfg, policy, distillation=distillation).train_step(_rollouts())
+    out["routed"] = _routed(cfg, teacher_dirs, groups)
     return out
 
 
@@ -101,8 +127,10 @@ def _hf_logprobs(teacher_dir) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def tensors(teacher_dir):  # what layout_fixture hands each layout: here the teacher's checkpoint
-    return str(teacher_dir)
+def tensors(teacher_dir, tmp_path_factory):  # what layout_fixture hands each layout: the teachers' checkpoints
+    from tests.distill.conftest import make_teacher
+
+    return str(teacher_dir), str(make_teacher(tmp_path_factory.mktemp("distill") / "second", seed=8))
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +145,12 @@ layout_results = layout_fixture(lambda name, teacher_dir, ref: run_ranks(2, _lay
 
 @pytest.fixture(scope="module")
 def hf_rows(tensors):
-    return _hf_logprobs(tensors)
+    return _hf_logprobs(tensors[0])
+
+
+@pytest.fixture(scope="module")
+def hf_second(tensors):
+    return _hf_logprobs(tensors[1])
 
 
 def _responses(teacher: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
@@ -159,3 +192,30 @@ def test_a_step_is_the_same_in_every_layout(layout, layout_results, reference, h
         for name in ("policy/pg_loss", "optim/grad_norm", "distill/t/reverse_kl", "distill/t/tokens",
                      "advantages/mean"):
             assert rank_out["metrics"][name] == pytest.approx(reference["metrics"][name], rel=1e-5, abs=1e-7), name
+
+
+def _assert_routed(routed: dict, hf_by_teacher: dict[str, list[torch.Tensor]], mask: torch.Tensor) -> None:
+    """Each row's log-probs are its own teacher's (transformers), the other teacher's column of it is 0."""
+    for name, index in (("a", 0), ("b", 1)):
+        for i, (ours, m) in enumerate(zip(routed[name], mask)):
+            if ROUTE[i] == index:
+                theirs = hf_by_teacher[name][i]
+                assert (ours[m.bool()] - theirs).abs().max() < TOL, (name, i)
+            else:
+                assert not ours.any(), (name, i)  # not scored: no forward on it
+    assert routed["unscored"] == ROUTE.count(-1)
+
+
+def test_two_teachers_each_score_their_rows(reference, hf_rows, hf_second):
+    hf = {"a": hf_rows, "b": hf_second}
+    _assert_routed(reference["routed"], hf, reference["response_mask"])
+    assert max((h - s).abs().max() for h, s in zip(hf_rows, hf_second)) > 100 * TOL  # the teachers differ
+    wrong = dict(reference["routed"], a=reference["routed"]["b"], b=reference["routed"]["a"])  # the planted bug
+    with pytest.raises(AssertionError):
+        _assert_routed(wrong, hf, reference["response_mask"])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_teachers_each_score_their_rows_in_every_layout(layout, layout_results, reference, hf_rows, hf_second):
+    for rank_out in layout_results(layout):
+        _assert_routed(rank_out["routed"], {"a": hf_rows, "b": hf_second}, rank_out["response_mask"])

@@ -52,4 +52,6 @@ class RewardConfig(ConfigSection):
     function: str | None = None
     """``path/to/file.py:name`` or ``package.module:name``: called as ``name(prompt=<text>, response=<text>,
     **other_columns)`` and returning a float, or a dict with ``reward`` (a float) and other numbers, logged as
-    ``reward_fn/<key>`` (means over the step's responses). Checked once at start-up on the first training row."""
+    ``reward_fn/<key>`` (means over the step's responses). Checked once at start-up on the first training row.
+    None (unset) only under ``distillation.teachers`` with ``distillation.coef > 0``: every reward is 0, pure
+    distillation (docs/DISTILLATION.md; an evaluation then reports 0 too)."""

@@ -18,7 +18,7 @@ the job prints the first such failure once; a step where every sample failed sto
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +32,12 @@ from megatron_rl.inference.engine import Completion, RolloutEngine, SamplingSpec
 
 class SingleTurnEnvironment:
     def __init__(self, data: DataConfig, reward: RewardConfig, tokenizer: Any, *, seed: int,
-                 max_prompt_tokens: int, context: int | None = None, max_rows: int | None = None) -> None:
-        """``max_rows``: read only the first rows of each file (the pre-flight's quick check)."""
+                 max_prompt_tokens: int, context: int | None = None, max_rows: int | None = None,
+                 teacher_of: Callable[[Mapping[str, Any]], int] | None = None) -> None:
+        """``max_rows``: read only the first rows of each file (the pre-flight's quick check). ``teacher_of``:
+        a prompt row's columns -> its distillation teacher (``distillation/routing.py: router``), written to
+        ``GeneratorOutput['teacher_ids']``; None: no routing. ``reward.function`` unset: every reward is 0
+        (pure distillation; the job config allows it only under ``distillation.teachers``)."""
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
         self.tokenizer = tokenizer
@@ -42,9 +46,10 @@ class SingleTurnEnvironment:
         self.train = self._prompts(data, "train_files", max_prompt_tokens, max_rows)
         self.val = self._prompts(data, "val_files", max_prompt_tokens, max_rows) if data.paths("val_files") else None
         self.reward_spec = reward.function or ""
-        self.reward_fn = load_reward_function(reward.function)
+        self.reward_fn = load_reward_function(reward.function) if reward.function else no_reward
         first = self.train.kept[0]
         check_reward_function(self.reward_fn, self.reward_spec, prompt=first.text, extra=first.extra)
+        self.teacher_of = teacher_of
         self.order = PromptOrder(len(self.train.kept), seed=seed, shuffle=data.shuffle)
         self.max_prompt_tokens = max_prompt_tokens
         longest = max(len(p.token_ids) for split in (self.train, self.val) if split is not None for p in split.kept)
@@ -64,7 +69,8 @@ class SingleTurnEnvironment:
                  for name, p in (("train", self.train), ("val", self.val)) if p is not None]
         cap = f"; responses up to {self.max_response_tokens} tokens (what the context leaves)" \
             if self.max_response_tokens is not None else ""
-        return f"single_turn: {'; '.join(parts)}; reward {self.reward_spec}{cap}"
+        reward = self.reward_spec or "none (every reward 0: pure distillation)"
+        return f"single_turn: {'; '.join(parts)}; reward {reward}{cap}"
 
     def _generate(self, engine: RolloutEngine, prompts: Sequence[Prompt], spec: SamplingSpec, seed: int
                   ) -> list[Completion]:
@@ -90,6 +96,8 @@ class SingleTurnEnvironment:
             "is_last_step": [True] * len(repeated),
             "stop_reasons": [c.finish_reason for c in completions],
         }
+        if self.teacher_of is not None:  # on-policy distillation: each row's teacher by its prompt row's columns
+            output["teacher_ids"] = [self.teacher_of(p.extra) for p in repeated]
         if all("routed_experts" in c.extra for c in completions):  # MoE routing replay R3 (builtin_engine.py)
             output["routed_experts"] = [c.extra["routed_experts"] for c in completions]
         try:
@@ -155,6 +163,11 @@ class SingleTurnEnvironment:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.order.load_state_dict(state)
+
+
+def no_reward(**_: Any) -> float:
+    """The reward when ``reward.function`` is unset (pure distillation): 0 for every response."""
+    return 0.0
 
 
 @dataclass
