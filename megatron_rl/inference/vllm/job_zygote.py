@@ -4,7 +4,7 @@ forked from it (``inference/engine_process/zygote.py``).
 Why: a CPU ``vllm serve`` start is ~17 s on the 2-core machine, ~11 of them importing vLLM; the first engine start
 comes after the ranks' imports, process groups and model build (~8-10 s). A zygote started by the launcher
 imports vLLM during those seconds, and the engine forked from it serves ~6 s after its start: the vLLM demo's
-start-up drops by about the import (docs/BENCHMARKS.md section 12).
+start-up drops by about the import (BENCHMARKS.md section 12).
 
 Place in the data flow: ``job/start.py`` (the launcher, after the pre-flight) calls ``start_for`` with the job's
 config; when it returns a zygote, ``$MEGATRON_RL_ENGINE_ZYGOTE`` names its socket for the ranks it starts, where
