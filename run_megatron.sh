@@ -20,7 +20,7 @@
 # preemption) stopped it after it saved a checkpoint at the end of a step (one line: how far it got and the
 # command that resumes; docs/PREEMPTION_AND_PLACEMENT.md); otherwise torchrun's (a crash keeps its report).
 set -euo pipefail
-# A preemption warning (SIGUSR1) while starting is kept and passed on, not fatal (megatron_rl/early_signals.py):
+# A preemption warning (SIGUSR1) while starting is kept and handed on (megatron_rl/early_signals.py), not fatal:
 # this shell records it, the Python processes below record their own until the launcher's handler takes over.
 early_stop=""
 trap 'early_stop=SIGUSR1' USR1
