@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.batches import full_grads, max_rel_err, micro_batch_size, training_batch
+from tests.support.batches import max_rel_err, steps_per_count, training_batch
 from megatron_rl.model import hybrid
 from tests.support.multirank import run_ranks
 from tests.model.test_policy_multirank import LR, _batch_tensors, _fresh_policy, summed_pg_loss
@@ -51,15 +51,7 @@ def _runs(cfg, groups, tensors, full_sd, counts) -> dict:
     batch = training_batch(tensors)
     policy = _fresh_policy(cfg, groups, full_sd)
     out = {"stream": dict(StageStream(cfg.model).iter_stage_weights([policy.module], groups))}
-    for count in counts:
-        policy.config.batch.micro_batch_size = micro_batch_size(len(batch), groups.dp_size, count)
-        out[f"loss_{count}"] = float(policy.forward_backward(batch, summed_pg_loss, None)["loss"].value)
-        policy.finalize_grads()
-        out[f"grad_{count}"] = full_grads(policy)
-        policy.zero_grad()
-    policy.forward_backward(batch, summed_pg_loss, None)
-    out["grad_norm"] = policy.optim_step()["grad_norm"]
-    return out
+    return {**out, **steps_per_count(policy, batch, groups, counts, summed_pg_loss)}
 
 
 def _layouts_rank(rank, world_size, tensors, full_sd):

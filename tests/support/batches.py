@@ -87,3 +87,19 @@ def summed_pg_loss(logprobs, entropy, mb, loss_config):
 
     loss = -(logprobs * mb["advantages"] * mb["loss_mask"]).sum()
     return loss, {"loss": Metric(loss.detach(), 1.0, "sum")}
+
+
+def steps_per_count(policy, batch, groups, counts, loss_fn) -> dict:
+    """The summed loss and the finalized gradients of one ``forward_backward`` per micro-batch count in ``counts``
+    (``loss_<n>``, ``grad_<n>``), then the grad norm of one optimizer step (``grad_norm``): what the layout tests
+    compare with the single process."""
+    out = {}
+    for count in counts:
+        policy.config.batch.micro_batch_size = micro_batch_size(len(batch), groups.dp_size, count)
+        out[f"loss_{count}"] = float(policy.forward_backward(batch, loss_fn, None)["loss"].value)
+        policy.finalize_grads()
+        out[f"grad_{count}"] = full_grads(policy)
+        policy.zero_grad()
+    policy.forward_backward(batch, loss_fn, None)
+    out["grad_norm"] = policy.optim_step()["grad_norm"]
+    return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support import qwen2_5_vl_tiny as tiny
-from tests.support.batches import full_grads, max_rel_err, micro_batch_size, training_batch
+from tests.support.batches import max_rel_err, steps_per_count, training_batch
 from tests.support.multirank import run_ranks
 from tests.model.test_policy_multirank import summed_pg_loss
 
@@ -27,15 +27,7 @@ def _runs(policy, groups, tensors, counts) -> dict:
     """Loss and finalized gradients per micro-batch count, then the grad norm of one optimizer step."""
     batch = training_batch(tensors)
     out = {"logprobs": policy.forward(batch)["logprobs"]}
-    for count in counts:
-        policy.config.batch.micro_batch_size = micro_batch_size(len(batch), groups.dp_size, count)
-        out[f"loss_{count}"] = float(policy.forward_backward(batch, summed_pg_loss, None)["loss"].value)
-        policy.finalize_grads()
-        out[f"grad_{count}"] = full_grads(policy)
-        policy.zero_grad()
-    policy.forward_backward(batch, summed_pg_loss, None)
-    out["grad_norm"] = policy.optim_step()["grad_norm"]
-    return out
+    return {**out, **steps_per_count(policy, batch, groups, counts, summed_pg_loss)}
 
 
 def _layouts_rank(rank, world_size, checkpoint, tensors):
