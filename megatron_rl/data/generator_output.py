@@ -67,6 +67,10 @@ class GeneratorOutput(TypedDict):
     routed_experts: NotRequired[list[Any] | None]
     """MoE routing replay R3: per sequence an integer array ``[p_i + r_i, L, k]``, the engine's top-k experts of
     each MoE layer for every prompt and response token."""
+    images: NotRequired[list[Any] | None]
+    """Prompts with images (a vision-language policy, docs/VISION.md): per sequence a list of
+    ``(pixel_values [n, F] float tensor, (t, h, w))``, one per image of its prompt in order (``[]``: none); the
+    trainer's batch gets them as ``pixel_values`` / ``image_grid_thw`` (``data/mrope.py: batch_images``)."""
 
 
 PER_SEQUENCE_FIELDS = (
@@ -80,11 +84,12 @@ PER_SEQUENCE_FIELDS = (
     "is_last_step",
     "stop_reasons",
     "routed_experts",
+    "images",
 )
 """Fields holding one entry per sequence (all must have the same length when present)."""
 
 REQUIRED_FIELDS = ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "uids")
-OPTIONAL_FIELDS = ("rollout_logprobs", "trajectory_ids", "is_last_step", "stop_reasons", "routed_experts")
+OPTIONAL_FIELDS = ("rollout_logprobs", "trajectory_ids", "is_last_step", "stop_reasons", "routed_experts", "images")
 """The only other keys a ``GeneratorOutput`` may hold (``None`` = absent). Anything else is rejected."""
 STEP_WISE_FIELDS = ("trajectory_ids", "is_last_step")
 TOKEN_FIELDS = ("prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs")
@@ -147,8 +152,8 @@ def _as_plain(out: Mapping) -> dict:
     plain = dict(out)
     changed = False
     for name in PER_SEQUENCE_FIELDS:
-        if name == "routed_experts":
-            continue  # rows stay arrays (_check_routed_experts)
+        if name in ("routed_experts", "images"):
+            continue  # rows stay arrays (_check_routed_experts) / tensors
         values = plain.get(name)
         converted = _plain(values)
         if isinstance(converted, (list, tuple)):

@@ -96,7 +96,20 @@ def _single_turn(config: Any, *, max_rows: int | None = None) -> Environment:
 
     tokenizer, context = _tokenizer_and_context(config)
     return SingleTurnEnvironment(config.data, config.reward, tokenizer, seed=config.rl.seed,
-                                 max_prompt_tokens=prompt_limit(config, context), context=context, max_rows=max_rows)
+                                 max_prompt_tokens=prompt_limit(config, context), context=context, max_rows=max_rows,
+                                 images=_prompt_images(config))
+
+
+def _prompt_images(config: Any) -> Any:
+    """``data.image_key``'s image encoder (None when unset); ConfigError for an engine that cannot take images."""
+    if config.data.image_key is None:
+        return None
+    from megatron_rl.environments.single_turn.images import PromptImages
+
+    if config.rollout.engine != "builtin":
+        raise ConfigError(f"data.image_key={config.data.image_key!r} needs rollout.engine=builtin (got "
+                          f"{config.rollout.engine!r}): generating with images on vLLM is not done (docs/VISION.md)")
+    return PromptImages(config.data.image_key, config.rl.model.hf_path)
 
 
 def turn_prompt_limit(config: Any, context: int) -> int:
