@@ -109,7 +109,11 @@ def _prompt_images(config: Any) -> Any:
     if config.rollout.engine != "builtin":
         raise ConfigError(f"data.image_key={config.data.image_key!r} needs rollout.engine=builtin (got "
                           f"{config.rollout.engine!r}): generating with images on vLLM is not done (docs/VISION.md)")
-    return PromptImages(config.data.image_key, config.rl.model.hf_path)
+    from pathlib import Path
+
+    files = config.data.paths("train_files") + config.data.paths("val_files")
+    return PromptImages(config.data.image_key, config.rl.model.hf_path,
+                        base_dirs=[".", *dict.fromkeys(str(Path(f).parent) for f in files)])
 
 
 def turn_prompt_limit(config: Any, context: int) -> int:

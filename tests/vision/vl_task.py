@@ -31,14 +31,16 @@ def squares_png(count: int, size: int = 16) -> bytes:
 
 
 def make_task(path: Path) -> dict[str, Path]:
-    """The checkpoint, prompts.jsonl (5 rows with images, one of them a data URL, and one whose image is missing)
+    """The checkpoint, prompts.jsonl (5 rows with images: paths, one relative to the file's folder, a data URL; and
+    one whose image is missing)
     and the reward file, under ``path``."""
     model = tiny.save_checkpoint(path / "model")
     rows = []
     for i, count in enumerate([1, 2, 3, 2, 1]):
         image = path / f"squares_{i}.png"
         image.write_bytes(squares_png(count))
-        ref = str(image) if i != 3 else "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
+        ref = {1: image.name,  # relative to the prompt file's folder
+               3: "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()}.get(i, str(image))
         rows.append({"prompt": f"t5 {IMAGE} t6 t7", "images": [ref], "count": count})
     rows.insert(2, {"prompt": f"t5 {IMAGE} t6 t7", "images": [str(path / "missing.png")], "count": 1})
     (path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -14,6 +14,7 @@ failed is a ``ConfigError``. Errors name ``data.image_key`` and ``model.hf_path`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,10 @@ def check_vision_checkpoint(hf_path: str | None, image_key: str) -> None:
 class PromptImages:
     """The images of ``data.image_key`` through the checkpoint's own image processor and tokenizer."""
 
-    def __init__(self, image_key: str, hf_path: str | Path | None, base_dir: str | Path = ".") -> None:
+    def __init__(self, image_key: str, hf_path: str | Path | None, base_dirs: Sequence[str | Path] = (".",)) -> None:
+        """``base_dirs``: where a relative image path is looked for, in order (the first that has the file)."""
         check_vision_checkpoint(None if hf_path is None else str(hf_path), image_key)
-        self.image_key, self.base_dir = image_key, base_dir
+        self.image_key, self.base_dirs = image_key, [Path(d) for d in base_dirs]
         self.encoder = ImageEncoder.from_checkpoint(hf_path)
 
     def tokenize(self, rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, max_prompt_tokens: int,
@@ -77,7 +79,14 @@ class PromptImages:
         return Prompts(kept, skipped, failed)
 
     def _read(self, row: dict[str, Any]) -> list[Any]:
-        return [read_image(ref, self.base_dir) for ref in image_refs(row, self.image_key)]
+        return [read_image(self._resolve(ref), self.base_dirs[0]) for ref in image_refs(row, self.image_key)]
+
+    def _resolve(self, ref: Any) -> Any:
+        """A relative path found under one of ``base_dirs`` as that file's path; anything else as is."""
+        if isinstance(ref, str) and not ref.startswith("data:") and len(ref) < 4096:
+            found = next((d / ref for d in self.base_dirs if (d / ref).is_file()), None)
+            return str(found) if found is not None else ref
+        return ref
 
     def images(self, prompt: Prompt) -> Images:
         """The prompt's images, encoded again (its row's images were read at set-up: a file removed since then
