@@ -116,6 +116,13 @@ def _prompt_images(config: Any) -> Any:
                         base_dirs=[".", *dict.fromkeys(str(Path(f).parent) for f in files)])
 
 
+def _text_only(config: Any, what: str) -> None:
+    """ConfigError for ``data.image_key`` in an environment whose turns are text only (docs/VISION.md)."""
+    if config.data.image_key is not None:
+        raise ConfigError(f"data.image_key={config.data.image_key!r}: {what} takes text prompts only (images in "
+                          "the prompt work with job.environment=single_turn); unset data.image_key")
+
+
 def turn_prompt_limit(config: Any, context: int) -> int:
     """The longest prompt of one turn (a step-API turn, an agent's call): ``data.max_prompt_tokens``, else the
     context minus ``job.max_new_tokens`` (each reply is capped by ``job.max_new_tokens``)."""
@@ -130,6 +137,7 @@ def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
     """A step-API class (its turns are capped by ``job.max_new_tokens`` and ``turn_prompt_limit``)."""
     from megatron_rl.environments.step_api.environment import StepApiEnvironment
 
+    _text_only(config, f"a step-API class (job.environment={config.environment!r})")
     tokenizer, context = _tokenizer_and_context(config)
     return StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
                               max_turns=config.job.max_turns, max_prompt_tokens=turn_prompt_limit(config, context),
@@ -140,6 +148,7 @@ def _agent(config: Any, *, max_rows: int | None = None) -> Environment:
     """A user's OpenAI-client agent (``job.agent``; each call capped as a step-API turn)."""
     from megatron_rl.environments.agent.environment import AgentEnvironment
 
+    _text_only(config, f"an agent (job.agent={config.job.agent!r})")
     tokenizer, context = _tokenizer_and_context(config)
     return AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
                             max_concurrency=config.job.max_concurrency,

@@ -1,8 +1,8 @@
 """``data.image_key`` wiring without Megatron (one process, ~3 s CPU): the single_turn environment of a VL job config
 encodes the rows' images with the checkpoint's processor and leaves out (counts, names) a row whose image is
 missing; its rollouts carry each prompt's images to the engine and in ``GeneratorOutput['images']``, which the
-trainer's batch turns into ``pixel_values`` / ``image_grid_thw``; ``data.image_key`` with a text checkpoint, or
-with the vLLM engine, is one ConfigError at start-up."""
+trainer's batch turns into ``pixel_values`` / ``image_grid_thw``; ``data.image_key`` with a text checkpoint, with
+the vLLM engine or with a step-API environment is one ConfigError at start-up."""
 
 from __future__ import annotations
 
@@ -69,3 +69,5 @@ def test_image_key_needs_a_vision_checkpoint_and_the_builtin_engine(task, tmp_pa
     tiny.save_tokenizer(text_model)
     with pytest.raises(ConfigError, match=r"needs a vision-language checkpoint, but model.hf_path=.* 'qwen2'"):
         make_environment(_config(task, f"model.hf_path={text_model}"))
+    with pytest.raises(ConfigError, match=r"data.image_key='images': a step-API class .* takes text prompts only"):
+        make_environment(_config(task, "job.environment=my_env.py:MyEnv"))
