@@ -33,7 +33,7 @@ def _config(task, *extra: str):
 
 
 def test_rollouts_carry_the_rows_images(task):
-    env = make_environment(_config(task))
+    env = make_environment(_config(task, f"data.val_files={task['data']}"))
     assert [p.row for p in env.train.kept] == [0, 1, 3, 4, 5] and [row for row, _ in env.train.failed] == [2]
     assert "missing.png" in env.train.failed[0][1] and "1 train rows left out" in env.describe()
     image_tokens = [tiny.VISION_START] + [tiny.IMAGE_TOKEN] * 4 + [tiny.VISION_END]  # 16 x 16 pixels, patch 4, 2x2
@@ -52,6 +52,9 @@ def test_rollouts_carry_the_rows_images(task):
     assert len(images) == 4 and images[0] is images[1] and images[2] is images[3]  # a group shares its images
     assert [grid for row in images for _, grid in row] == [(1, 4, 4)] * 4 and seen[0][0] is images[0]
     assert rollouts.metrics["data/failed_image_rows"] == 1
+
+    evaluation = env.evaluate(engine, spec, seed=1, num_prompts=3, pass_threshold=-1.0)
+    assert len(evaluation.samples) == 3 and [grid for _, grid in seen[-1][0]] == [(1, 4, 4)]  # held-out: images too
 
     batch = TrainingBatch.from_generator_output(rollouts.output, pad_token_id=0)
     assert batch["pixel_values"].shape == (4, 16, images[0][0][0].shape[1])
