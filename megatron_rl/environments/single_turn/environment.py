@@ -60,7 +60,7 @@ class SingleTurnEnvironment:
         rows = read_rows(data.paths(which), key, max_rows=max_rows)
         tokenize = tokenize_rows if self.images is None else self.images.tokenize
         return tokenize(rows, self.tokenizer, prompt_key=data.prompt_key, max_prompt_tokens=max_prompt_tokens,
-                             files_key=key)
+                        files_key=key)
 
     def describe(self) -> str:
         """One line for the log: rows kept and skipped per split, the limit, the reward function."""
