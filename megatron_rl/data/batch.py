@@ -374,6 +374,10 @@ class TrainingBatch:
             tensors["routed_experts"] = routed_experts_block(out["routed_experts"], sequences.shape[1])
         if out.get("teacher_ids") is not None:
             tensors["teacher_ids"] = torch.tensor(out["teacher_ids"], dtype=torch.int64)  # [B]
+        if out.get("images") is not None:
+            from megatron_rl.data.mrope import batch_images
+
+            tensors["pixel_values"], tensors["image_grid_thw"] = batch_images(out["images"])
         num_seqs = len(out["uids"])
         if step_wise:
             return TrainingBatch(tensors, out["uids"], out["trajectory_ids"], out["is_last_step"])

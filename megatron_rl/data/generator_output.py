@@ -74,6 +74,10 @@ class GeneratorOutput(TypedDict):
     """On-policy distillation: per sequence the index of the ``distillation.teachers`` entry that scores it (its
     prompt row's, by the teachers' ``when``), -1 = no teacher. None = every row teacher 0 (one teacher, no
     ``when``)."""
+    images: NotRequired[list[Any] | None]
+    """Prompts with images (a vision-language policy, docs/VISION.md): per sequence a list of
+    ``(pixel_values [n, F] float tensor, (t, h, w))``, one per image of its prompt in order (``[]``: none); the
+    trainer's batch gets them as ``pixel_values`` / ``image_grid_thw`` (``data/mrope.py: batch_images``)."""
 
 
 PER_SEQUENCE_FIELDS = (
@@ -88,12 +92,13 @@ PER_SEQUENCE_FIELDS = (
     "stop_reasons",
     "routed_experts",
     "teacher_ids",
+    "images",
 )
 """Fields holding one entry per sequence (all must have the same length when present)."""
 
 REQUIRED_FIELDS = ("prompt_token_ids", "response_ids", "rewards", "loss_masks", "uids")
 OPTIONAL_FIELDS = ("rollout_logprobs", "trajectory_ids", "is_last_step", "stop_reasons", "routed_experts",
-                   "teacher_ids")
+                   "teacher_ids", "images")
 """The only other keys a ``GeneratorOutput`` may hold (``None`` = absent). Anything else is rejected."""
 STEP_WISE_FIELDS = ("trajectory_ids", "is_last_step")
 TOKEN_FIELDS = ("prompt_token_ids", "response_ids", "loss_masks", "rollout_logprobs")
@@ -171,8 +176,8 @@ def _as_plain(out: Mapping) -> dict:
     plain = dict(out)
     changed = False
     for name in PER_SEQUENCE_FIELDS:
-        if name == "routed_experts":
-            continue  # rows stay arrays (_check_routed_experts)
+        if name in ("routed_experts", "images"):
+            continue  # rows stay arrays (_check_routed_experts) / tensors
         values = plain.get(name)
         converted = _plain(values)
         if isinstance(converted, (list, tuple)):

@@ -99,10 +99,34 @@ def _single_turn(config: Any, *, max_rows: int | None = None) -> Environment:
     distillation = config.rl.distillation
     environment = SingleTurnEnvironment(config.data, config.reward, tokenizer, seed=config.rl.seed,
                                         max_prompt_tokens=prompt_limit(config, context), context=context,
-                                        max_rows=max_rows, teacher_of=router(distillation))
+                                        max_rows=max_rows, teacher_of=router(distillation),
+                                        images=_prompt_images(config))
     if distillation.routed:  # every training row once: a 'when' column no row has, a row two teachers match
         check_routing(distillation, [p.extra for p in environment.train.kept], "data.train_files")
     return environment
+
+
+def _prompt_images(config: Any) -> Any:
+    """``data.image_key``'s image encoder (None when unset); ConfigError for an engine that cannot take images."""
+    if config.data.image_key is None:
+        return None
+    from megatron_rl.environments.single_turn.images import PromptImages
+
+    if config.rollout.engine != "builtin":
+        raise ConfigError(f"data.image_key={config.data.image_key!r} needs rollout.engine=builtin (got "
+                          f"{config.rollout.engine!r}): generating with images on vLLM is not done (docs/VISION.md)")
+    from pathlib import Path
+
+    files = config.data.paths("train_files") + config.data.paths("val_files")
+    return PromptImages(config.data.image_key, config.rl.model.hf_path,
+                        base_dirs=[".", *dict.fromkeys(str(Path(f).parent) for f in files)])
+
+
+def _text_only(config: Any, what: str) -> None:
+    """ConfigError for ``data.image_key`` in an environment whose turns are text only (docs/VISION.md)."""
+    if config.data.image_key is not None:
+        raise ConfigError(f"data.image_key={config.data.image_key!r}: {what} takes text prompts only (images in "
+                          "the prompt work with job.environment=single_turn); unset data.image_key")
 
 
 def turn_prompt_limit(config: Any, context: int) -> int:
@@ -119,6 +143,7 @@ def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
     """A step-API class (its turns are capped by ``job.max_new_tokens`` and ``turn_prompt_limit``)."""
     from megatron_rl.environments.step_api.environment import StepApiEnvironment
 
+    _text_only(config, f"a step-API class (job.environment={config.environment!r})")
     tokenizer, context = _tokenizer_and_context(config)
     return StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
                               max_turns=config.job.max_turns, max_prompt_tokens=turn_prompt_limit(config, context),
@@ -129,6 +154,7 @@ def _agent(config: Any, *, max_rows: int | None = None) -> Environment:
     """A user's OpenAI-client agent (``job.agent``; each call capped as a step-API turn)."""
     from megatron_rl.environments.agent.environment import AgentEnvironment
 
+    _text_only(config, f"an agent (job.agent={config.job.agent!r})")
     tokenizer, context = _tokenizer_and_context(config)
     return AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
                             max_concurrency=config.job.max_concurrency,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -56,6 +56,10 @@ class Decoder(Protocol):
     def extend(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append one token to every row; ``[n, V]`` log-probs of each row's next token."""
 
+
+ImageLogprobs = Callable[[Sequence[Sequence[int]], Sequence[Any]], torch.Tensor]
+"""``(contexts, images) -> [n, V]``: ``NextTokenLogprobs`` of contexts with images (per row a list of
+``(pixel_values [n, F], (t, h, w))``, ``GeneratorOutput['images']``)."""
 
 RoutedExperts = Callable[[Sequence[Sequence[int]]], list[np.ndarray]]
 """``sequences (n token lists) -> n arrays [len, L, k]``: each token's top-k experts per MoE layer (R3)."""
@@ -141,9 +145,11 @@ def sample_responses(
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | SamplingSpec,
     generator: torch.Generator,
+    images: Sequence[Any] | None = None,
 ) -> Samples:
     """Sample one response per prompt: a forward per step over the rows that have not stopped yet (a
-    ``Decoder``: its new token of every row; the draws are the same: only the active rows are sampled)."""
+    ``Decoder``: its new token of every row; the draws are the same: only the active rows are sampled).
+    ``images``: per prompt (``ImageLogprobs``: called with the active rows' images, full forwards)."""
     spec = params.to_spec() if isinstance(params, SamplingParams) else params
     stop = set(spec.stop_token_ids)
     responses: list[list[int]] = [[] for _ in prompts]
@@ -155,7 +161,8 @@ def sample_responses(
             break
         if decoder is None:
             contexts = [list(prompts[i]) + responses[i] for i in active]
-            next_lp = next_token_logprobs(contexts)  # [n_active, V]
+            next_lp = (next_token_logprobs(contexts) if images is None  # [n_active, V]
+                       else next_token_logprobs(contexts, [images[i] for i in active]))
         elif step == 0:
             next_lp = decoder.prefill(prompts)[active]
         else:  # every row's last token (a stopped row's is ignored), so the rows keep their places
@@ -222,6 +229,28 @@ class PolicyDecoder:
                                                max_tokens_per_micro_batch=budget).float().cpu()
 
 
+def policy_image_logprobs(policy, pad_token_id: int) -> ImageLogprobs:
+    """``(contexts, images) -> [n, V]`` through ``policy.next_token_logprobs(images=...)`` (a
+    ``VisionLanguagePolicy``): a full forward over each context with its images (the vision tower runs every
+    decoding step; no KV cache: the cache's positions are the 1-D text ones). Rows with the same context and the
+    same images object (a group's samples) are computed once. Collective."""
+    from megatron_rl.data.mrope import batch_images
+
+    def next_token_logprobs(contexts: Sequence[Sequence[int]], images: Sequence[Any]) -> torch.Tensor:
+        position: dict[tuple, int] = {}
+        rows: list[int] = []  # the first row of each distinct (context, images)
+        for row, key in enumerate((tuple(c), id(i)) for c, i in zip(contexts, images)):
+            if key not in position:
+                position[key] = len(rows)
+                rows.append(row)
+        index = torch.tensor([position[(tuple(c), id(i))] for c, i in zip(contexts, images)])
+        batch = left_padded([contexts[r] for r in rows], pad_token_id)
+        logprobs = policy.next_token_logprobs(*batch, images=batch_images([images[r] for r in rows]))
+        return logprobs.float().cpu()[index]  # [n, V]
+
+    return next_token_logprobs
+
+
 def policy_routed_experts(policy, pad_token_id: int) -> RoutedExperts:
     """``sequences -> [len_i, L, k]`` arrays: the routing ``policy`` chooses for every token (one recording
     forward, any layout; collective)."""
@@ -232,6 +261,12 @@ def policy_routed_experts(policy, pad_token_id: int) -> RoutedExperts:
         return [routing[i, width - len(seq):].numpy() for i, seq in enumerate(sequences)]
 
     return routed_experts
+
+
+def _sees_images(policy) -> bool:
+    from megatron_rl.model.vision_policy import VisionLanguagePolicy
+
+    return isinstance(policy, VisionLanguagePolicy)
 
 
 def _dedupe(contexts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], torch.Tensor]:
@@ -254,8 +289,10 @@ class BuiltinEngine:
     agent_calls = None
 
     def __init__(self, next_token_logprobs: NextTokenLogprobs, routed_experts: RoutedExperts | None = None,
-                 decoder: Callable[[], Decoder] | None = None) -> None:
+                 decoder: Callable[[], Decoder] | None = None, image_logprobs: ImageLogprobs | None = None) -> None:
         self.next_token_logprobs = next_token_logprobs
+        self.image_logprobs = image_logprobs
+        """Set (a vision-language policy): ``generate(images=...)`` samples through it (full forwards)."""
         """The full-forward path (no cache): used when ``decoder`` is None."""
         self.decoder = decoder
         """Set: each ``generate`` decodes incrementally through a fresh ``decoder()`` (the KV-cache path)."""
@@ -277,15 +314,23 @@ class BuiltinEngine:
         cached = kv_cache and policy.groups.cp_size == 1 and decodes
         return cls(policy_next_token_logprobs(policy, pad_token_id),
                    policy_routed_experts(policy, pad_token_id) if record else None,
-                   decoder=(lambda: PolicyDecoder(policy, pad_token_id)) if cached else None)
+                   decoder=(lambda: PolicyDecoder(policy, pad_token_id)) if cached else None,
+                   image_logprobs=policy_image_logprobs(policy, pad_token_id) if _sees_images(policy) else None)
 
-    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
-        """One completion per prompt; a new ``seed`` restarts the stream, a repeated one continues it."""
+    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int,
+                 images: Sequence[Any] | None = None) -> list[Completion]:
+        """One completion per prompt; a new ``seed`` restarts the stream, a repeated one continues it.
+        ``images``: per prompt its images (``GeneratorOutput['images']``; a vision-language policy)."""
         if seed != self._seed:
             self._seed = seed
             self._generator.manual_seed(seed)
+        if images is not None and self.image_logprobs is None:
+            raise ValueError("BuiltinEngine.generate(images=...) needs a vision-language policy (a model.hf_path "
+                             "of a Qwen2.5-VL checkpoint); this engine's policy sees text only")
         model = self.decoder() if self.decoder is not None else self.next_token_logprobs
-        samples = sample_responses(model, prompts, spec, self._generator)
+        if images is not None:
+            model = self.image_logprobs
+        samples = sample_responses(model, prompts, spec, self._generator, images)
         completions = [Completion(token_ids=r, logprobs=lp, finish_reason=reason)
                        for r, lp, reason in zip(samples.responses, samples.logprobs, samples.stop_reasons)]
         if self.routed_experts is not None:

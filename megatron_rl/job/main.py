@@ -173,7 +173,6 @@ def build_job(config: JobConfig, groups: ParallelGroups, environment: Environmen
     validated when loaded)."""
     from megatron_rl.distillation.teachers import build_distillation, check_teachers
     from megatron_rl.model.critic import MegatronCritic
-    from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
 
     job, batch, pad_id = config.job, config.rl.batch, environment.pad_token_id
@@ -184,7 +183,7 @@ def build_job(config: JobConfig, groups: ParallelGroups, environment: Environmen
     rl = policy.config  # with model.hf_path: the model section as read from the checkpoint's config.json
     reference = None
     if rl.algorithm.use_kl_loss or rl.algorithm.use_kl_in_reward:
-        reference = MegatronPolicy(rl, groups, role="reference", pad_token_id=pad_id)
+        reference = type(policy)(rl, groups, role="reference", pad_token_id=pad_id)  # a VL policy's sees images
         reference.load_full_state_dict(policy.full_state_dict())  # the reference is the initial policy
     critic = None
     if rl.critic.active(rl.algorithm):

@@ -172,6 +172,7 @@ class MegatronPolicy:
     def next_token_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, *,
                             record_routing: bool = False, kv_cache: KVCache | None = None,
                             max_tokens_per_micro_batch: int | None = None,
+                            images: tuple[torch.Tensor, torch.Tensor] | None = None,
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-softmax over the vocabulary of the token after each row's last valid token: ``[n, V]`` fp32.
 
@@ -186,10 +187,14 @@ class MegatronPolicy:
         cache's rows (row i = cache row i, the same rows on every call) and hold only their new tokens.
         ``max_tokens_per_micro_batch``: plan this call by that token budget instead of ``config.batch``'s rule
         (a decoding step's one token per row fits one micro-batch).
+        ``images``: the rows' ``(pixel_values [n, P, F], image_grid_thw [n, K, 3])`` (a ``VisionLanguagePolicy``;
+        ``data/mrope.py: batch_images``).
         """
         n = len(sequences)
         no_responses = torch.zeros((n, 0), dtype=attention_mask.dtype)  # R = 0: validation and DP padding need it
         tensors = {"sequences": sequences, "attention_mask": attention_mask, "response_mask": no_responses}
+        if images is not None:
+            tensors["pixel_values"], tensors["image_grid_thw"] = images
         batch = TrainingBatch(tensors, [None] * n, [None] * n, [True] * n)
         call = self.plan_call(batch, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if kv_cache is not None:

@@ -27,6 +27,13 @@ class DataConfig(ConfigSection):
     max_prompt_tokens: int | None = field(default=None, metadata=AT_LEAST_1)
     """Longest prompt (tokens) kept; longer ones are counted, reported and skipped (never truncated). None =
     ``model.max_position_embeddings - job.max_new_tokens``."""
+    image_key: str | None = None
+    """Column holding each row's images (docs/VISION.md): one or a list of paths (relative to the directory you
+    run the command from, else to the prompt file's), ``data:`` URLs or base64 text, one per image placeholder of
+    the prompt (Qwen2.5-VL: its image pad token between vision start and end, as its chat template writes),
+    encoded by the image processor of ``model.hf_path`` (a vision-language checkpoint). A row whose image is missing or unreadable (or whose
+    placeholders do not match its images) is a failed row: counted, named in the log, left out, never a crash.
+    ``rollout.engine: builtin`` only (vLLM with images is not done). None = text prompts."""
     shuffle: bool = True
     """Visit the training rows in a new order every epoch, drawn from the run's seed (False: file order)."""
 

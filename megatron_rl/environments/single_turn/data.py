@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,8 @@ class Prompts:
     kept: list[Prompt]
     skipped: int
     """Rows longer than the limit (skipped, never truncated)."""
+    failed: list[tuple[int, str]] = field(default_factory=list)
+    """``(row, reason)`` of each row whose images could not be read (``data.image_key``), left out."""
 
 
 def tokenize_rows(rows: list[dict[str, Any]], tokenizer: Any, *, prompt_key: str, max_prompt_tokens: int,

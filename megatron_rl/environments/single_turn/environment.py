@@ -26,6 +26,7 @@ from megatron_rl.environments.base import Evaluation, Rollouts, Sample, pass_met
 from megatron_rl.environments.failures import AllSamplesFailed, SampleFailure, drop_failed_samples, failure
 from megatron_rl.environments.single_turn.config import DataConfig, RewardConfig
 from megatron_rl.environments.single_turn.data import Prompt, PromptOrder, Prompts, read_rows, tokenize_rows
+from megatron_rl.environments.single_turn.images import Images, PromptImages
 from megatron_rl.environments.single_turn.reward import check_reward_function, load_reward_function, score
 from megatron_rl.inference.engine import Completion, RolloutEngine, SamplingSpec
 
@@ -33,14 +34,17 @@ from megatron_rl.inference.engine import Completion, RolloutEngine, SamplingSpec
 class SingleTurnEnvironment:
     def __init__(self, data: DataConfig, reward: RewardConfig, tokenizer: Any, *, seed: int,
                  max_prompt_tokens: int, context: int | None = None, max_rows: int | None = None,
-                 teacher_of: Callable[[Mapping[str, Any]], int] | None = None) -> None:
+                 teacher_of: Callable[[Mapping[str, Any]], int] | None = None,
+                 images: PromptImages | None = None) -> None:
         """``max_rows``: read only the first rows of each file (the pre-flight's quick check). ``teacher_of``:
         a prompt row's columns -> its distillation teacher (``distillation/routing.py: router``), written to
         ``GeneratorOutput['teacher_ids']``; None: no routing. ``reward.function`` unset: every reward is 0
-        (pure distillation; the job config allows it only under ``distillation.teachers``)."""
+        (pure distillation; the job config allows it only under ``distillation.teachers``). ``images``: the
+        prompts carry images (``data.image_key``; ``images.py``)."""
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
         self.tokenizer = tokenizer
+        self.images = images
         self.pad_token_id = pad_token_id(tokenizer)
         self.stop_token_ids = stop_token_ids(tokenizer)
         self.train = self._prompts(data, "train_files", max_prompt_tokens, max_rows)
@@ -59,31 +63,44 @@ class SingleTurnEnvironment:
     def _prompts(self, data: DataConfig, which: str, max_prompt_tokens: int, max_rows: int | None) -> Prompts:
         key = f"data.{which}"
         rows = read_rows(data.paths(which), key, max_rows=max_rows)
-        return tokenize_rows(rows, self.tokenizer, prompt_key=data.prompt_key, max_prompt_tokens=max_prompt_tokens,
-                             files_key=key)
+        tokenize = tokenize_rows if self.images is None else self.images.tokenize
+        return tokenize(rows, self.tokenizer, prompt_key=data.prompt_key, max_prompt_tokens=max_prompt_tokens,
+                        files_key=key)
 
     def describe(self) -> str:
         """One line for the log: rows kept and skipped per split, the limit, the reward function."""
         parts = [f"{name}: {len(p.kept)} prompts" + (f", {p.skipped} skipped (longer than {self.max_prompt_tokens} "
                                                       "tokens: data.max_prompt_tokens)" if p.skipped else "")
                  for name, p in (("train", self.train), ("val", self.val)) if p is not None]
+        parts += [f"{len(p.failed)} {name} rows left out (images that cannot be read; first: {p.failed[0][1]})"
+                  for name, p in (("train", self.train), ("val", self.val)) if p is not None and p.failed]
         cap = f"; responses up to {self.max_response_tokens} tokens (what the context leaves)" \
             if self.max_response_tokens is not None else ""
         reward = self.reward_spec or "none (every reward 0: pure distillation)"
         return f"single_turn: {'; '.join(parts)}; reward {reward}{cap}"
 
-    def _generate(self, engine: RolloutEngine, prompts: Sequence[Prompt], spec: SamplingSpec, seed: int
-                  ) -> list[Completion]:
-        """``engine.generate`` with ``spec.max_tokens`` capped by what the context leaves."""
+    def _generate(self, engine: RolloutEngine, prompts: Sequence[Prompt], spec: SamplingSpec, seed: int,
+                  images: Sequence[Images] | None = None) -> list[Completion]:
+        """``engine.generate`` with ``spec.max_tokens`` capped by what the context leaves (``images``: per prompt,
+        for the built-in engine)."""
         if self.max_response_tokens is not None and spec.max_tokens > self.max_response_tokens:
             spec = dataclasses.replace(spec, max_tokens=self.max_response_tokens)
+        if images is not None:
+            return engine.generate([p.token_ids for p in prompts], spec, seed=seed, images=images)  # type: ignore
         return engine.generate([p.token_ids for p in prompts], spec, seed=seed)
+
+    def _images(self, prompts: Sequence[Prompt], repeats: int = 1) -> list[Images] | None:
+        """Each prompt's images (``repeats`` times: a group's samples share one list), None without images."""
+        if self.images is None:
+            return None
+        return [images for p in prompts for images in [self.images.images(p)] * repeats]
 
     def rollout(self, engine: RolloutEngine, spec: SamplingSpec, *, num_prompts: int, n_samples_per_prompt: int,
                 seed: int, step_wise: bool) -> Rollouts:
         prompts = [self.train.kept[i] for i in self.order.next(num_prompts)]
         repeated = [p for p in prompts for _ in range(n_samples_per_prompt)]  # a group's rows are contiguous
-        completions = self._generate(engine, repeated, spec, seed)
+        images = self._images(prompts, n_samples_per_prompt)
+        completions = self._generate(engine, repeated, spec, seed, images)
         scored = self._score(repeated, completions)
         output = {
             "prompt_token_ids": [p.token_ids for p in repeated],
@@ -98,6 +115,8 @@ class SingleTurnEnvironment:
         }
         if self.teacher_of is not None:  # on-policy distillation: each row's teacher by its prompt row's columns
             output["teacher_ids"] = [self.teacher_of(p.extra) for p in repeated]
+        if images is not None:
+            output["images"] = images
         if all("routed_experts" in c.extra for c in completions):  # MoE routing replay R3 (builtin_engine.py)
             output["routed_experts"] = [c.extra["routed_experts"] for c in completions]
         try:
@@ -108,6 +127,8 @@ class SingleTurnEnvironment:
         metrics = {f"reward_fn/{k}": v for k, v in scored.metrics.items()}
         metrics.update(failure_metrics)
         metrics["data/epoch"] = float(self.order.epoch)
+        if self.images is not None:
+            metrics["data/failed_image_rows"] = float(len(self.train.failed))
         return Rollouts(output, metrics, samples=scored.samples[::n_samples_per_prompt],  # type: ignore[arg-type]
                         failures=scored.failures)
 
@@ -152,7 +173,7 @@ class SingleTurnEnvironment:
         if self.val is None:
             return Evaluation({})
         prompts = self.val.kept[:num_prompts] if num_prompts else self.val.kept
-        scored = self._score(prompts, self._generate(engine, prompts, spec, seed))
+        scored = self._score(prompts, self._generate(engine, prompts, spec, seed, self._images(prompts)))
         return Evaluation(pass_metrics(scored.rewards, pass_threshold), scored.samples, scored.failures)
 
     def random_baseline(self, seed: int) -> float | None:
