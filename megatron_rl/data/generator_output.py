@@ -37,7 +37,6 @@ naming the field and the sequence index, before any state changes.
 
 from __future__ import annotations
 
-import math
 import numbers
 import warnings
 from collections.abc import Hashable, Mapping
