@@ -3,7 +3,10 @@ cluster whose head serves the job API (``RayCluster(dashboard=True)``: the ``ray
 
 (a) the CPU demo submitted as a Ray job (DP2, one rank per Ray node) succeeds with the same per-step metrics as the
     plain local run (``NPROC=2``, run at the same time); the job's log has rank 0's progress;
-(b) a long submission, stopped with ``ray job stop`` once it saved its first checkpoint, ends STOPPED; afterwards
+(b) a long submission, stopped with ``ray job stop`` once it saved its first checkpoint, ends STOPPED; the driver
+    passed the stop on as Ctrl-C (the job's interrupted line: ``RAY_JOB_STOP_WAIT_TIME_S`` gives it the time, Ray's
+    default 3 s SIGKILLs the driver first on this loaded machine; then Ray ends its actors and each rank dies with
+    its actor: no process left either, measured once by hand); afterwards
     no process of the job (entrypoint, driver, rank) and no rank actor is left on either simulated node (``ps``:
     they share this machine's), no actor is alive (``ray list actors``, the state API); the checkpoint is intact:
     the next submission of the same command resumes after it and runs to its end.
@@ -31,6 +34,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
+STOP_WAIT_S = 60
+"""``RAY_JOB_STOP_WAIT_TIME_S`` of the stopped job: time for the driver's Ctrl-C path (docs/RAY.md)."""
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +60,13 @@ def ray_job(cluster: RayCluster, command: str, *args: str, timeout: float = 60) 
                           capture_output=True, text=True, timeout=timeout)
 
 
-def submit(cluster: RayCluster, job_id: str, out_dir: Path, *args: str, wait: bool) -> subprocess.CompletedProcess:
-    """``ray job submit -- bash -c '<entrypoint>'`` (ray joins the words after ``--`` shell-quoted)."""
-    return ray_job(cluster, "submit", f"--submission-id={job_id}", *([] if wait else ["--no-wait"]), "--",
+def submit(cluster: RayCluster, job_id: str, out_dir: Path, *args: str, wait: bool = True,
+           stop_wait_s: int | None = None) -> subprocess.CompletedProcess:
+    """``ray job submit -- bash -c '<entrypoint>'`` (ray joins the words after ``--`` shell-quoted); with
+    ``stop_wait_s``, ``ray job stop`` waits that long after its SIGTERM before its SIGKILL (Ray's default: 3 s)."""
+    env = ["--runtime-env-json", json.dumps({"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(stop_wait_s)}})] \
+        if stop_wait_s else []
+    return ray_job(cluster, "submit", f"--submission-id={job_id}", *env, *([] if wait else ["--no-wait"]), "--",
                    "bash", "-c", entrypoint(out_dir, *args), timeout=400)
 
 
@@ -80,7 +89,7 @@ def test_ray_job_submit_equals_the_local_run(cluster: RayCluster, tmp_path: Path
     t0 = time.monotonic()
     local, on_ray = tmp_path / "local", tmp_path / "job"
     local_run = launch(cluster, local, f"demo.num_steps={STEPS}", nproc=2)  # beside the job: the cores stay busy
-    job = submit(cluster, "mrl-equal", on_ray, f"demo.num_steps={STEPS}", wait=True)
+    job = submit(cluster, "mrl-equal", on_ray, f"demo.num_steps={STEPS}")
     out, err = local_run.communicate(timeout=400)
     assert local_run.returncode == 0, out + err
     assert job.returncode == 0 and "Job 'mrl-equal' succeeded" in job.stdout, job.stdout[-4000:] + job.stderr
@@ -96,7 +105,7 @@ def test_ray_job_stop_leaves_nothing_and_the_checkpoint_resumes(cluster: RayClus
     t0 = time.monotonic()
     out_dir = tmp_path / "stopped"
     long_run = ["demo.num_steps=1000", "checkpoint.save_interval=1"]
-    job = submit(cluster, "mrl-stop", out_dir, *long_run, wait=False)
+    job = submit(cluster, "mrl-stop", out_dir, *long_run, wait=False, stop_wait_s=STOP_WAIT_S)
     assert job.returncode == 0, job.stdout + job.stderr
     deadline = time.monotonic() + 300
     rows = lambda: len(metrics(out_dir)) if (out_dir / "metrics.jsonl").exists() else 0  # noqa: E731
@@ -114,9 +123,10 @@ def test_ray_job_stop_leaves_nothing_and_the_checkpoint_resumes(cluster: RayClus
     assert left() == []
     assert alive_actors(cluster) == []
     done = rows()
+    log = ray_job(cluster, "logs", "mrl-stop").stdout
+    assert "megatron_rl: interrupted during step" in log, log[-3000:]  # the ranks stopped, the driver said so
     print(f"\nstopped after step {done}: {time.monotonic() - t0:.1f} s", flush=True)
-    resumed = submit(cluster, "mrl-resume", out_dir, f"demo.num_steps={done + 1}", "checkpoint.save_interval=1",
-                     wait=True)
+    resumed = submit(cluster, "mrl-resume", out_dir, f"demo.num_steps={done + 1}", "checkpoint.save_interval=1")
     assert resumed.returncode == 0 and "Job 'mrl-resume' succeeded" in resumed.stdout, \
         resumed.stdout[-4000:] + resumed.stderr
     saved = re.search(r"resuming after step (\d+)", resumed.stdout)
