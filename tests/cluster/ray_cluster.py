@@ -77,8 +77,8 @@ class RayCluster:
 
     def start(self, timeout: float = 120) -> RayCluster:
         common = ["--block", f"--num-cpus={self.cpus}", "--num-gpus=0", "--disable-usage-stats"]
-        dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}"]
-                     if self.dashboard_port else ["--include-dashboard=false"])
+        dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                      f"--dashboard-port={self.dashboard_port}"] if self.dashboard_port else ["--include-dashboard=false"])
         self._spawn([RAY, "start", "--head", f"--port={self.port}", *dashboard, *self._agent(),
                      f"--resources={json.dumps({NODES[0]: 1})}", *common], "head")
         self._spawn([RAY, "start", f"--address={self.address}", *self._agent(),
