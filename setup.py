@@ -28,6 +28,8 @@ setup(
         "demo": ["tqdm", "tensorboard", "matplotlib", "pyarrow", "openai"],  # the main job: progress, logs, plot,
         # prompt files; openai: the client of job.agent functions (examples/tool_agent)
         "gpu": ["transformer-engine"],
-        "ray": ["ray==2.60.0"],  # launch.scheduler=ray (megatron_rl/launch/ray_driver.py); job/ray_launch_config.py
+        # launch.scheduler=ray (megatron_rl/launch/ray_driver.py; job/ray_launch_config.py); [default]: the dashboard's
+        # job server, for `ray job submit` / `ray job stop` (+~60 MB, ~15 s to install: aiohttp, opencensus, ...)
+        "ray": ["ray[default]==2.60.0"],
     },
 )

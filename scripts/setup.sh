@@ -66,7 +66,7 @@ pip=("$venv/bin/python" -m pip install -q -c "$constraints")
 # The editable install writes megatron_rl.egg-info in the checkout: one venv's at a time (CI sets up both ends at once)
 lock=(); if command -v flock >/dev/null 2>&1; then lock=(flock setup.py); fi
 "${lock[@]}" "${pip[@]}" -e ".[test,hf,demo,ray]" 2>&1 | grep -v "is ignored" || true
-"$venv/bin/python" -W ignore -c "import torch, megatron.core, yaml, pytest, transformers, mbridge, ray" \
+"$venv/bin/python" -W ignore -c "import torch, megatron.core, yaml, pytest, transformers, mbridge, ray, aiohttp" \
   || { echo "setup: $venv is incomplete (see pip output above)"; exit 1; }
 installed=$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('megatron-core'))")
 [ "$installed" = "$MCORE_VERSION" ] || { echo "setup: $venv has megatron-core $installed, want $MCORE_VERSION"; exit 1; }

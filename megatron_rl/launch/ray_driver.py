@@ -20,7 +20,8 @@ Place in the data flow: ``run_megatron.sh`` execs ``python -m megatron_rl.launch
 
 A dead rank actor (killed, its node gone) ends the run with one line naming the rank and node (exit code 1);
 Ctrl-C (or SIGTERM: ``ray job stop``) passes SIGINT to every rank, which stops at a step boundary as under
-torchrun (a second Ctrl-C ends them at once). Every actor ends with this process: none is detached (Ray ends an
+torchrun (a second Ctrl-C ends them at once). ``ray job stop`` SIGKILLs this process ``RAY_JOB_STOP_WAIT_TIME_S``
+after its SIGTERM (Ray's default 3 s, set at submission: docs/RAY.md); then Ray ends the actors, as below. Every actor ends with this process: none is detached (Ray ends an
 owner's actors with it), and each rank dies with its actor (``ray_rank.py``). Same job, same results as torchrun:
 everything after the ranks start is the code torchrun runs.
 

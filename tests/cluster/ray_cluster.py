@@ -5,7 +5,10 @@
     head     ray start --head --block, node_a: 1 (a custom resource naming the node), its own CPUs
     worker   ray start --address=<head> --block, node_b: 1, its own CPUs
 
-(no dashboard, no usage stats), each in its own session, and ``stop()`` ends exactly those two process trees (the
+(no usage stats; no dashboard unless ``RayCluster(dashboard=True)``: then the head also serves Ray's dashboard and
+its job API, for ``ray job submit``, at ``dashboard_url``; each node's dashboard agent listens on a free port of its
+own, not Ray's fixed 52365, so that two nodes and other clusters on this machine do not collide), each in its own
+session, and ``stop()`` ends exactly those two process trees (the
 Popen handles it holds: SIGTERM to ``ray start --block``, which stops its node; then SIGKILL of what is left of
 each session). Clients reach the cluster through ``env()`` (``RAY_ADDRESS``, ``RAY_TMPDIR``). The ``ray`` extra
 (setup.py) is installed by ``scripts/setup.sh``; ``require_ray()`` fails when it is missing: Ray is a dependency of
@@ -49,15 +52,22 @@ def free_port() -> int:
 class RayCluster:
     """Two Ray nodes on this machine (module docstring)."""
 
-    def __init__(self, cpus_per_node: int = 1) -> None:
+    def __init__(self, cpus_per_node: int = 1, dashboard: bool = False) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="mrl_ray_", dir="/tmp"))  # short: Ray's socket paths
         self.port = free_port()
+        self.dashboard_port = free_port() if dashboard else None
         self.cpus = cpus_per_node
         self.procs: list[subprocess.Popen] = []
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        """The job API's address (``ray job submit --address``)."""
+        assert self.dashboard_port is not None, "RayCluster(dashboard=True) serves the job API"
+        return f"http://127.0.0.1:{self.dashboard_port}"
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a client of this cluster."""
@@ -67,12 +77,32 @@ class RayCluster:
 
     def start(self, timeout: float = 120) -> RayCluster:
         common = ["--block", f"--num-cpus={self.cpus}", "--num-gpus=0", "--disable-usage-stats"]
-        self._spawn([RAY, "start", "--head", f"--port={self.port}", "--include-dashboard=false",
+        dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                      f"--dashboard-port={self.dashboard_port}"] if self.dashboard_port else ["--include-dashboard=false"])
+        self._spawn([RAY, "start", "--head", f"--port={self.port}", *dashboard, *self._agent(),
                      f"--resources={json.dumps({NODES[0]: 1})}", *common], "head")
-        self._spawn([RAY, "start", f"--address={self.address}", f"--resources={json.dumps({NODES[1]: 1})}", *common],
-                    "worker")
+        self._spawn([RAY, "start", f"--address={self.address}", *self._agent(),
+                     f"--resources={json.dumps({NODES[1]: 1})}", *common], "worker")
         self._wait_nodes(timeout)
+        if self.dashboard_port:
+            self._wait_job_api(timeout)
         return self
+
+    @staticmethod
+    def _agent() -> list[str]:
+        return [f"--dashboard-agent-listen-port={free_port()}"]
+
+    def _wait_job_api(self, timeout: float) -> None:
+        """Until the head's job API answers (``ray job list``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            listed = subprocess.run([RAY, "job", "list", "--address", self.dashboard_url], env=self.env(),
+                                    capture_output=True, text=True)
+            if listed.returncode == 0:
+                return
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"the test Ray cluster's job API did not answer in {timeout} s: {listed.stderr[-2000:]}")
 
     def _spawn(self, command: list[str], name: str) -> None:
         log = open(self.folder / f"{name}.out", "ab")
