@@ -80,12 +80,13 @@ def test_a_served_teacher_scores_like_transformers_and_the_in_trainer_teacher(gr
     batch = TrainingBatch.from_generator_output(_rollouts(), pad_token_id=0)
     mask = batch["response_mask"]
     served = build_distillation(_config(teacher_dir, "vllm", tmp_path / "out"), groups, 0, rollout)
+    process = served.teachers[0].server.proc
     try:
         got = _scores(served, batch)
     finally:
         served.close()
-    server_log = tmp_path / "out" / "engine" / "teacher_t.log"
-    assert server_log.is_file() and served.teachers[0].server is None
+    assert (tmp_path / "out" / "engine" / "teacher_t.log").is_file()
+    assert process.poll() is not None and served.teachers[0].server is None  # killed
     in_trainer = build_distillation(_config(teacher_dir, "megatron", tmp_path / "out"), groups, 0)
     expected = _scores(in_trainer, batch)
 
