@@ -20,7 +20,7 @@ Lifecycle: rank 0 starts ``vllm serve`` on the teacher's checkpoint at set-up (`
 engine server of inference/vllm/server.py: its own token, loopback, a free port, a watchdog that kills it with the
 trainer), its log in ``<logging.output_dir>/engine/teacher_<name>.log``; ``close`` kills it. No weight sync: the
 teacher is frozen. On CPU it takes vLLM's default cores (it runs while the policy's engines wait for the step);
-on GPU the device after the policy's engines (wrapping: it then shares one, within
+on GPU the device after the policy's vLLM engines, else device 0 (shared with the trainer there, within
 ``rollout.gpu_memory_utilization``).
 """
 

@@ -1,5 +1,5 @@
 """The teachers of on-policy distillation: checked at start-up, built as frozen Megatron models in the trainer's
-ranks (docs/DISTILLATION.md).
+ranks, or (``engine: vllm``) served by a vLLM server of their own (``served.py``; docs/DISTILLATION.md).
 
 Place in the data flow: set-up, beside the reference model (job/main.py ``build_job``). A teacher is
 ``MegatronPolicy(role='reference')`` built by ``hf.weights.policy_from_hf`` from its own checkpoint: its own
@@ -117,7 +117,8 @@ def _served_teacher(config: MegatronRLConfig, teacher: Any, groups: Any, rollout
         raise ConfigError(f"distillation teacher {teacher.name!r} has engine: vllm: {err}") from None
     device = None
     if groups.device.type == "cuda" and torch.cuda.device_count():  # after the policy's engines (wrapping)
-        device = str(rollout.num_engines * rollout.engine_tensor_parallel_size % torch.cuda.device_count())
+        policy_devices = rollout.num_engines * rollout.engine_tensor_parallel_size if rollout.engine == "vllm" else 0
+        device = str(policy_devices % torch.cuda.device_count())
     log_path = Path(config.logging.output_dir) / "engine" / f"teacher_{teacher.name}.log"
     return ServedTeacher.start(teacher.name, teacher.hf_path, options, rank=groups.rank, log_path=log_path,
                                start_timeout_s=rollout.start_timeout_s, timeout_s=rollout.request_timeout_s,
