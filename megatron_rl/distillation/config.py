@@ -43,6 +43,12 @@ class TeacherConfig:
     weight: float = field(default=1.0, metadata=FINITE)
     """Multiplies this teacher's term: a row scored by it gets ``-distillation.coef * weight * (logp_student -
     logp_teacher)`` per sampled token."""
+    engine: Literal["megatron", "vllm"] = "megatron"
+    """Where the teacher runs. 'megatron': a frozen Megatron model in the trainer's ranks (the policy's parallel
+    layout; its weights in every rank's memory). 'vllm': its own ``vllm serve`` of ``hf_path`` started by rank 0
+    (``distillation/served.py``: the engine interpreter, dtype rule, KV cache and memory share of ``rollout.*``;
+    its log ``<logging.output_dir>/engine/teacher_<name>.log``), which scores its rows by prompt log-probs and
+    broadcasts them: no teacher weights in the trainer (docs/DISTILLATION.md says when to use which)."""
     when: dict[str, Any] | None = None
     """Rows this teacher scores, ``{column: value}`` over the prompt row's data columns (every pair must equal
     the row's value); None = every row. Needs rows with data columns (``job.environment: single_turn``: the
@@ -51,6 +57,8 @@ class TeacherConfig:
     none get no distillation term (``distill/unscored_rows``)."""
 
 
+ENGINES = ("megatron", "vllm")
+"""Values of ``distillation.teachers[i].engine``."""
 _TEACHER_FIELDS = tuple(f.name for f in dataclasses.fields(TeacherConfig))
 
 
@@ -80,7 +88,12 @@ def _teacher(entry: Any, index: int) -> TeacherConfig:
         if not isinstance(column, str) or not (value is None or isinstance(value, (str, int, float, bool))):
             raise ConfigError(f"{key}.when={when!r}: each entry must be column: value with a string column and a "
                               f"scalar value (string, number, bool or null), got {column!r}: {value!r}")
-    teacher = TeacherConfig(name=entry["name"], hf_path=entry["hf_path"], weight=float(weight), when=when)
+    engine = entry.get("engine", "megatron")
+    if engine not in ENGINES:
+        raise ConfigError(f"{key}.engine={engine!r} must be one of {list(ENGINES)} ('megatron': in the trainer's "
+                          "ranks; 'vllm': a vLLM server of its own)")
+    teacher = TeacherConfig(name=entry["name"], hf_path=entry["hf_path"], weight=float(weight), when=when,
+                            engine=engine)
     check_fields(teacher, f"{key}.")
     return teacher
 

@@ -78,6 +78,12 @@ class Distillation:
         self.config = config
         self.teachers = list(teachers)
 
+    def close(self) -> None:
+        """Stop the teachers that hold a process (a served teacher's vLLM server); idempotent."""
+        for teacher in self.teachers:
+            if hasattr(teacher, "close"):
+                teacher.close()
+
     @staticmethod
     def needs_old_logprobs(batch: TrainingBatch) -> bool:
         """Whether the student's log-probs need the old-log-prob forward (the rollouts carry none)."""

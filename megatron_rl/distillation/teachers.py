@@ -1,5 +1,5 @@
 """The teachers of on-policy distillation: checked at start-up, built as frozen Megatron models in the trainer's
-ranks (docs/DISTILLATION.md).
+ranks, or (``engine: vllm``) served by a vLLM server of their own (``served.py``; docs/DISTILLATION.md).
 
 Place in the data flow: set-up, beside the reference model (job/main.py ``build_job``). A teacher is
 ``MegatronPolicy(role='reference')`` built by ``hf.weights.policy_from_hf`` from its own checkpoint: its own
@@ -74,26 +74,60 @@ def teacher_config(config: MegatronRLConfig) -> MegatronRLConfig:
     return dataclasses.replace(config, model=base)
 
 
-def build_teachers(config: MegatronRLConfig, groups: Any, pad_token_id: int) -> list[Any]:
-    """One frozen ``MegatronPolicy`` per ``distillation.teachers`` entry, loaded from its checkpoint (collective:
-    call on every rank). ``pad_token_id``: the student's (the batch is padded with it; ``attention_mask`` hides
-    padding, so the teacher never reads it)."""
+def build_teachers(config: MegatronRLConfig, groups: Any, pad_token_id: int, rollout: Any = None) -> list[Any]:
+    """One frozen teacher per ``distillation.teachers`` entry (collective: call on every rank): a
+    ``MegatronPolicy`` loaded from its checkpoint (``engine: megatron``), or a ``ServedTeacher`` whose server
+    rank 0 starts (``engine: vllm``; ``rollout``: the job's ``RolloutConfig``, for the engine's settings).
+    ``pad_token_id``: the student's (the batch is padded with it; ``attention_mask`` hides padding, so the teacher
+    never reads it)."""
     from megatron_rl.hf.weights import policy_from_hf
 
     check_teachers(config)
+    served = [t.name for t in config.distillation.teachers if t.engine == "vllm"]
+    if served and rollout is None:
+        raise ValueError(f"distillation teachers {served} have engine: vllm, which needs the job's rollout settings "
+                         "(build_distillation(..., rollout=job_config.rollout)); or set their engine: megatron")
     base, teachers = teacher_config(config), []
     for teacher in config.distillation.teachers:
         if groups.rank == 0:
             rows = "every row" if teacher.when is None else f"the rows where {teacher.when}"
-            print(f"distillation: teacher {teacher.name!r} from {teacher.hf_path} scores {rows} (coef "
-                  f"{config.distillation.coef} x weight {teacher.weight}, {config.distillation.kind})", flush=True)
-        teachers.append(policy_from_hf(base, groups, role="reference", hf_dir=teacher.hf_path,
-                                       pad_token_id=pad_token_id))
+            print(f"distillation: teacher {teacher.name!r} from {teacher.hf_path} ({teacher.engine}) scores {rows} "
+                  f"(coef {config.distillation.coef} x weight {teacher.weight}, {config.distillation.kind})",
+                  flush=True)
+        if teacher.engine == "vllm":
+            teachers.append(_served_teacher(config, teacher, groups, rollout))
+        else:
+            teachers.append(policy_from_hf(base, groups, role="reference", hf_dir=teacher.hf_path,
+                                           pad_token_id=pad_token_id))
     return teachers
 
 
-def build_distillation(config: MegatronRLConfig, groups: Any, pad_token_id: int) -> Distillation | None:
+def _served_teacher(config: MegatronRLConfig, teacher: Any, groups: Any, rollout: Any) -> Any:
+    """A ``ServedTeacher`` of ``teacher`` (rank 0 starts its server; see ``distillation/served.py``)."""
+    import torch
+
+    from megatron_rl.distillation.served import ServedTeacher, served_options
+
+    shapes = model_config_from_hf(teacher.hf_path, key=f"distillation.teachers[{teacher.name}].hf_path")
+    max_len = rollout.max_model_len or shapes.max_position_embeddings
+    try:  # (the engine's interpreter: the same answer on every rank)
+        options = served_options(rollout, dataclasses.replace(shapes, params_dtype=config.model.params_dtype),
+                                 groups.device.type, max_len, config.seed)
+    except ValueError as err:
+        raise ConfigError(f"distillation teacher {teacher.name!r} has engine: vllm: {err}") from None
+    device = None
+    if groups.device.type == "cuda" and torch.cuda.device_count():  # after the policy's engines (wrapping)
+        policy_devices = rollout.num_engines * rollout.engine_tensor_parallel_size if rollout.engine == "vllm" else 0
+        device = str(policy_devices % torch.cuda.device_count())
+    log_path = Path(config.logging.output_dir) / "engine" / f"teacher_{teacher.name}.log"
+    return ServedTeacher.start(teacher.name, teacher.hf_path, options, rank=groups.rank, log_path=log_path,
+                               start_timeout_s=rollout.start_timeout_s, timeout_s=rollout.request_timeout_s,
+                               device=device)
+
+
+def build_distillation(config: MegatronRLConfig, groups: Any, pad_token_id: int, rollout: Any = None
+                       ) -> Distillation | None:
     """The ``Distillation`` the Trainer takes (``Trainer(distillation=...)``), or None when no teacher is set."""
     if not config.distillation.enabled:
         return None
-    return Distillation(config.distillation, build_teachers(config, groups, pad_token_id))
+    return Distillation(config.distillation, build_teachers(config, groups, pad_token_id, rollout))

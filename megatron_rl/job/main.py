@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if job is not None and job.engine is not None:
             job.engine.close()
+        if job is not None and job.trainer.distillation is not None:
+            job.trainer.distillation.close()  # a served teacher's vLLM server
         destroy_distributed()
 
 
@@ -194,7 +196,7 @@ def build_job(config: JobConfig, groups: ParallelGroups, environment: Environmen
         if critic_cfg.init_from_policy:
             critic.load_trunk(policy.full_state_dict())
     trainer = Trainer(rl, policy, reference=reference, critic=critic,
-                      distillation=build_distillation(rl, groups, pad_id),
+                      distillation=build_distillation(rl, groups, pad_id, config.rollout),
                       skip_old_logprobs=config.rollout.max_staleness == 0)  # async: keep the forward
     sampling = SamplingSpec(max_tokens=job.max_new_tokens, temperature=job.temperature, top_p=job.top_p,
                             stop_token_ids=environment.stop_token_ids)
