@@ -178,6 +178,11 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
         bridge = bridge_for(model_chunks, hf_dir, groups)
     from mbridge.core.bridge import Bridge
 
+    if hasattr(bridge, "language"):  # a language bridge and the stage's other tensors (Qwen2.5-VL: its vision tower)
+        yield from iter_stage_hf_weights(bridge.language_chunks(model_chunks), hf_dir, groups, bridge=bridge.language)
+        with torch.no_grad():
+            yield from bridge.extra_stage_weights(model_chunks, groups)
+        return
     if not isinstance(bridge, Bridge):  # a family's own stream (Qwen3.5: the stage gathered at once)
         with torch.no_grad():
             yield from bridge.iter_stage_weights(model_chunks, groups)

@@ -50,6 +50,7 @@ from megatron_rl.distributed.rank0 import broadcast_from_rank0
 from megatron_rl.hf.lora import ADAPTER_DIR, export_peft_adapter
 from megatron_rl.inference.config import RolloutConfig, engine_dtype
 from megatron_rl.inference.engine import Completion, EngineError, EngineStartError, SamplingSpec
+from megatron_rl.hf.families import family_of
 from megatron_rl.inference.vllm.engine_nodes import EngineHosts
 from megatron_rl.inference.nodes import NodeLayout, engine_host, engines_on_node
 from megatron_rl.inference.vllm import CAPABILITIES
@@ -97,6 +98,7 @@ class VLLMEngine(Membership, WeightSyncing):
         self.run_on_main_thread: Any = None
         """Set by a caller that generates in a thread while the main thread trains (``job/pipeline.py``): runs a
         collective weight sync (the all-engines-down admission) on the main thread, between training steps."""
+        self.serves_images = family_of(policy.config.model).support.vllm_images
         self.layout = NodeLayout()
         self.launcher: Launcher | None = None
         """A node's local rank 0 on a multi-node job (not global rank 0: its ``Fleet`` has one): starts this node's
