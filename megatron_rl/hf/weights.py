@@ -10,7 +10,8 @@ sync, and the HF export's writer.
 
 Qwen3.5 (hybrid Gated-DeltaNet) has no mbridge bridge: ``hf/qwen35.py`` maps it (every rank reads the
 checkpoint, ``model/weights.py`` shards it); its per-stage stream gathers the stage over TP at once
-(``qwen35.StageStream``, which ``bridge_for`` returns for it, ``Family.stage_stream``).
+(``qwen35.StageStream``, which ``bridge_for`` returns for it, ``Family.stage_stream``). Qwen2.5-VL's stream is
+mbridge's for the language model plus the vision tower (``qwen2_5_vl.VisionStageStream``).
 
 Export writes ``model.safetensors`` (or size-limited shards + ``model.safetensors.index.json``) on rank 0,
 plus the source directory's config and tokenizer files, so ``transformers`` loads the result directly.

@@ -145,5 +145,6 @@ QWEN2_5_VL = Qwen25VLFamily(
     types={MODEL_TYPE: {"add_qkv_bias": True}}, bridges={MODEL_TYPE: "qwen2"},
     support=Support(kv_cache_decoding=False, vllm_adapter_sync=False, vllm_images=True),
 )
-"""Qwen2.5-VL. Its support in this first slice: training and log-probs (``model/vision_language.py``); the
-rollout engines do not serve it yet (docs/VISION.md section 8)."""
+"""Qwen2.5-VL. Training and log-probs (``model/vision_language.py``); vLLM serves it with images
+(``inference/vllm/images.py``, the weight sync streams the tower: docs/VISION.md section 9); the main job generates
+with images on the built-in engine only (section 8)."""
