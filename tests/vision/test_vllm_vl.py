@@ -10,11 +10,13 @@ prompt must equal the trainer's (``inference/vllm/images.py``). Checks, against 
 TOLERANCE: both fp32, other kernels):
 
 - before any training: within the bound; planted bug: the trainer scores each sample with the images of the
-  other 16 x 16 row (same token layout, other pixels): beyond the bound;
+  other 16 x 16 row (same token layout, other pixels): beyond the bound; the same through
+  ``VLLMEngine.generate(images=...)`` (the fleet's routing and grouping: a group is a prompt with its images);
 - after one SGD step (lr 0.05: the tower moves) and ``update_weights``: within the bound again; planted bug: one
   more step synced without the vision tensors (the language model only, as before this slice): beyond the bound.
 
-Measured: 4.8e-7 before and after the sync; the swapped images 6.6e-3, the language-only sync 5.0e-3.
+Measured: 4.8e-7 before and after the sync and through ``generate``; the swapped images 6.6e-3, the language-only
+sync 5.0e-3, ``generate`` with the fleet grouping samples by tokens alone (planted in ``calls.py``, checked) 4.3e-3.
 Cost: ~17 s wall on the 2-core machine (one engine start, three syncs). Markers: ``engine``, ``core``.
 """
 
@@ -114,6 +116,23 @@ def _train_and_sync(policy, engine, prompts, samples) -> None:
     engine.update_weights(policy)
 
 
+def _generate(engine, prompts):
+    """``VLLMEngine.generate(images=...)``, groups of 2 samples, the images as the environment gives them
+    (``RowImages``: patches and URLs, one object per group). Rows 0 and 1 have equal tokens and other images: a
+    fleet that grouped samples by tokens alone would sample row 1 with row 0's image."""
+    from megatron_rl.environments.single_turn.images import RowImages
+    from megatron_rl.inference.engine import SamplingSpec
+
+    rows = []
+    for _, images, urls in prompts:
+        rows.append(RowImages(images))
+        rows[-1].urls = tuple(urls)
+    order = [0, 0, 1, 1, 2, 2, 3, 3]
+    completions = engine.generate([prompts[i][0] for i in order], SamplingSpec(max_tokens=5, temperature=1.0),
+                                  seed=5, images=[rows[i] for i in order])
+    return [(i, c.token_ids, c.logprobs) for i, c in zip(order, completions)]
+
+
 def _no_vision(self, model_chunks, groups):
     """Planted bug: the weight sync's stream without the vision tower (what it sent before this slice)."""
     return iter(())
@@ -133,6 +152,8 @@ def test_vllm_samples_with_images_match_the_trainer_before_and_after_a_sync(grou
         swapped = [p[1] for p in prompts]
         swapped[0], swapped[1] = swapped[1], swapped[0]  # planted: the other 16 x 16 row's image
         assert _diff(policy, prompts, samples, swapped) > TOLERANCE
+
+        assert _diff(policy, prompts, _generate(engine, prompts)) < TOLERANCE
 
         _train_and_sync(policy, engine, prompts, samples)
         samples = _sample(engine, prompts, seed=100)
