@@ -147,4 +147,4 @@ QWEN2_5_VL = Qwen25VLFamily(
 )
 """Qwen2.5-VL. Training and log-probs (``model/vision_language.py``); vLLM serves it with images
 (``inference/vllm/images.py``, the weight sync streams the tower: docs/VISION.md section 9); the main job generates
-with images on the built-in engine only (section 8)."""
+with images on the built-in engine or the vLLM fleet (sections 8-9)."""
