@@ -112,9 +112,9 @@ def _prompt_images(config: Any) -> Any:
         return None
     from megatron_rl.environments.single_turn.images import PromptImages
 
-    if config.rollout.engine != "builtin":
-        raise ConfigError(f"data.image_key={config.data.image_key!r} needs rollout.engine=builtin (got "
-                          f"{config.rollout.engine!r}): generating with images on vLLM is not done (docs/VISION.md)")
+    if config.rollout.engine not in ("builtin", "vllm"):
+        raise ConfigError(f"data.image_key={config.data.image_key!r} needs rollout.engine=builtin or vllm (got "
+                          f"{config.rollout.engine!r}): the engines that take images (docs/VISION.md)")
     from pathlib import Path
 
     files = config.data.paths("train_files") + config.data.paths("val_files")

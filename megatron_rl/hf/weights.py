@@ -10,7 +10,8 @@ sync, and the HF export's writer.
 
 Qwen3.5 (hybrid Gated-DeltaNet) has no mbridge bridge: ``hf/qwen35.py`` maps it (every rank reads the
 checkpoint, ``model/weights.py`` shards it); its per-stage stream gathers the stage over TP at once
-(``qwen35.StageStream``, which ``bridge_for`` returns for it, ``Family.stage_stream``).
+(``qwen35.StageStream``, which ``bridge_for`` returns for it, ``Family.stage_stream``). Qwen2.5-VL's stream is
+mbridge's for the language model plus the vision tower (``qwen2_5_vl.VisionStageStream``).
 
 Export writes ``model.safetensors`` (or size-limited shards + ``model.safetensors.index.json``) on rank 0,
 plus the source directory's config and tokenizer files, so ``transformers`` loads the result directly.
@@ -178,6 +179,11 @@ def iter_stage_hf_weights(model_chunks: list[torch.nn.Module], hf_dir: str | os.
         bridge = bridge_for(model_chunks, hf_dir, groups)
     from mbridge.core.bridge import Bridge
 
+    if hasattr(bridge, "language"):  # a language bridge and the stage's other tensors (Qwen2.5-VL: its vision tower)
+        yield from iter_stage_hf_weights(bridge.language_chunks(model_chunks), hf_dir, groups, bridge=bridge.language)
+        with torch.no_grad():
+            yield from bridge.extra_stage_weights(model_chunks, groups)
+        return
     if not isinstance(bridge, Bridge):  # a family's own stream (Qwen3.5: the stage gathered at once)
         with torch.no_grad():
             yield from bridge.iter_stage_weights(model_chunks, groups)

@@ -134,7 +134,7 @@ class RolloutEngine(Protocol):
         """One completion per prompt, identical on every rank; ``seed`` makes the draws reproducible. A call
         that repeats the previous call's seed continues its random stream (so the turns of a multi-turn step,
         which pass the step's seed, draw different numbers); a new seed starts a fresh one. Prompts with images
-        (``data.image_key``) go only to an engine that takes ``images=`` (the built-in one, ``BuiltinEngine``:
+        (``data.image_key``) go only to an engine that takes ``images=`` (``BuiltinEngine``, ``VLLMEngine``:
         the registry refuses others at start-up)."""
         ...
 

@@ -20,13 +20,17 @@ IMAGE_TOKEN, VISION_START, VISION_END = 250, 252, 253
 PATCH, TEMPORAL_PATCH, MERGE, CHANNELS = 4, 2, 2, 3
 
 
-def config():
+def config(head_dim: int = 16):
+    """The tiny model's config; ``head_dim=32`` (2 query heads, 1 KV head, mrope_section [4, 6, 6]) for vLLM,
+    whose CPU attention takes head sizes of 32 and up."""
     from transformers import Qwen2_5_VLConfig
 
+    heads, section = (4, [2, 3, 3]) if head_dim == 16 else (64 // head_dim, [4, 6, 6])
     return Qwen2_5_VLConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=512,
+                         rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
                          pad_token_id=0, bos_token_id=None, eos_token_id=2),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                            patch_size=PATCH, temporal_patch_size=TEMPORAL_PATCH, spatial_merge_size=MERGE,
@@ -35,12 +39,12 @@ def config():
         vision_end_token_id=VISION_END, tie_word_embeddings=False)
 
 
-def make_model(seed: int = 0):
+def make_model(seed: int = 0, head_dim: int = 16):
     """The tiny ``Qwen2_5_VLForConditionalGeneration`` in eval mode, fp32."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config()).eval()
+    model = Qwen2_5_VLForConditionalGeneration(config(head_dim)).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -66,11 +70,11 @@ def save_tokenizer(path: Path) -> None:
                             additional_special_tokens=list(SPECIAL_TOKENS)).save_pretrained(path)
 
 
-def save_checkpoint(path: Path, seed: int = 0) -> Path:
+def save_checkpoint(path: Path, seed: int = 0, head_dim: int = 16) -> Path:
     """Save the tiny model with its tokenizer and image processor (patch 4, 2x2 merge, 8x8 to 32x32 pixels)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    make_model(seed).save_pretrained(path)
+    make_model(seed, head_dim).save_pretrained(path)
     save_tokenizer(path)
     Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=TEMPORAL_PATCH, merge_size=MERGE,
                              min_pixels=8 * 8, max_pixels=32 * 32).save_pretrained(path)

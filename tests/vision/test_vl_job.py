@@ -35,3 +35,22 @@ def test_main_job_trains_a_vl_checkpoint_on_image_prompts(tmp_path):
     original = Qwen2_5_VLForConditionalGeneration.from_pretrained(task["model"], dtype=torch.float32)
     changed = {n.split(".")[1] for n, p in exported.named_parameters() if not torch.equal(p, original.get_parameter(n))}
     assert {"language_model", "visual"} <= changed, changed  # the vision tower trains too
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_main_job_with_the_vllm_fleet_on_image_prompts(tmp_path):
+    """The same job on ``rollout.engine=vllm`` (the tiny model with head size 32; fp32 engine, bound 1e-4 as
+    tests/job/test_vllm_main_job.py): the fleet samples with the rows' images (``VLLMEngine.generate(images=...)``)
+    and gets the trained weights, vision tower included, after each step."""
+    task = make_task(tmp_path, head_dim=32)
+    out_dir = tmp_path / "run"
+    out = run_megatron(*overrides(task), f"logging.output_dir={out_dir}", "logging.progress_bar=false",
+                       "rollout.engine=vllm", "job.num_steps=2", "batch.train_batch_size=4",
+                       "job.n_samples_per_prompt=2", "batch.policy_mini_batch_size=2", "batch.micro_batch_size=2",
+                       "job.max_new_tokens=4", "optimizer.lr=1e-2", config="").stdout
+    assert "1 train rows left out" in out, out[-3000:]
+    rows = metric_rows(out_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_abs_diff_max"] < 1e-4 and r["data/failed_image_rows"] == 1, r

@@ -30,11 +30,11 @@ def squares_png(count: int, size: int = 16) -> bytes:
     return buffer.getvalue()
 
 
-def make_task(path: Path) -> dict[str, Path]:
+def make_task(path: Path, head_dim: int = 16) -> dict[str, Path]:
     """The checkpoint, prompts.jsonl (5 rows with images: paths, one relative to the file's folder, a data URL; and
     one whose image is missing)
     and the reward file, under ``path``."""
-    model = tiny.save_checkpoint(path / "model")
+    model = tiny.save_checkpoint(path / "model", head_dim=head_dim)  # 32: for vLLM
     rows = []
     for i, count in enumerate([1, 2, 3, 2, 1]):
         image = path / f"squares_{i}.png"

@@ -28,6 +28,23 @@ Images = list[tuple[torch.Tensor, tuple[int, int, int]]]
 """One prompt's images: each one's patches ``[n, F]`` and patch grid ``(t, h, w)`` (``data/mrope.py: batch_images``)."""
 
 
+class RowImages(list):
+    """``Images`` that also carry the images themselves as PNG ``data:`` URLs (``urls``, in order), which the vLLM
+    engine takes (it runs the image processor itself: ``inference/vllm/images.py``)."""
+
+    urls: tuple[str, ...] = ()
+
+
+def png_url(image: Any) -> str:
+    """A PIL image as a PNG ``data:`` URL (lossless: the engine reads back the pixels the trainer encoded)."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 def check_vision_checkpoint(hf_path: str | None, image_key: str) -> None:
     """ConfigError unless ``model.hf_path`` is a vision-language checkpoint (its config has a vision tower and an
     image token)."""
@@ -90,11 +107,13 @@ class PromptImages:
 
     def images(self, prompt: Prompt) -> Images:
         """The prompt's images, encoded again (its row's images were read at set-up: a file removed since then
-        raises ``ImageError``)."""
+        raises ``ImageError``); a ``RowImages``, with the images as PNG data URLs for the vLLM engine."""
         images = self._read({self.image_key: prompt.extra.get(self.image_key)})
         if not images:
             return []
         ids, pixels, grids = self.encoder.encode(prompt.text, images)
         assert ids == prompt.token_ids, "the image encoder gave other tokens than at set-up"
         sizes = grids.prod(-1).tolist()
-        return [(patches, tuple(grid)) for patches, grid in zip(pixels.split(sizes), grids.tolist())]
+        out = RowImages((patches, tuple(grid)) for patches, grid in zip(pixels.split(sizes), grids.tolist()))
+        out.urls = tuple(png_url(image) for image in images)
+        return out

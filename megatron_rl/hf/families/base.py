@@ -48,6 +48,9 @@ class Support:
     vllm_adapter_sync: bool = True
     """A LoRA policy's vLLM engines get the adapters only (``hf/weights.py: iter_hf_weights(merge_adapters=
     False)``); False: refused (``model.lora.rank > 0`` with ``rollout.engine=vllm``)."""
+    vllm_images: bool = False
+    """Its prompts may carry images: the vLLM engines load the checkpoint's tokenizer and image processor and
+    take token prompts with images (``inference/vllm/server.py: ServeOptions.images``; docs/VISION.md)."""
 
 
 @dataclass(frozen=True)

@@ -107,14 +107,44 @@ class Qwen25VLFamily(DenseFamily):
                      hf_config: Any) -> Any:
         from megatron_rl.hf.mbridge import stage_bridge
 
-        return stage_bridge(language_chunks(model_chunks), self.bridge_config(hf_config), groups,
-                            bridge_type="qwen2", grouped_experts=False)
+        return VisionStageStream(stage_bridge(language_chunks(model_chunks), self.bridge_config(hf_config), groups,
+                                              bridge_type="qwen2", grouped_experts=False))
+
+
+@dataclass(frozen=True)
+class VisionStageStream:
+    """The weight sync's stream of a stage (``hf/weights.py: iter_stage_hf_weights``): the language model's
+    tensors through mbridge's ``qwen2`` bridge (``language``, given ``language_chunks``), then, on the first
+    stage's stream root, the vision tower's as ``visual.*`` (the published layout, which vLLM's Qwen2.5-VL loads),
+    unchanged (``extra_stage_weights``). Loading and exporting a checkpoint (``DenseFamily.load_weights`` /
+    ``iter_weights``, given the language chunks) go to the language bridge; the family moves the tower itself."""
+
+    language: Any
+
+    @staticmethod
+    def language_chunks(model_chunks: list) -> list:
+        return language_chunks(model_chunks)
+
+    def extra_stage_weights(self, model_chunks: list, groups: Any) -> Iterator[tuple[str, Any]]:
+        from megatron_rl.model.weights import unwrap
+
+        visual = getattr(unwrap(model_chunks[0]), "visual", None)  # the first stage's (PP1 only)
+        if visual is not None and groups.tp_rank == 0 and groups.ep_rank == 0:  # the stream root
+            for name, tensor in visual.state_dict().items():
+                yield VISION_PREFIXES[0] + name, tensor.detach()
+
+    def load_weights(self, views: list, hf_dir: str) -> None:
+        self.language.load_weights(views, hf_dir)
+
+    def export_weights(self, views: list) -> Iterator[tuple[str, Any]]:
+        return self.language.export_weights(views)
 
 
 QWEN2_5_VL = Qwen25VLFamily(
     name="qwen2_5_vl", model_types=(MODEL_TYPE,), title="vision-language (Qwen2.5-VL)",
     types={MODEL_TYPE: {"add_qkv_bias": True}}, bridges={MODEL_TYPE: "qwen2"},
-    support=Support(kv_cache_decoding=False, vllm_adapter_sync=False),
+    support=Support(kv_cache_decoding=False, vllm_adapter_sync=False, vllm_images=True),
 )
-"""Qwen2.5-VL. Its support in this first slice: training and log-probs (``model/vision_language.py``); the
-rollout engines do not serve it yet (docs/VISION.md section 8)."""
+"""Qwen2.5-VL. Training and log-probs (``model/vision_language.py``); vLLM serves it with images
+(``inference/vllm/images.py``, the weight sync streams the tower: docs/VISION.md section 9); the main job generates
+with images on the built-in engine or the vLLM fleet (sections 8-9)."""

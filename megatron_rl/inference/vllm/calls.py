@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from megatron_rl.inference.engine import Completion, EngineError, SamplingSpec
+from megatron_rl.inference.vllm.images import EngineImages
 from megatron_rl.inference.vllm.router import requests, route
 from megatron_rl.inference.vllm.server import EngineDown
 from megatron_rl.inference.vllm.slot import Slot
@@ -34,9 +35,11 @@ class FleetCalls:
     calls_waiting: threading.Event
     lock: threading.RLock
 
-    def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int]) -> list[Completion] | None:
+    def generate(self, prompts: list[list[int]], spec: SamplingSpec, seeds: list[int],
+                 images: list[EngineImages | None] | None = None) -> list[Completion] | None:
         """Every prompt's completion, or None when no engine serves and replacements must be synced first
-        (the caller runs that collective sync and calls again; finished samples are kept in ``self.partial``)."""
+        (the caller runs that collective sync and calls again; finished samples are kept in ``self.partial``).
+        ``images``: per prompt its images (None: text only); a group is a prompt with its images."""
         if self.partial is None:  # a new call, not the same one again after an admission
             self.partial = {}
             for slot in self.serving():  # MAX_RESTARTS counts the restarts of one call, admissions included (a
@@ -48,8 +51,10 @@ class FleetCalls:
                 if not serving:
                     return None
                 todo = [i for i in range(len(prompts)) if i not in done]
-                engines = route([prompts[i] for i in todo], [s.index for s in serving], max_tokens=spec.max_tokens)
-                self._round(todo, engines, prompts, spec, seeds, done)
+                keys = None if images is None else [(tuple(prompts[i]), images[i]) for i in todo]
+                engines = route([prompts[i] for i in todo], [s.index for s in serving], max_tokens=spec.max_tokens,
+                                keys=keys)
+                self._round(todo, engines, prompts, spec, seeds, done, images)
         except BaseException:
             self.partial = None
             raise
@@ -57,21 +62,23 @@ class FleetCalls:
         return [done[i] for i in range(len(prompts))]
 
     def _round(self, todo: list[int], engines: list[int], prompts: list[list[int]], spec: SamplingSpec,
-               seeds: list[int], done: dict[int, Completion]) -> None:
+               seeds: list[int], done: dict[int, Completion], images: list[EngineImages | None] | None) -> None:
         """Send ``todo`` to ``engines`` concurrently; collect what finishes; mark engines that fail or hang."""
         timeout = self.config.request_timeout_s
         slots = {s.index: s for s in self.slots}
         outstanding: dict[int, int] = {}
         last_progress: dict[int, float] = {}
         tokens_seen: dict[int, float] = {}
-        batches = requests(todo, engines, prompts, seeds, greedy=spec.temperature < GREEDY_BELOW)
+        grouped = prompts if images is None else [(*p, images[i]) for i, p in enumerate(prompts)]  # same images too
+        batches = requests(todo, engines, grouped, seeds, greedy=spec.temperature < GREEDY_BELOW)
         with futures.ThreadPoolExecutor(max_workers=min(len(batches), 64 * max(1, len(set(engines))))) as pool:
             pending = {}
             for samples, engine in batches:  # one request per group (router.py): n samples, seeds seed, seed + 1, ...
                 server = slots[engine].server
                 pending[pool.submit(server.sample, prompts[samples[0]], spec, seed=seeds[samples[0]], n=len(samples),
                                     timeout_s=timeout + 60, model=self.model,
-                                    versioned=self.config.partial_rollouts)] = (samples, engine)
+                                    versioned=self.config.partial_rollouts,
+                                    **({} if images is None else {"images": images[samples[0]]}))] = (samples, engine)
                 outstanding[engine] = outstanding.get(engine, 0) + 1
                 last_progress[engine] = time.monotonic()
             while pending:

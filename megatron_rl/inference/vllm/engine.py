@@ -50,11 +50,13 @@ from megatron_rl.distributed.rank0 import broadcast_from_rank0
 from megatron_rl.hf.lora import ADAPTER_DIR, export_peft_adapter
 from megatron_rl.inference.config import RolloutConfig, engine_dtype
 from megatron_rl.inference.engine import Completion, EngineError, EngineStartError, SamplingSpec
+from megatron_rl.hf.families import family_of
 from megatron_rl.inference.vllm.engine_nodes import EngineHosts
 from megatron_rl.inference.nodes import NodeLayout, engine_host, engines_on_node
 from megatron_rl.inference.vllm import CAPABILITIES
 from megatron_rl.inference.vllm.collective import gather_urls, raise_everywhere
 from megatron_rl.inference.vllm.fleet import Fleet
+from megatron_rl.inference.vllm.images import EngineImages
 from megatron_rl.inference.vllm.launcher import Launcher, engine_python, job_token, serve_options
 from megatron_rl.inference.vllm.membership import Membership
 from megatron_rl.inference.vllm.server import EngineDown, EngineServer
@@ -97,6 +99,7 @@ class VLLMEngine(Membership, WeightSyncing):
         self.run_on_main_thread: Any = None
         """Set by a caller that generates in a thread while the main thread trains (``job/pipeline.py``): runs a
         collective weight sync (the all-engines-down admission) on the main thread, between training steps."""
+        self.serves_images = family_of(policy.config.model).support.vllm_images
         self.layout = NodeLayout()
         self.launcher: Launcher | None = None
         """A node's local rank 0 on a multi-node job (not global rank 0: its ``Fleet`` has one): starts this node's
@@ -158,8 +161,11 @@ class VLLMEngine(Membership, WeightSyncing):
         return engine
 
     # ---------------------------------------------------------------------------------------------- use
-    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int) -> list[Completion]:
-        """One completion per prompt, sampled by the fleet, identical on every rank (collective)."""
+    def generate(self, prompts: Sequence[Sequence[int]], spec: SamplingSpec, *, seed: int,
+                 images: Sequence[Any] | None = None) -> list[Completion]:
+        """One completion per prompt, sampled by the fleet, identical on every rank (collective). ``images``: per
+        prompt its images (``GeneratorOutput['images']`` entries that carry their sources as ``urls``, or
+        ``EngineImages``), for an engine that takes them (``Support.vllm_images``)."""
         # a call that repeats the previous call's seed continues its stream (engine.py): a fresh seed per call
         self._seed_calls = self._seed_calls + 1 if seed == self._last_seed else 0
         self._last_seed = seed
@@ -172,11 +178,12 @@ class VLLMEngine(Membership, WeightSyncing):
                 raise ValueError(f"prompt {i} {'is empty' if not prompt else f'has token ids {bad[:5]}'}: token ids "
                                  f"must be in [0, {vocab}) (model.vocab_size) and a prompt needs at least one")
         seeds = [(call_seed * 1_000_003 + i) % (2**63) for i in range(len(prompts))]
+        engine_images = None if images is None else self._engine_images(images, len(prompts))
         while True:
             payload: list = [None]
             if self.groups.rank == 0:
                 try:
-                    value = self.fleet.generate(prompts, spec, seeds)
+                    value = self.fleet.generate(prompts, spec, seeds, engine_images)
                     payload = [("ok", value) if value is not None else ("admit", None)]
                 except EngineError as err:
                     payload = [("error", str(err))]
@@ -191,6 +198,32 @@ class VLLMEngine(Membership, WeightSyncing):
                 self.token_versions.update(completion.extra.get("weight_versions", ()))
             return [Completion(token_ids=c.token_ids, logprobs=c.logprobs, finish_reason=c.finish_reason,
                                extra=c.extra) for c in value]  # (the versions go on into the turns: multi-turn)
+
+    def _engine_images(self, images: Sequence[Any], n: int) -> list[EngineImages | None]:
+        """Per prompt its ``EngineImages`` (None: none): from entries with ``urls`` (their images' sources, in
+        order), shared by a group's samples as their entries are."""
+        if not self.serves_images:
+            raise ValueError(f"prompts with images, but {self.policy.config.model.hf_path!r} is not served with "
+                             "images (a vision-language checkpoint, docs/VISION.md section 9)")
+        if len(images) != n:
+            raise ValueError(f"{len(images)} image lists for {n} prompts")
+        token = self._image_token()
+        out, made = [], {}
+        for entry in images:
+            if isinstance(entry, EngineImages) or not entry:
+                out.append(entry or None)
+                continue
+            urls = getattr(entry, "urls", None)
+            if urls is None:
+                raise ValueError("the vLLM engine needs each prompt's images as sources (``urls``: data URLs), not "
+                                 "only their patches (environments/single_turn/images.py: RowImages)")
+            out.append(made.setdefault(id(entry), EngineImages(tuple(urls), token)))
+        return out
+
+    def _image_token(self) -> int:
+        from megatron_rl.hf.config import load_hf_config
+
+        return int(load_hf_config(self.hf_source).image_token_id)
 
     @property
     def agent_calls(self) -> Fleet | None:

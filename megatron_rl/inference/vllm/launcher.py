@@ -85,6 +85,7 @@ def serve_options(config: RolloutConfig, model_cfg: Any, device_type: str, *, py
         # only with chunked prefill (its mamba cache mode 'align'), which the engines run without (the
         # seeded CPU sampler, server.py); remove when chunked prefill works with seeded CPU sampling.
         prefix_caching=family_of(model_cfg).support.vllm_prefix_caching,
+        images=family_of(model_cfg).support.vllm_images,
     )  # fmt: skip
 
 

