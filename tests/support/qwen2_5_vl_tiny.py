@@ -17,6 +17,21 @@ import torch
 
 VOCAB = 256
 IMAGE_TOKEN, VISION_START, VISION_END = 250, 252, 253
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+"""One image's placeholder in a prompt's text (the processor expands the pad to the image's tokens)."""
+
+
+def random_png(height: int, width: int, seed: int) -> bytes:
+    """A PNG of random pixels (the same for the same seed)."""
+    import io
+
+    from PIL import Image
+
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
 PATCH, TEMPORAL_PATCH, MERGE, CHANNELS = 4, 2, 2, 3
 
 

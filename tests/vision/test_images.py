@@ -5,7 +5,6 @@ a policy batch give transformers' log-probs on the same processor output. Cost: 
 """
 
 import base64
-import io
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from tests.support import qwen2_5_vl_tiny as tiny
 
 pytestmark = pytest.mark.core  # the policy forward runs megatron-core
 
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE = tiny.IMAGE
 
 
 @pytest.fixture(scope="module")
@@ -22,20 +21,11 @@ def checkpoint(tmp_path_factory):
     return tiny.save_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl_images") / "tiny")
 
 
-def _png(height: int, width: int, seed: int) -> bytes:
-    from PIL import Image
-
-    gen = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8).numpy()
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
 
 def _rows(tmp_path) -> list[dict]:
-    (tmp_path / "wide.png").write_bytes(_png(16, 24, 0))
+    (tmp_path / "wide.png").write_bytes(tiny.random_png(16, 24, 0))
     (tmp_path / "bad.png").write_bytes(b"not a png")
-    url = "data:image/png;base64," + base64.b64encode(_png(24, 16, 1)).decode()
+    url = "data:image/png;base64," + base64.b64encode(tiny.random_png(24, 16, 1)).decode()
     return [{"prompt": f"t5 t6 {IMAGE} t7", "images": ["wide.png"]},
             {"prompt": f"t5 {IMAGE}", "images": "missing.png"},
             {"prompt": f"t8 {IMAGE} t9 {IMAGE} t33", "images": [url, "wide.png"]},

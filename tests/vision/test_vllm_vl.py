@@ -32,19 +32,8 @@ from tests.support import qwen2_5_vl_tiny as tiny
 pytestmark = [pytest.mark.engine, pytest.mark.core]
 
 TOLERANCE = 1e-4
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE = tiny.IMAGE
 
-
-def _png(height: int, width: int, seed: int) -> bytes:
-    import io
-
-    from PIL import Image
-
-    gen = torch.Generator().manual_seed(seed)
-    pixels = torch.randint(0, 256, (height, width, 3), generator=gen, dtype=torch.uint8).numpy()
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _prompts(checkpoint):
@@ -53,8 +42,8 @@ def _prompts(checkpoint):
     from megatron_rl.data.images import ImageEncoder, read_image
 
     encoder = ImageEncoder.from_checkpoint(checkpoint)
-    rows = [(f"t5 {IMAGE} t6 t7", [_png(16, 16, 0)]), (f"t5 {IMAGE} t6 t7", [_png(16, 16, 1)]),
-            (f"t8 t9 {IMAGE} t3", [_png(16, 24, 2)]), (f"{IMAGE} t4 {IMAGE} t8", [_png(24, 16, 3), _png(16, 16, 4)])]
+    rows = [(f"t5 {IMAGE} t6 t7", [tiny.random_png(16, 16, 0)]), (f"t5 {IMAGE} t6 t7", [tiny.random_png(16, 16, 1)]),
+            (f"t8 t9 {IMAGE} t3", [tiny.random_png(16, 24, 2)]), (f"{IMAGE} t4 {IMAGE} t8", [tiny.random_png(24, 16, 3), tiny.random_png(16, 16, 4)])]
     out = []
     for text, pngs in rows:
         urls = ["data:image/png;base64," + base64.b64encode(p).decode() for p in pngs]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tests.support import qwen2_5_vl_tiny as tiny
 
-IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE = tiny.IMAGE
 
 REWARD = ("def count_reward(prompt, response, images, count):\n"
           "    return -abs(len(response.split()) - count)\n")
