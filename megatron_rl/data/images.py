@@ -57,6 +57,8 @@ def read_image(ref: Any, base_dir: str | Path = ".") -> Any:
             data = base64.b64decode(ref.split(",", 1)[1], validate=True)
         elif isinstance(ref, str) and (Path(base_dir) / ref).is_file():
             data = (Path(base_dir) / ref).read_bytes()
+        elif isinstance(ref, str) and _looks_like_a_path(ref):
+            raise ImageError(f"image {_describe(ref)}: no such file under {str(base_dir)!r}")
         elif isinstance(ref, str) and len(ref) > 64:  # too long for a file name we were given: base64
             data = base64.b64decode(ref, validate=True)
         else:
@@ -68,9 +70,18 @@ def read_image(ref: Any, base_dir: str | Path = ".") -> Any:
     return image.convert("RGB")
 
 
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".webp", ".tif", ".tiff")
+
+
+def _looks_like_a_path(ref: str) -> bool:
+    """A file name we were given, not base64 (which may hold '/' too, and starts with '/9j/' for a JPEG)."""
+    return ref.lower().endswith(IMAGE_SUFFIXES) or (ref.startswith(("/", "./", "../", "~")) and not ref.startswith("/9j/"))
+
+
 def _describe(ref: Any) -> str:
+    """The reference as a message names it: a long one cut in the middle (a path keeps its file name)."""
     text = ref if isinstance(ref, str) else f"<{len(ref)} bytes>" if isinstance(ref, (bytes, bytearray)) else repr(ref)
-    return repr(text if len(text) <= 80 else text[:60] + "...")
+    return repr(text if len(text) <= 80 else text[:30] + "..." + text[-45:])
 
 
 def image_refs(row: dict[str, Any], image_key: str) -> list[Any]:

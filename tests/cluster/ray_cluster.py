@@ -49,6 +49,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _ppid(pid: str) -> int:
+    return int((Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 class RayCluster:
     """Two Ray nodes on this machine (module docstring)."""
 
@@ -121,6 +125,29 @@ class RayCluster:
         text = {log.name: log.read_text(errors="replace")[-2000:] for log in logs}
         self.stop()
         raise RuntimeError(f"the test Ray cluster did not come up in {timeout} s: {text}")
+
+    def actors(self, marker: str) -> list[str]:
+        """``pid ppid cmdline`` of the live processes with ``marker`` (e.g. ``RankProcess``) that run under this
+        cluster's raylets: an ancestor's command line names its folder. Another test's cluster on the machine (the
+        other test worker's) is not this one's."""
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if marker not in line:
+                    continue
+                ppid, pid, chain = _ppid(proc.name), proc.name, []
+                for _ in range(12):  # up the tree to this cluster's raylet, or to init
+                    parent = (Path("/proc") / str(ppid) / "cmdline").read_bytes().decode(errors="replace")
+                    chain.append(parent)
+                    if str(self.folder) in parent or ppid <= 1:
+                        break
+                    ppid = _ppid(str(ppid))
+            except (OSError, ValueError):
+                continue
+            if any(str(self.folder) in parent for parent in chain):
+                found.append(f"{pid} {_ppid(pid)} {line}")
+        return found
 
     def stop(self) -> None:
         """End the two nodes this object started (only those) and remove the folder."""

@@ -117,7 +117,7 @@ def test_ray_job_stop_leaves_nothing_and_the_checkpoint_resumes(cluster: RayClus
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert status(cluster, "mrl-stop") == "STOPPED"
     deadline = time.monotonic() + 30
-    left = lambda: processes(str(out_dir)) + processes("RankProcess")  # noqa: E731
+    left = lambda: processes(str(out_dir)) + cluster.actors("RankProcess")  # noqa: E731
     while (left() or alive_actors(cluster)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left() == []

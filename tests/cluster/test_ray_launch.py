@@ -92,7 +92,7 @@ def test_ray_run_equals_the_local_run(cluster: RayCluster, tmp_path: Path) -> No
     logs = sorted(p.name for p in (on_ray / "ray_logs").iterdir())
     assert logs == ["rank_0.log", "rank_1.log"]
     assert f"step {STEPS}/{STEPS}" in (on_ray / "ray_logs" / "rank_0.log").read_text()
-    assert processes("RankProcess") == []  # every actor ended with its driver
+    assert cluster.actors("RankProcess") == []  # every actor ended with its driver
     print(f"\nlocal NPROC=2 and Ray runs together: {time.monotonic() - t0:.1f} s")
 
 
@@ -110,6 +110,7 @@ def test_ctrl_c_and_a_killed_rank_actor(cluster: RayCluster, tmp_path: Path) -> 
     os.killpg(runs[stopped].pid, signal.SIGINT)  # the terminal's Ctrl-C: the driver's process group
     actor = parent(rank_pid(killed, 1))
     assert "ray::RankProcess" in Path(f"/proc/{actor}/cmdline").read_text()  # the rank's actor (its process title)
+    assert str(actor) in [line.split()[0] for line in cluster.actors("RankProcess")]  # what the leftover check sees
     os.kill(actor, signal.SIGKILL)
     out, err = runs[stopped].communicate(timeout=180)
     assert runs[stopped].returncode == 130, out + err
@@ -120,7 +121,7 @@ def test_ctrl_c_and_a_killed_rank_actor(cluster: RayCluster, tmp_path: Path) -> 
     assert len(died) == 1 and died[0].startswith(
         "run_megatron.sh: trainer rank 1 (Ray actor megatron_rl-rank1) on node 1 (Ray node "), err
     deadline = time.monotonic() + 30
-    left = lambda: processes(str(stopped)) + processes(str(killed)) + processes("RankProcess")  # noqa: E731
+    left = lambda: processes(str(stopped)) + processes(str(killed)) + cluster.actors("RankProcess")  # noqa: E731
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left() == []

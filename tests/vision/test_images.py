@@ -73,3 +73,15 @@ def test_encoded_rows_as_a_policy_batch_match_transformers(groups, checkpoint, t
     positions = mrope_positions(ids, mask, grids, image_token_id=tiny.IMAGE_TOKEN, spatial_merge_size=tiny.MERGE)
     want = tiny.transformers_logprobs(checkpoint, rows, seqs, pixels, ids.shape[1], positions)
     assert (got - want)[response_mask.bool()].abs().max() < 1e-5
+
+
+def test_a_long_missing_path_is_named_by_its_file_not_read_as_base64(tmp_path):
+    """A path over 64 characters that does not exist (CI's deep temporary folders) says 'no such file' and keeps
+    its file name in the message (it was once decoded as base64 and cut after 60 characters)."""
+    from megatron_rl.data.images import ImageError, read_image
+
+    deep = tmp_path / ("d" * 80) / "missing.png"
+    with pytest.raises(ImageError, match=r"missing\.png'.*no such file"):
+        read_image(str(deep))
+    url = "data:image/png;base64," + __import__("base64").b64encode(tiny.random_png(8, 8, 0)).decode()
+    assert read_image(url.split(",", 1)[1]).size == (8, 8)  # raw base64 (no suffix, no path prefix) still reads
