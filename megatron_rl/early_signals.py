@@ -38,6 +38,11 @@ def _record(signum: int, _frame: object) -> None:
     _received = signum
 
 
+def recorded() -> int:
+    """The stop signal this process itself recorded since its first import (0: none)."""
+    return _received
+
+
 def received() -> int:
     """The stop signal this process, or the shell before it, got while starting (0: none)."""
     if _received:

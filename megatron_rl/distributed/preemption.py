@@ -131,7 +131,7 @@ def watch_rank() -> None:
     global _received
     from megatron_rl import early_signals
 
-    _received = early_signals._received  # got while this rank imported (early_signals.py); the launcher's: its file
+    _received = early_signals.recorded()  # got while this rank imported (early_signals.py); the launcher's: its file
 
     def on_usr1(signum: int, _frame: object) -> None:
         global _received
