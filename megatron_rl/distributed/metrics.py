@@ -26,8 +26,10 @@ def reduce_metrics(
     Ranks of the same DP group sit at the same PP stage, so non-last stages gather empty dicts and then
     receive the last stage's result over ``pp_group``.
     """
-    parts: list[dict[str, Metric] | None] = [None] * dist.get_world_size(dp_group)
-    dist.all_gather_object(parts, metrics, group=dp_group)
+    parts: list[dict[str, Metric] | None] = [metrics]
+    if dist.get_world_size(dp_group) > 1:  # a group of one has nothing to gather (a pickled round trip per call)
+        parts = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(parts, metrics, group=dp_group)
     merged = merge_metrics(*[p for p in parts if p])
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         box = [merged]
