@@ -49,6 +49,11 @@ class TeacherConfig:
     (``distillation/served.py``: the engine interpreter, dtype rule, KV cache and memory share of ``rollout.*``;
     its log ``<logging.output_dir>/engine/teacher_<name>.log``), which scores its rows by prompt log-probs and
     broadcasts them: no teacher weights in the trainer (docs/DISTILLATION.md says when to use which)."""
+    offload: bool = False
+    """``engine: megatron`` only: keep the teacher's weights in (pinned) host memory between scoring passes and
+    copy them to the device for each step's scoring (``distillation/offload.py``): no teacher weights on the GPU
+    while the policy trains, for one host-to-device copy of the teacher per step. On a CPU device it moves
+    nothing (said at start-up)."""
     when: dict[str, Any] | None = None
     """Rows this teacher scores, ``{column: value}`` over the prompt row's data columns (every pair must equal
     the row's value); None = every row. Needs rows with data columns (``job.environment: single_turn``: the
@@ -92,8 +97,14 @@ def _teacher(entry: Any, index: int) -> TeacherConfig:
     if engine not in ENGINES:
         raise ConfigError(f"{key}.engine={engine!r} must be one of {list(ENGINES)} ('megatron': in the trainer's "
                           "ranks; 'vllm': a vLLM server of its own)")
+    offload = entry.get("offload", False)
+    if not isinstance(offload, bool):
+        raise ConfigError(f"{key}.offload={offload!r} must be true or false")
+    if offload and engine == "vllm":
+        raise ConfigError(f"{key}.offload=true with engine: vllm: a served teacher's weights live in its own server, "
+                          "not in the trainer; unset offload (or use engine: megatron)")
     teacher = TeacherConfig(name=entry["name"], hf_path=entry["hf_path"], weight=float(weight), when=when,
-                            engine=engine)
+                            engine=engine, offload=offload)
     check_fields(teacher, f"{key}.")
     return teacher
 

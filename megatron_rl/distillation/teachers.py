@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import ConfigError, LoraConfig, MegatronRLConfig
+from megatron_rl.distillation.offload import OffloadedTeacher
 from megatron_rl.distillation.signal import Distillation
 from megatron_rl.hf.config import model_config_from_hf
 from megatron_rl.hf.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -91,14 +92,18 @@ def build_teachers(config: MegatronRLConfig, groups: Any, pad_token_id: int, rol
     for teacher in config.distillation.teachers:
         if groups.rank == 0:
             rows = "every row" if teacher.when is None else f"the rows where {teacher.when}"
+            offload = ""
+            if teacher.offload:
+                offload = ("; offload: on the host between scoring passes" if groups.device.type != "cpu" else
+                           "; offload: nothing to move on a CPU device")
             print(f"distillation: teacher {teacher.name!r} from {teacher.hf_path} ({teacher.engine}) scores {rows} "
-                  f"(coef {config.distillation.coef} x weight {teacher.weight}, {config.distillation.kind})",
+                  f"(coef {config.distillation.coef} x weight {teacher.weight}, {config.distillation.kind}{offload})",
                   flush=True)
         if teacher.engine == "vllm":
             teachers.append(_served_teacher(config, teacher, groups, rollout))
         else:
-            teachers.append(policy_from_hf(base, groups, role="reference", hf_dir=teacher.hf_path,
-                                           pad_token_id=pad_token_id))
+            model = policy_from_hf(base, groups, role="reference", hf_dir=teacher.hf_path, pad_token_id=pad_token_id)
+            teachers.append(OffloadedTeacher(model) if teacher.offload else model)
     return teachers
 
 
