@@ -49,6 +49,11 @@ class TeacherConfig:
     (``distillation/served.py``: the engine interpreter, dtype rule, KV cache and memory share of ``rollout.*``;
     its log ``<logging.output_dir>/engine/teacher_<name>.log``), which scores its rows by prompt log-probs and
     broadcasts them: no teacher weights in the trainer (docs/DISTILLATION.md says when to use which)."""
+    url: str | None = None
+    """``engine: vllm`` only: attach the teacher's server already running at this URL (``http://host:port``,
+    started by hand with ``python -m megatron_rl.inference.engine_process.vllm_serve <hf_path> ...`` and
+    ``$MEGATRON_RL_ENGINE_TOKEN``, which the job reads too; docs/DISTILLATION.md) instead of starting one; the job
+    never kills or restarts it. ``hf_path`` is still read (vocabulary check, shapes)."""
     offload: bool = False
     """``engine: megatron`` only: keep the teacher's weights in (pinned) host memory between scoring passes and
     copy them to the device for each step's scoring (``distillation/offload.py``): no teacher weights on the GPU
@@ -103,8 +108,15 @@ def _teacher(entry: Any, index: int) -> TeacherConfig:
     if offload and engine == "vllm":
         raise ConfigError(f"{key}.offload=true with engine: vllm: a served teacher's weights live in its own server, "
                           "not in the trainer; unset offload (or use engine: megatron)")
+    url = entry.get("url")
+    if url is not None:
+        if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            raise ConfigError(f"{key}.url={url!r} is not a server URL (http://host:port)")
+        if engine != "vllm":
+            raise ConfigError(f"{key}.url={url!r} attaches a served teacher: set {key}.engine=vllm (or unset url: "
+                              "engine: megatron runs the teacher in the trainer's ranks)")
     teacher = TeacherConfig(name=entry["name"], hf_path=entry["hf_path"], weight=float(weight), when=when,
-                            engine=engine, offload=offload)
+                            engine=engine, offload=offload, url=url)
     check_fields(teacher, f"{key}.")
     return teacher
 

@@ -18,15 +18,22 @@ logits in fp32: what the in-trainer teacher computes (tests/distill/test_distill
 
 Lifecycle: rank 0 starts ``vllm serve`` on the teacher's checkpoint at set-up (``ServedTeacher.start``, the
 engine server of inference/vllm/server.py: its own token, loopback, a free port, a watchdog that kills it with the
-trainer), its log in ``<logging.output_dir>/engine/teacher_<name>.log``; ``close`` kills it. No weight sync: the
-teacher is frozen. On CPU it takes vLLM's default cores (it runs while the policy's engines wait for the step);
+trainer), its log in ``<logging.output_dir>/engine/teacher_<name>.log``; ``close`` kills it. A server that dies
+(a kill, an out-of-memory) is started again at the next scoring pass, which then runs on the new one: one line
+per restart, at most ``MAX_RESTARTS`` in a run (then the run stops with the log's tail). Or
+``distillation.teachers[i].url`` attaches a server started elsewhere (``ServedTeacher.attach``; the
+``vllm_serve`` command of docs/INFERENCE.md with ``$MEGATRON_RL_ENGINE_TOKEN``, which the job reads too): the job
+never kills or restarts it. No weight sync: the teacher is frozen. On CPU it takes vLLM's default cores (it runs while the policy's engines wait for the step);
 on GPU the device after the policy's vLLM engines, else device 0 (shared with the trainer there, within
 ``rollout.gpu_memory_utilization``).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,8 @@ import torch.distributed as dist
 
 from megatron_rl.inference.engine import EngineError, EngineStartError
 
+MAX_RESTARTS = 3
+"""How many times a run starts a dead teacher server again before it stops."""
 SCORE_MAX_TOKENS = 1
 """vLLM generates at least one token per request; the scoring request asks for one and ignores it."""
 
@@ -98,11 +107,17 @@ def served_options(rollout: Any, model_cfg: Any, device_type: str, max_model_len
 class ServedTeacher:
     """A frozen teacher in its own ``vllm serve`` (rank 0 holds the server; every rank calls ``forward``)."""
 
-    def __init__(self, name: str, server: Any, *, timeout_s: float) -> None:
+    def __init__(self, name: str, server: Any, *, timeout_s: float, relaunch: Callable[[], Any] | None = None,
+                 model: str | None = None) -> None:
         self.name = name
+        self.model = model
+        """The served model's name in requests (an attached server's own); None: the job's (``MODEL_NAME``)."""
         self.server = server
         """The ``EngineServer`` on rank 0, None elsewhere."""
         self.timeout_s = timeout_s
+        self.relaunch = relaunch
+        """Rank 0, a server the job started: starts it again (a ready ``EngineServer``); None: never restarted."""
+        self.restarts = 0
 
     @classmethod
     def start(cls, name: str, hf_path: str, options: Any, *, rank: int, log_path: Path, start_timeout_s: float,
@@ -110,8 +125,7 @@ class ServedTeacher:
         """Rank 0 starts the server on ``hf_path`` and waits for it (EngineStartError with its log's tail)."""
         from megatron_rl.inference.vllm.server import EngineServer
 
-        server = None
-        if rank == 0:
+        def launch() -> Any:
             server = EngineServer.start(Path(hf_path), options, token=secrets.token_urlsafe(32), log_path=log_path,
                                         devices=device)
             try:
@@ -119,15 +133,64 @@ class ServedTeacher:
             except EngineStartError:
                 server.kill()
                 raise
+            return server
+
+        if rank != 0:
+            return cls(name, None, timeout_s=timeout_s)
+        return cls(name, launch(), timeout_s=timeout_s, relaunch=launch)
+
+    @classmethod
+    def attach(cls, name: str, url: str, *, rank: int, start_timeout_s: float, timeout_s: float) -> "ServedTeacher":
+        """Rank 0 takes the server at ``url`` (token: ``$MEGATRON_RL_ENGINE_TOKEN``) and waits until it answers."""
+        from megatron_rl.inference.engine_process.vllm_serve import TOKEN_ENV
+        from megatron_rl.inference.vllm.server import EngineServer
+
+        server = None
+        if rank == 0:
+            token = os.environ.get(TOKEN_ENV)
+            if not token:
+                raise EngineStartError(f"teacher {name!r} attaches the server at {url}, which needs its token: set "
+                                       f"${TOKEN_ENV} to the value the server was started with (docs/INFERENCE.md)")
+            server = EngineServer.attach(url, token)
+            model = server.wait_ready(start_timeout_s, what=f"the vLLM server of teacher {name!r}").get("id")
+            return cls(name, server, timeout_s=timeout_s, model=model)
         return cls(name, server, timeout_s=timeout_s)
 
     def _score(self, batch: Any) -> torch.Tensor:
         from megatron_rl.inference.vllm.server import MODEL_NAME
 
         prompts, lengths = rows_to_prompts(batch)
-        body = scoring_request(prompts, MODEL_NAME)
+        body = scoring_request(prompts, self.model or MODEL_NAME)
         choices = self.server.call("POST", "/v1/completions", body, timeout_s=self.timeout_s)["choices"]
         return response_logprobs(choices, prompts, lengths, batch["response_mask"].shape[1])
+
+    def _restart(self) -> None:
+        """Start a dead server again (one line), or EngineError once ``MAX_RESTARTS`` are spent."""
+        from megatron_rl.inference.vllm.server import log_tail
+
+        code = getattr(self.server.proc, "returncode", None)
+        if self.restarts >= MAX_RESTARTS:
+            raise EngineError(f"its server died again (exit {code}) after {MAX_RESTARTS} restarts; last lines of "
+                              f"{self.server.log_path}:\n{log_tail(self.server.log_path)}")
+        self.restarts += 1
+        print(f"megatron_rl: the vLLM server of teacher {self.name!r} died (exit {code}): starting it again "
+              f"(restart {self.restarts} of at most {MAX_RESTARTS})", file=sys.stderr, flush=True)
+        self.server.kill()
+        self.server = self.relaunch()
+
+    def _score_healing(self, batch: Any) -> torch.Tensor:
+        """``_score``, on a server started again first when the job's own server has died."""
+        from megatron_rl.inference.vllm.server import EngineDown
+
+        if self.relaunch is not None and not self.server.alive():
+            self._restart()
+        try:
+            return self._score(batch)
+        except EngineDown:
+            if self.relaunch is None or self.server.alive():
+                raise
+            self._restart()  # it died during the request
+            return self._score(batch)
 
     @torch.no_grad()
     def forward(self, batch: Any) -> dict[str, torch.Tensor]:
@@ -135,7 +198,7 @@ class ServedTeacher:
         payload: list[Any] = [None]
         if self.server is not None:
             try:
-                payload[0] = self._score(batch)
+                payload[0] = self._score_healing(batch)
             except Exception as err:  # noqa: BLE001 (any failure: every rank raises it, none hangs)
                 payload[0] = f"teacher {self.name!r} (vLLM at {self.server.url}): {type(err).__name__}: {err}"
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -145,7 +208,7 @@ class ServedTeacher:
         return {"logprobs": payload[0]}
 
     def close(self) -> None:
-        """Kill the server (idempotent)."""
+        """Kill the server the job started (idempotent; an attached one is left running)."""
         if self.server is not None:
             self.server.kill()
             self.server = None

@@ -96,7 +96,8 @@ def build_teachers(config: MegatronRLConfig, groups: Any, pad_token_id: int, rol
             if teacher.offload:
                 offload = ("; offload: on the host between scoring passes" if groups.device.type != "cpu" else
                            "; offload: nothing to move on a CPU device")
-            print(f"distillation: teacher {teacher.name!r} from {teacher.hf_path} ({teacher.engine}) scores {rows} "
+            print(f"distillation: teacher {teacher.name!r} from {teacher.hf_path} ({teacher.engine}"
+                  f"{' at ' + teacher.url if teacher.url else ''}) scores {rows} "
                   f"(coef {config.distillation.coef} x weight {teacher.weight}, {config.distillation.kind}{offload})",
                   flush=True)
         if teacher.engine == "vllm":
@@ -108,10 +109,15 @@ def build_teachers(config: MegatronRLConfig, groups: Any, pad_token_id: int, rol
 
 
 def _served_teacher(config: MegatronRLConfig, teacher: Any, groups: Any, rollout: Any) -> Any:
-    """A ``ServedTeacher`` of ``teacher`` (rank 0 starts its server; see ``distillation/served.py``)."""
+    """A ``ServedTeacher`` of ``teacher`` (rank 0 starts its server, or attaches ``teacher.url``; see
+    ``distillation/served.py``)."""
     import torch
 
     from megatron_rl.distillation.served import ServedTeacher, served_options
+
+    if teacher.url is not None:
+        return ServedTeacher.attach(teacher.name, teacher.url, rank=groups.rank,
+                                    start_timeout_s=rollout.start_timeout_s, timeout_s=rollout.request_timeout_s)
 
     shapes = model_config_from_hf(teacher.hf_path, key=f"distillation.teachers[{teacher.name}].hf_path")
     max_len = rollout.max_model_len or shapes.max_position_embeddings

@@ -35,6 +35,10 @@ def test_the_one_liner_loads_and_round_trips():
     ("distillation.teachers=[{name: big, hf_path: /x, weight: yes}]", r"distillation\.teachers\[0\]\.weight=True "
                                                                        "must be a number"),
     ("distillation.teachers=[{name: a b, hf_path: /x}]", r"distillation\.teachers\[0\]\.name='a b': use letters"),
+    ("distillation.teachers=[{name: a, hf_path: /x, url: 'http://h:1'}]", r"teachers\[0\]\.url='http://h:1' "
+                                                                           "attaches a served teacher: set"),
+    ("distillation.teachers=[{name: a, hf_path: /x, engine: vllm, url: h:1}]", r"teachers\[0\]\.url='h:1' is not a "
+                                                                                "server URL"),
     ("distillation.teachers=[{name: a, hf_path: /x, offload: 1}]", r"teachers\[0\]\.offload=1 must be true or false"),
     ("distillation.teachers=[{name: a, hf_path: /x, engine: vllm, offload: true}]", r"teachers\[0\]\.offload=true "
                                                                                      "with engine: vllm"),

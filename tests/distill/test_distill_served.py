@@ -6,11 +6,19 @@ served by ``vllm serve`` in fp32; the student's batch is six left-padded rows of
   (``engine: megatron``, packed THD) on the same batch, within the fp32 engine bound (1e-4, as
   tests/job/test_vllm_main_job.py); columns outside each row's response stay 0;
 - an off-by-one (the log-prob of token t+1 in token t's column) is far outside the bound;
-- the server's log is ``<logging.output_dir>/engine/teacher_<name>.log`` and ``Distillation.close`` kills it.
-Cost: ~15-30 s on 2 cores (one forked engine start, one Megatron teacher build).
+- the server's log is ``<logging.output_dir>/engine/teacher_<name>.log`` and ``Distillation.close`` kills it;
+- a SIGKILLed server is started again by the next scoring pass, which gives the same log-probs (one restart
+  counted); a teacher with ``url`` attaches that server (the job's token from ``$MEGATRON_RL_ENGINE_TOKEN``),
+  scores the same, and its ``close`` leaves the server running. Planted bug checked by hand: without the
+  restart (``_score_healing`` scoring directly) the second pass raises ``EngineError``.
+Cost: ~25-45 s on 2 cores (two forked engine starts, one Megatron teacher build).
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -52,13 +60,13 @@ def _hf_logprobs(teacher_dir) -> list[torch.Tensor]:
     return rows
 
 
-def _config(teacher_dir, engine: str, output_dir):
+def _config(teacher_dir, engine: str, output_dir, url: str | None = None):
     from megatron_rl.config import LoggingConfig, MegatronRLConfig, ModelConfig
 
+    teacher = {"name": "t", "hf_path": str(teacher_dir), "engine": engine, **({"url": url} if url else {})}
     return MegatronRLConfig(model=ModelConfig(attention_backend="local"),
                             logging=LoggingConfig(output_dir=str(output_dir)),
-                            distillation=DistillationConfig(teachers=[{"name": "t", "hf_path": str(teacher_dir),
-                                                                       "engine": engine}]))
+                            distillation=DistillationConfig(teachers=[teacher]))
 
 
 def _scores(distillation, batch) -> torch.Tensor:
@@ -69,7 +77,8 @@ def _scores(distillation, batch) -> torch.Tensor:
 
 
 @pytest.mark.engine
-def test_a_served_teacher_scores_like_transformers_and_the_in_trainer_teacher(groups, engine_py, tmp_path):
+def test_a_served_teacher_scores_like_transformers_and_the_in_trainer_teacher(groups, engine_py, tmp_path,
+                                                                             monkeypatch):
     from megatron_rl.data.batch import TrainingBatch
     from megatron_rl.distillation.teachers import build_distillation
     from megatron_rl.inference.config import RolloutConfig
@@ -80,9 +89,22 @@ def test_a_served_teacher_scores_like_transformers_and_the_in_trainer_teacher(gr
     batch = TrainingBatch.from_generator_output(_rollouts(), pad_token_id=0)
     mask = batch["response_mask"]
     served = build_distillation(_config(teacher_dir, "vllm", tmp_path / "out"), groups, 0, rollout)
-    process = served.teachers[0].server.proc
+    teacher = served.teachers[0]
     try:
         got = _scores(served, batch)
+        os.killpg(teacher.server.proc.pid, signal.SIGKILL)  # as a user's kill -9 (or the OOM killer) would
+        while teacher.server.proc.poll() is None:
+            time.sleep(0.1)
+        again = _scores(served, batch)  # the next pass starts it again
+        assert teacher.restarts == 1 and teacher.server.alive()
+        assert (again - got).abs().max() <= 1e-6
+        monkeypatch.setenv("MEGATRON_RL_ENGINE_TOKEN", teacher.server.token)
+        attached = build_distillation(_config(teacher_dir, "vllm", tmp_path / "out", url=teacher.server.url), groups,
+                                      0, rollout)
+        assert attached.teachers[0].relaunch is None and (_scores(attached, batch) - again).abs().max() <= 1e-6
+        attached.close()
+        assert teacher.server.alive()  # an attached server is the user's: never killed
+        process = teacher.server.proc
     finally:
         served.close()
     assert (tmp_path / "out" / "engine" / "teacher_t.log").is_file()
