@@ -14,6 +14,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
+# --venv: the venv's path does not depend on which Python makes it unless PYTHON is set (then .venv-pyX.Y): answer
+# at once. run_megatron.sh asks on every launch, and finding the interpreter can take 1-1.5 s (pyenv's shim for a
+# python3.12 that is not on PATH takes ~1 s to say so), a third of a small job's launch.
+if [ "${1:-}" = "--venv" ] && { [ -n "${VENV:-}" ] || [ -z "${PYTHON:-}" ]; }; then echo "${VENV:-.venv}"; exit 0; fi
+
 runs() { [ -n "$1" ] && "$1" -c "import sys" >/dev/null 2>&1; }
 
 pick_python() {
