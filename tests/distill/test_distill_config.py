@@ -40,13 +40,14 @@ def test_the_one_liner_loads_and_round_trips():
     ("distillation.teachers=[{name: a, hf_path: /x}, {name: b, hf_path: /y}]", r"teachers\[0\]\.when is unset but "
                                                                                 "there are 2 teachers"),
     ("distillation.teachers=[big]", r"distillation\.teachers\[0\]='big' must be a mapping"),
-    ("distillation.kind=full_kl", r"distillation\.kind='full_kl': .*not yet implemented; use "
-                                  "distillation.kind=reverse_kl"),
+    ("distillation.teachers=[{name: a, hf_path: /x, engine: vllm}]\ndistillation.kind=full_kl",
+     r"distillation\.teachers\[0\]\.engine='vllm' with distillation\.kind=full_kl: a server returns log-probs of "
+     "given tokens, not full distributions; use engine: megatron"),
     ("distillation.coef=-1", r"distillation\.coef=-1\.0 is out of range"),
 ])
 def test_mistakes_name_the_key_and_the_fix(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, override.split("\n"))
 
 
 def _with_teacher(path, **model) -> MegatronRLConfig:
@@ -106,8 +107,11 @@ def test_the_students_logprobs_are_the_old_ones_else_the_rollouts():
     assert student_logprobs(_batch(None, old, mask, rollout_logprobs=rollout)) is rollout
     with pytest.raises(ValueError, match="neither 'old_logprobs' nor 'rollout_logprobs'"):
         student_logprobs(_batch(None, old, mask))
-    assert Distillation.needs_old_logprobs(_batch(None, old, mask))
-    assert not Distillation.needs_old_logprobs(_batch(None, old, mask, rollout_logprobs=rollout))
+    distillation = Distillation(DistillationConfig(teachers=[{"name": "t", "hf_path": "/x"}]), [None])
+    assert distillation.needs_old_logprobs(_batch(None, old, mask))
+    assert not distillation.needs_old_logprobs(_batch(None, old, mask, rollout_logprobs=rollout))
+    full = Distillation(DistillationConfig(teachers=[{"name": "t", "hf_path": "/x"}], kind="full_kl"), [None])
+    assert not full.needs_old_logprobs(_batch(None, old, mask))  # full_kl reads the update's own logits
 
 
 def test_the_trainer_takes_teachers_exactly_when_the_config_names_them():
