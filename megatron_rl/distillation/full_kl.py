@@ -74,7 +74,11 @@ class FullKLTerm:
 
     def prepare(self, call: Any, groups: Any) -> None:
         """PP > 1: each teacher with rows in the mini-batch runs over the whole call (its own pipeline schedule,
-        forward only); the last stage keeps every micro-batch's logits until the student's head takes them."""
+        forward only); the last stage keeps every micro-batch's logits until the student's head takes them.
+        Every rank first checks the micro-batches carry ``teacher_ids`` (the head reads them on the last stage)."""
+        if "teacher_ids" not in call.microbatches[0].tensors:
+            raise ValueError("distillation.kind=full_kl needs the batch's 'teacher_ids' [B] (Distillation.score sets "
+                             "them); score the batch before forward_backward, or pass GeneratorOutput['teacher_ids']")
         self.pipelined = groups.pp_size > 1
         if not self.pipelined:
             return

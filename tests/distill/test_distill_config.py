@@ -74,6 +74,19 @@ def test_a_teacher_that_cannot_score_the_students_tokens_is_one_line_at_start_up
     assert "\n" not in str(info.value)
 
 
+def test_full_kl_under_context_parallelism_is_refused_at_start_up(teacher_dir):
+    from megatron_rl.config import ParallelConfig
+
+    config = _with_teacher(teacher_dir)
+    full = DistillationConfig(teachers=[{"name": "t", "hf_path": str(teacher_dir)}], kind="full_kl")
+    check_teachers(MegatronRLConfig(distillation=full))
+    with pytest.raises(ConfigError, match=r"distillation\.kind=full_kl with parallel\.context_parallel_size=2 is "
+                                          r"not supported yet .*; set parallel\.context_parallel_size=1"):
+        check_teachers(MegatronRLConfig(parallel=ParallelConfig(context_parallel_size=2), distillation=full))
+    check_teachers(MegatronRLConfig(parallel=ParallelConfig(context_parallel_size=2),
+                                    distillation=config.distillation))  # reverse_kl: fine
+
+
 def _batch(student, teacher, loss_mask, **extra) -> TrainingBatch:
     rows = len(loss_mask)
     tensors = {"loss_mask": loss_mask, TEACHER_LOGPROBS.format(name="t"): teacher, **extra}

@@ -263,3 +263,16 @@ def test_the_kl_function_over_a_tp_group_is_plain_torchs():
     for rank, out in enumerate(run_ranks(2, _tp_kl_rank, timeout=120)):
         assert (out["kl"] - expected).abs().max() < TOL
         assert (out["grad"] - grad[..., 6 * rank:6 * rank + 6]).abs().max() < TOL
+
+
+def test_a_batch_without_teacher_ids_is_refused_on_every_rank_before_any_forward():
+    from types import SimpleNamespace
+
+    from megatron_rl.distillation.config import DistillationConfig
+    from megatron_rl.distillation.full_kl import FullKLTerm
+
+    config = DistillationConfig(teachers=[{"name": "t", "hf_path": "/x"}], kind="full_kl")
+    term = FullKLTerm(config, [None], torch.zeros(2, dtype=torch.int64), torch.ones(2, 3))
+    call = SimpleNamespace(microbatches=[SimpleNamespace(tensors={"loss_mask": torch.ones(2, 3)})])
+    with pytest.raises(ValueError, match=r"distillation\.kind=full_kl needs the batch's 'teacher_ids'"):
+        term.prepare(call, SimpleNamespace(pp_size=1))
