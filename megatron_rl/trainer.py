@@ -10,7 +10,8 @@ Place in the data flow (docs/DESIGN.md section 1): everything between a ``Genera
       -> teachers' log-probs (on-policy distillation, optional: distillation/signal.py)   [B, R]
       -> old values (critic, PPO with a critic), no grad                               [B, R]
       -> token rewards (- KL, optional) -> advantages (step-wise aware; GAE over action tokens) -> whitening
-         (+ the distillation term -coef * (logp_student - logp_teacher) per sampled token, optional)
+         (+ the distillation term -coef * (logp_student - logp_teacher) per sampled token, optional;
+          kind full_kl: none here, the update's loss gets the full-vocabulary KL, distillation/full_kl.py)
       -> for each epoch, for each prompt-based mini-batch:
              normalize advantages over the mini-batch's rows (loss_reduction)
              -> policy.forward_backward(policy_loss_fn) -> policy.optim_step()     (the policy pads for DP)
@@ -260,7 +261,7 @@ class Trainer:
         )
         if algo.advantage_whitening:
             advantages = whiten_advantages(advantages, batch["loss_mask"])  # trained tokens, not observations
-        if self.distillation is not None:  # after whitening: the reverse KL keeps its own units
+        if self.distillation is not None and self.distillation.in_advantages:  # after whitening: own units
             term, distill_metrics = self.distillation.advantage_term(batch)
             advantages = advantages + term
             metrics.update(distill_metrics)
@@ -291,8 +292,10 @@ class Trainer:
         )
         loss_context = LossContext.for_minibatch(algo, mini_batch["loss_mask"])  # the real rows (no DP padding)
         loss_fn = policy_loss_fn if "old_logprobs" in mini_batch else policy_loss_with_rollout_metrics
+        term = self.distillation.loss_term(mini_batch) if self.distillation is not None else None
+        extra = {} if term is None else {"logits_term": term}  # distillation's full_kl (distillation/full_kl.py)
         loss_metrics = self.policy.forward_backward(
-            mini_batch, loss_fn, loss_context, compute_entropy=algo.entropy_loss_coef != 0.0
+            mini_batch, loss_fn, loss_context, compute_entropy=algo.entropy_loss_coef != 0.0, **extra
         )
         step_metrics = self.policy.optim_step()
         self.optimizer_steps += 1

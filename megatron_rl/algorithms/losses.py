@@ -45,12 +45,17 @@ from megatron_rl.algorithms.settings import AlgorithmSettings
 from megatron_rl.metrics import Metric, mean_metric
 
 __all__ = [
-    "OFF_POLICY_CORRECTIONS", "POLICY_LOSSES", "LossContext", "apply_kl_to_rewards", "get_policy_loss", "kl_penalty",
-    "off_policy_weights", "policy_loss_fn", "ppo_policy_loss", "register_policy_loss", "value_loss",
+    "DISTILL_KL", "OFF_POLICY_CORRECTIONS", "POLICY_LOSSES", "LossContext", "apply_kl_to_rewards", "get_policy_loss",
+    "kl_penalty", "off_policy_weights", "policy_loss_fn", "ppo_policy_loss", "register_policy_loss", "value_loss",
     "value_loss_fn",
 ]
 
 PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, Metric]]"]
+
+DISTILL_KL = "distill_kl"
+"""Micro-batch key of on-policy distillation's full-vocabulary KL ``[b, R]`` (``distillation.kind: full_kl``):
+``coef * weight * KL(student || teacher)`` per loss token of a teacher's rows, differentiable w.r.t. the student's
+logits; added to the loss as a token mean like the reference KL (distillation/full_kl.py fills it)."""
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 """Registry name -> policy loss (``algorithm.policy_loss_type``); extend with ``register_policy_loss``."""
@@ -268,11 +273,13 @@ def _token_mean_term(x: torch.Tensor, loss_mask: torch.Tensor, ctx: LossContext)
 
 def policy_loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: Mapping[str, torch.Tensor],
                    ctx: LossContext) -> tuple[torch.Tensor, dict[str, Metric]]:
-    """Summed policy loss of one micro-batch: policy term + KL (token mean) - entropy bonus (token mean).
+    """Summed policy loss of one micro-batch: policy term + KL (token mean) + distillation's full KL (token mean)
+    - entropy bonus (token mean).
 
     ``mb`` keys: ``loss_mask``, ``advantages`` (already normalized per mini-batch), ``old_logprobs`` (absent:
-    the current logprobs, i.e. on-policy), optional ``ref_logprobs`` (needed with ``use_kl_loss``) and
-    ``rollout_logprobs`` (needed with off-policy correction). All ``[b, R]``.
+    the current logprobs, i.e. on-policy), optional ``ref_logprobs`` (needed with ``use_kl_loss``),
+    ``rollout_logprobs`` (needed with off-policy correction) and ``DISTILL_KL`` (distillation's full_kl, a
+    token-mean term). All ``[b, R]``.
     """
     cfg = ctx.config
     loss_mask = _require(mb, "loss_mask", "every loss")
@@ -286,6 +293,8 @@ def policy_loss_fn(logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: Map
                         cfg.kl_estimator_type)
         loss = loss + cfg.kl_loss_coef * _token_mean_term(kl, loss_mask, ctx)
         metrics["policy/kl"] = mean_metric(kl, loss_mask)
+    if DISTILL_KL in mb:  # weighted already (coef * teacher weight per row); the same token mean as the KL above
+        loss = loss + _token_mean_term(mb[DISTILL_KL], loss_mask, ctx)
     if cfg.entropy_loss_coef != 0.0:
         if entropy is None:
             raise ValueError("algorithm.entropy_loss_coef != 0 needs the entropy; call the forward with "

@@ -24,11 +24,6 @@ from typing import Any, ClassVar, Literal
 from megatron_rl.config_files import ConfigError
 from megatron_rl.config_rules import NON_NEGATIVE, ConfigSection, FINITE, check_fields
 
-KINDS_NOT_YET = {"full_kl": "the full-vocabulary KL (teacher and student logits over the whole vocabulary) is "
-                            "not yet implemented; use distillation.kind=reverse_kl (the sampled tokens' log-probs)"}
-"""Kinds the config declares but the trainer refuses, and why."""
-
-
 @dataclass(kw_only=True)
 class TeacherConfig:
     """One frozen teacher (an entry of ``distillation.teachers``)."""
@@ -134,12 +129,18 @@ class DistillationConfig(ConfigSection):
     ``[{name: m, hf_path: /ckpt/math, when: {domain: math}}, {name: c, hf_path: /ckpt/code, when: {domain: code}}]``."""
     coef: float = field(default=1.0, metadata=NON_NEGATIVE)
     """Weight of the distillation term beside the task advantage: each sampled token's advantage gets
-    ``-coef * weight * (logp_student - logp_teacher)``. Pure distillation: rewards that are all 0 (GRPO/RLOO
+    ``-coef * weight * (logp_student - logp_teacher)`` (``kind: full_kl``: the loss gets ``coef * weight`` times
+    the token mean of the full KL). Pure distillation: rewards that are all 0 (GRPO/RLOO
     then give a zero task advantage), so the term is the whole advantage; in the ``single_turn`` environment
     ``reward.function`` may then be left unset (every reward 0) when ``coef > 0``."""
     kind: Literal["reverse_kl", "full_kl"] = "reverse_kl"
-    """'reverse_kl': the per-token reverse KL on the sampled tokens (their log-probs only); 'full_kl' (the
-    full-vocabulary KL) is declared but not yet implemented (a ConfigError says so)."""
+    """'reverse_kl': the per-token reverse KL on the sampled tokens (their log-probs only) joins the advantage,
+    ``-coef * weight * (logp_student - logp_teacher)``. 'full_kl': the full-vocabulary reverse KL
+    ``sum_v p_s(v) (log p_s(v) - log p_t(v))`` of the next-token distributions on every loss token, a
+    differentiable loss term ``coef * weight * KL`` normalized like the reference KL (``algorithm.use_kl_loss``: a
+    token mean over the mini-batch's loss tokens), the advantages untouched; in-trainer teachers only (``engine:
+    megatron``), computed over the student's vocabulary (``model.vocab_size`` ids); each update runs the teachers'
+    forward on the update's micro-batches (distillation/full_kl.py, docs/DISTILLATION.md: cost, layouts)."""
 
     def __post_init__(self) -> None:
         self.teachers = [_teacher(entry, i) for i, entry in enumerate(self.teachers or [])]
@@ -151,8 +152,11 @@ class DistillationConfig(ConfigSection):
         return bool(self.teachers)
 
     def _check_rules(self) -> None:
-        if self.kind in KINDS_NOT_YET:
-            raise ConfigError(f"distillation.kind={self.kind!r}: {KINDS_NOT_YET[self.kind]}")
+        for i, teacher in enumerate(self.teachers):
+            if self.kind == "full_kl" and teacher.engine != "megatron":
+                raise ConfigError(f"distillation.teachers[{i}].engine={teacher.engine!r} with distillation.kind="
+                                  "full_kl: a server returns log-probs of given tokens, not full distributions; use "
+                                  "engine: megatron (in the trainer) or kind: reverse_kl")
         names = [t.name for t in self.teachers]
         for i, name in enumerate(names):
             if not all(c.isalnum() or c in "_-." for c in name):

@@ -20,6 +20,10 @@ is clamped to ``algorithms.kl.KL_LOG_RATIO_CLAMP`` (a teacher that gives a sampl
 make one token's advantage unbounded). It is added after whitening (``algorithm.advantage_whitening`` rescales
 the task's advantages only; the reverse KL keeps its own units).
 
+``kind: full_kl`` (distillation/full_kl.py) keeps nothing of this path but the rows' teachers: ``score`` sets
+``teacher_ids`` and runs no forward, the advantages are untouched, and ``loss_term`` gives the update its
+full-vocabulary KL (the teachers' forward on the update's own micro-batches).
+
 Pure orchestration: the teachers are anything with the policy's ``forward`` (``MegatronPolicy(role='reference')``
 built by ``distillation/teachers.py``); no Megatron internal and no ``torch.distributed`` here.
 """
@@ -35,6 +39,7 @@ import torch
 from megatron_rl.algorithms.kl import masked_log_ratio
 from megatron_rl.data.batch import TrainingBatch
 from megatron_rl.distillation.config import DistillationConfig
+from megatron_rl.distillation.full_kl import FullKLTerm
 from megatron_rl.metrics import Metric, mean_metric
 
 Metrics = dict[str, Metric]
@@ -84,10 +89,23 @@ class Distillation:
             if hasattr(teacher, "close"):
                 teacher.close()
 
-    @staticmethod
-    def needs_old_logprobs(batch: TrainingBatch) -> bool:
-        """Whether the student's log-probs need the old-log-prob forward (the rollouts carry none)."""
-        return "rollout_logprobs" not in batch
+    @property
+    def in_advantages(self) -> bool:
+        """Whether the signal joins the advantages (``kind: reverse_kl``); ``full_kl`` is a loss term instead
+        (``loss_term``)."""
+        return self.config.kind == "reverse_kl"
+
+    def needs_old_logprobs(self, batch: TrainingBatch) -> bool:
+        """Whether the student's log-probs need the old-log-prob forward (reverse_kl, and the rollouts carry none;
+        full_kl reads the update's own logits)."""
+        return self.in_advantages and "rollout_logprobs" not in batch
+
+    def loss_term(self, mini_batch: TrainingBatch) -> FullKLTerm | None:
+        """``kind: full_kl``: the full KL of this mini-batch for ``forward_backward(logits_term=...)``
+        (``distillation/full_kl.py``; reads ``teacher_ids``, which ``score`` left in the batch); None otherwise."""
+        if self.in_advantages:
+            return None
+        return FullKLTerm(self.config, self.teachers, self.teacher_ids(mini_batch), mini_batch["loss_mask"])
 
     def teacher_ids(self, batch: TrainingBatch) -> torch.Tensor:
         """Each row's teacher ``[B]`` (-1 = none): ``batch['teacher_ids']``, else 0 for every row when one
@@ -109,10 +127,14 @@ class Distillation:
     def score(self, batch: TrainingBatch) -> Metrics:
         """Each teacher's log-probs of its rows' tokens -> ``batch[TEACHER_LOGPROBS.format(name=...)]`` ``[B, R]``
         (0 on other rows): its forward runs on its rows only (the same rows on every rank; none: no forward).
-        ``distill/<name>/time_s`` per teacher and ``distill/unscored_rows``."""
+        ``distill/<name>/time_s`` per teacher and ``distill/unscored_rows``. ``kind: full_kl``: no forward here;
+        ``teacher_ids`` is set in the batch (every row's teacher) for the update's ``loss_term``."""
         ids = self.teacher_ids(batch)
         width = batch["response_mask"].shape[1]
         metrics: Metrics = {UNSCORED_ROWS: Metric(float((ids < 0).sum()), 1.0, "sum")}
+        if not self.in_advantages:  # full_kl: the teachers run inside the update, on its micro-batches
+            batch[TEACHER_IDS] = ids
+            return metrics
         for index, (teacher_cfg, teacher) in enumerate(zip(self.config.teachers, self.teachers)):
             start = time.perf_counter()
             rows = torch.nonzero(ids == index).flatten()

@@ -45,8 +45,13 @@ def _vocabulary_mismatch(student_dir: str, teacher_dir: str, key: str) -> str | 
 
 def check_teachers(config: MegatronRLConfig) -> None:
     """ConfigError (one line) for a teacher that cannot score the student's tokens: no readable checkpoint, a
-    smaller vocabulary, or another tokenizer. Reads files only (no collective): call it on every rank."""
+    smaller vocabulary, or another tokenizer; and for ``kind: full_kl`` under context parallelism. Reads files
+    only (no collective): call it on every rank."""
     student = config.model
+    if config.distillation.kind == "full_kl" and config.parallel.context_parallel_size > 1:
+        raise ConfigError(f"distillation.kind=full_kl with parallel.context_parallel_size="
+                          f"{config.parallel.context_parallel_size} is not supported yet (not tested under context "
+                          "parallelism); set parallel.context_parallel_size=1 or distillation.kind=reverse_kl")
     for i, teacher in enumerate(config.distillation.teachers):
         key = f"distillation.teachers[{i}].hf_path"
         try:

@@ -258,18 +258,20 @@ def reward_trend(rows: list[dict[str, float]], *, baseline: float | None, window
 
 def distillation_trend(rows: list[dict[str, float]], *, window: int) -> str | None:
     """"reverse KL to teacher <name> a over the first N steps -> b over the last N" per teacher (the
-    ``distill/<name>/reverse_kl`` metrics of on-policy distillation), None when the run had no teacher."""
-    names = sorted({key.split("/")[1] for r in rows for key in r
-                    if key.startswith("distill/") and key.endswith("/reverse_kl")})
-    if not names:
+    ``distill/<name>/reverse_kl`` metrics of on-policy distillation, or ``distill/<name>/full_kl`` under
+    ``distillation.kind: full_kl``), None when the run had no teacher."""
+    keys = sorted({key for r in rows for key in r
+                   if key.startswith("distill/") and key.endswith(("/reverse_kl", "/full_kl"))})
+    if not keys:
         return None
     short = len(rows) < 2 * window  # too few steps for two windows: the first and the last step
     span = f"step {int(rows[0]['step'])} -> step {int(rows[-1]['step'])}" if short else \
         f"first {window} steps -> last {window}"
     size = 1 if short else window
-    parts = [f"teacher {name!r} {window_mean(rows, f'distill/{name}/reverse_kl', first=True, window=size):.3f} -> "
-             f"{window_mean(rows, f'distill/{name}/reverse_kl', first=False, window=size):.3f}" for name in names]
-    return f"reverse KL to the teacher ({span}): {', '.join(parts)}"
+    parts = [f"teacher {key.split('/')[1]!r} {window_mean(rows, key, first=True, window=size):.3f} -> "
+             f"{window_mean(rows, key, first=False, window=size):.3f}" for key in keys]
+    what = "full-vocabulary KL" if all(key.endswith("/full_kl") for key in keys) else "reverse KL"
+    return f"{what} to the teacher ({span}): {', '.join(parts)}"
 
 
 def is_pure_distillation(rows: list[dict[str, float]]) -> bool:

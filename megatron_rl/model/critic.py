@@ -130,9 +130,10 @@ class MegatronCritic(MegatronPolicy):
         raise ValueError("a critic has no next-token distribution; sample with the policy")
 
     def _loss_head(self, loss_fn: schedule.LossFn, loss_config: Any, compute_entropy: bool,
-                   num_microbatches: int) -> schedule.Head:
-        if compute_entropy:
-            raise ValueError("a critic has no entropy; call forward_backward without compute_entropy")
+                   num_microbatches: int, logits_term: schedule.LogitsTerm | None = None) -> schedule.Head:
+        if compute_entropy or logits_term is not None:
+            raise ValueError("a critic has no entropy or logits; call forward_backward without compute_entropy "
+                             "and logits_term")
         return partial(schedule.value_loss_head, groups=self.groups, loss_fn=loss_fn, loss_config=loss_config,
                        num_microbatches=num_microbatches)
 

@@ -21,6 +21,12 @@ formula is applied row by row exactly as written above, so the values and gradie
 unchunked computation (``tests/model/test_logprob_head.py`` checks bitwise equality on CPU). The all-reduces
 run once per pass over all rows, not once per chunk.
 
+``vocab_parallel_kl`` is the full-vocabulary KL between two vocab-sharded distributions (on-policy distillation's
+``full_kl``, distillation/full_kl.py), with the same reductions and chunking:
+
+    KL(p || q) = sum_j p_j (log p_j - log q_j)     (both log-softmaxes as above; one all-reduce SUM)
+    d KL / d x_j = p_j ((log p_j - log q_j) - KL)  (local; no gradient for q's logits)
+
 ``vocab_parallel_log_softmax`` returns the whole row ``(x - m) - log Z`` (all-gathered over TP), for the few
 positions where a sampler needs the full distribution.
 
@@ -159,6 +165,79 @@ class _VocabParallelLogprobsEntropy(torch.autograd.Function):
                 grad -= probs * (shifted - mean_shifted[rows].unsqueeze(-1)) * g_ent[rows].unsqueeze(-1)
             grad_input[rows] = grad
         return grad_input.view(logits.shape), None, None, None, None
+
+
+class _VocabParallelKL(torch.autograd.Function):
+    """KL(softmax(x) || softmax(y)) per row, chunked like the log-prob head; saves both inputs and ``[N]``
+    vectors (the maxima, log Z of both, the KL), never an fp32 ``[N, V_l]``; no gradient for ``y``."""
+
+    @staticmethod
+    def forward(ctx, logits, other, tp_group, valid_vocab_size):
+        vocab_local = logits.shape[-1]
+        flat, flat_other = logits.reshape(-1, vocab_local), other.reshape(-1, vocab_local)
+        start, chunks = _tp_rank(tp_group) * vocab_local, _chunks(flat.shape[0], vocab_local)
+        m = flat.new_empty((2, flat.shape[0]), dtype=torch.float32)  # [2, N]: row 0 of x, row 1 of y
+        for rows in chunks:
+            m[0, rows] = _masked_fp32(flat[rows], start, valid_vocab_size).max(dim=-1).values
+            m[1, rows] = _masked_fp32(flat_other[rows], start, valid_vocab_size).max(dim=-1).values
+        m = _all_reduce(m, dist.ReduceOp.MAX, tp_group)
+        both = (_Rows(flat, start, valid_vocab_size, m[0]), _Rows(flat_other, start, valid_vocab_size, m[1]))
+        sum_exp = torch.empty_like(m)
+        for rows in chunks:
+            for k, of in enumerate(both):
+                sum_exp[k, rows] = of.shifted(rows).exp().sum(dim=-1)
+        log_z = _all_reduce(sum_exp, dist.ReduceOp.SUM, tp_group).log()  # [2, N]
+        kl = torch.empty_like(m[0])
+        for rows in chunks:
+            probs, log_ratio = _kl_parts(both, rows, log_z)
+            kl[rows] = (probs * log_ratio).sum(dim=-1)
+        kl = _all_reduce(kl, dist.ReduceOp.SUM, tp_group)
+        ctx.save_for_backward(logits, other, m, log_z, kl)
+        ctx.meta = (start, valid_vocab_size)
+        return kl.view(logits.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        logits, other, m, log_z, kl = ctx.saved_tensors
+        vocab_local = logits.shape[-1]
+        both = (_Rows(logits.reshape(-1, vocab_local), *ctx.meta, m[0]),
+                _Rows(other.reshape(-1, vocab_local), *ctx.meta, m[1]))
+        g = grad_kl.reshape(-1)  # [N]
+        grad_input = torch.empty_like(both[0].logits)  # [N, V_l], the input's dtype
+        for rows in _chunks(grad_input.shape[0], vocab_local):
+            probs, log_ratio = _kl_parts(both, rows, log_z)
+            grad_input[rows] = probs * (log_ratio - kl[rows].unsqueeze(-1)) * g[rows].unsqueeze(-1)
+        return grad_input.view(logits.shape), None, None, None
+
+
+def _kl_parts(both: tuple[_Rows, _Rows], rows: slice, log_z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, log p - log q)`` of a row chunk, fp32 ``[n, V_l]``; padding columns: ``p`` 0 (their log-ratio is
+    finite: both sides are the fp32 minimum minus a moderate number)."""
+    log_p = both[0].shifted(rows) - log_z[0, rows].unsqueeze(-1)
+    log_q = both[1].shifted(rows) - log_z[1, rows].unsqueeze(-1)
+    return log_p.exp(), log_p - log_q
+
+
+def vocab_parallel_kl(
+    logits: torch.Tensor, other: torch.Tensor, tp_group: ProcessGroup | None, *, valid_vocab_size: int | None = None
+) -> torch.Tensor:
+    """The full-vocabulary ``KL(softmax(logits) || softmax(other))`` per position, vocab-sharded inputs.
+
+    Args:
+        logits: ``[..., V/tp]`` this rank's vocab shard of p's logits (any float dtype; not modified).
+        other: q's logits in the same layout (same shape: the same vocab columns on this rank); no gradient.
+        tp_group: the tensor-parallel group the vocab is sharded over (None or size 1: no communication).
+        valid_vocab_size: global columns ``>= valid_vocab_size`` are left out of both distributions (both are
+            normalized over ``[0, valid_vocab_size)``).
+
+    Returns:
+        ``[...]`` fp32, the same on every TP rank, differentiable w.r.t. ``logits`` (local backward, like
+        ``vocab_parallel_logprobs_entropy``).
+    """
+    if other.shape != logits.shape:
+        raise ValueError(f"the two logit shards differ in shape ({tuple(logits.shape)} vs {tuple(other.shape)}); "
+                         "put both in the same vocab layout first")
+    return _VocabParallelKL.apply(logits, other.detach(), tp_group, valid_vocab_size)
 
 
 def vocab_parallel_logprobs_entropy(

@@ -216,12 +216,14 @@ class MegatronPolicy:
         return (logprobs, routing) if record_routing else logprobs
 
     def forward_backward(
-        self, batch: TrainingBatch, loss_fn: LossFn, loss_config: Any, *, compute_entropy: bool = False
+        self, batch: TrainingBatch, loss_fn: LossFn, loss_config: Any, *, compute_entropy: bool = False,
+        logits_term: schedule.LogitsTerm | None = None,
     ) -> dict[str, Metric]:
         """Accumulate the gradient of ``sum over micro-batches and DP ranks of loss_fn(...)``; return metrics.
 
         Metrics are merged over micro-batches, reduced over DP and taken from the last PP stage: identical on
-        every rank. Gradients are finalized by ``optim_step`` (or ``finalize_grads``).
+        every rank. Gradients are finalized by ``optim_step`` (or ``finalize_grads``). ``logits_term``: per-token
+        tensors from the logits for ``loss_fn`` (``schedule.LogitsTerm``; distillation's full_kl).
         """
         if self.role == "reference":
             raise ValueError("forward_backward needs role='policy'; this MegatronPolicy is a frozen reference")
@@ -232,10 +234,10 @@ class MegatronPolicy:
             )
         call = self.plan_call(batch)
         schedule.dry_run_loss(call, loss_fn, loss_config, compute_entropy)
-        self.model.train()
-        head = self._loss_head(loss_fn, loss_config, compute_entropy, len(call.microbatches))
+        head = self._loss_head(loss_fn, loss_config, compute_entropy, len(call.microbatches), logits_term)
         moe_tokens = self._moe_tokens(call)
-        with self._routing_replay(batch, record=False) as replay:
+        with self._routing_replay(batch, record=False) as replay, _prepared(logits_term, call, self.groups):
+            self.model.train()
             stores = schedule.run_schedule(self.model, call, head, self.groups, forward_only=False,
                                            moe_tokens=moe_tokens, replay=replay)
             replay_metrics = replay.metrics() if replay is not None else {}
@@ -328,11 +330,24 @@ class MegatronPolicy:
         )  # fmt: skip
 
     def _loss_head(self, loss_fn: LossFn, loss_config: Any, compute_entropy: bool,
-                   num_microbatches: int) -> schedule.Head:
+                   num_microbatches: int, logits_term: schedule.LogitsTerm | None = None) -> schedule.Head:
         return partial(
             schedule.loss_head, **self._head_args(), loss_fn=loss_fn, loss_config=loss_config,
-            compute_entropy=compute_entropy, num_microbatches=num_microbatches,
+            compute_entropy=compute_entropy, num_microbatches=num_microbatches, logits_term=logits_term,
         )  # fmt: skip
 
     def _head_args(self) -> dict[str, Any]:
         return {"groups": self.groups, "vocab_size": self.config.model.vocab_size}
+
+
+@contextlib.contextmanager
+def _prepared(term: schedule.LogitsTerm | None, call: CallPlan, groups: ParallelGroups) -> Iterator[None]:
+    """``term.prepare`` before the schedule, ``term.close`` after it (also on an error); nothing without a term."""
+    if term is None:
+        yield
+        return
+    try:
+        term.prepare(call, groups)
+        yield
+    finally:
+        term.close()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,21 @@ LossFn = Callable[[torch.Tensor, torch.Tensor | None, Mapping[str, torch.Tensor]
 
 Head = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict]]
 """``head(item, logits [1, T, V/tp]) -> (loss, reported)``: what the last stage does with a micro-batch."""
+
+
+class LogitsTerm(Protocol):
+    """Per-token tensors for ``loss_fn`` computed from a micro-batch's logits beside the log-probs (on-policy
+    distillation's ``full_kl``: distillation/full_kl.py). ``MegatronPolicy.forward_backward(logits_term=...)``
+    calls ``prepare`` on every rank after planning (a forward of other models over the same call may run
+    there), the term in ``loss_head`` on the last stage (its tensors join ``item.tensors`` for ``loss_fn``, its
+    metrics the loss's), and ``close`` after the schedule."""
+
+    def prepare(self, call: CallPlan, groups: ParallelGroups) -> None: ...
+
+    def __call__(self, item: MicroBatch, logits: torch.Tensor, groups: ParallelGroups, vocab_size: int
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Metric]]: ...
+
+    def close(self) -> None: ...
 
 
 def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module, *, head: Head,
@@ -126,12 +141,17 @@ def next_token_head(
 
 def loss_head(
     item: MicroBatch, logits: torch.Tensor, *, groups: ParallelGroups, vocab_size: int, loss_fn: LossFn,
-    loss_config: Any, compute_entropy: bool, num_microbatches: int,
+    loss_config: Any, compute_entropy: bool, num_microbatches: int, logits_term: LogitsTerm | None = None,
 ) -> tuple[torch.Tensor, dict[str, Metric]]:  # fmt: skip
-    """``loss_fn`` on the micro-batch, scaled so Megatron's gradient is that of the summed loss (scaling.py)."""
+    """``loss_fn`` on the micro-batch, scaled so Megatron's gradient is that of the summed loss (scaling.py);
+    ``logits_term``'s tensors join the micro-batch's for ``loss_fn``, its metrics the loss's."""
     logprobs, entropy = token_outputs(item, logits, groups, vocab_size, compute_entropy)
-    return megatron_loss(item, logprobs, loss_fn(logprobs, entropy, item.tensors, loss_config), groups,
-                         num_microbatches)
+    tensors, extra = item.tensors, {}
+    if logits_term is not None:
+        added, extra = logits_term(item, logits, groups, vocab_size)
+        tensors = {**tensors, **added}
+    summed, metrics = loss_fn(logprobs, entropy, tensors, loss_config)
+    return megatron_loss(item, logprobs, (summed, {**metrics, **extra}), groups, num_microbatches)
 
 
 def megatron_loss(

@@ -47,13 +47,14 @@ def test_the_one_liner_loads_and_round_trips():
     ("distillation.teachers=[{name: a, hf_path: /x}, {name: b, hf_path: /y}]", r"teachers\[0\]\.when is unset but "
                                                                                 "there are 2 teachers"),
     ("distillation.teachers=[big]", r"distillation\.teachers\[0\]='big' must be a mapping"),
-    ("distillation.kind=full_kl", r"distillation\.kind='full_kl': .*not yet implemented; use "
-                                  "distillation.kind=reverse_kl"),
+    ("distillation.teachers=[{name: a, hf_path: /x, engine: vllm}]\ndistillation.kind=full_kl",
+     r"distillation\.teachers\[0\]\.engine='vllm' with distillation\.kind=full_kl: a server returns log-probs of "
+     "given tokens, not full distributions; use engine: megatron"),
     ("distillation.coef=-1", r"distillation\.coef=-1\.0 is out of range"),
 ])
 def test_mistakes_name_the_key_and_the_fix(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, override.split("\n"))
 
 
 def _with_teacher(path, **model) -> MegatronRLConfig:
@@ -78,6 +79,19 @@ def test_a_teacher_that_cannot_score_the_students_tokens_is_one_line_at_start_up
                                                 "id 1 in the student, 2 in the teacher\\)") as info:
         check_teachers(_with_teacher(other, hf_path=str(student)))
     assert "\n" not in str(info.value)
+
+
+def test_full_kl_under_context_parallelism_is_refused_at_start_up(teacher_dir):
+    from megatron_rl.config import ParallelConfig
+
+    config = _with_teacher(teacher_dir)
+    full = DistillationConfig(teachers=[{"name": "t", "hf_path": str(teacher_dir)}], kind="full_kl")
+    check_teachers(MegatronRLConfig(distillation=full))
+    with pytest.raises(ConfigError, match=r"distillation\.kind=full_kl with parallel\.context_parallel_size=2 is "
+                                          r"not supported yet .*; set parallel\.context_parallel_size=1"):
+        check_teachers(MegatronRLConfig(parallel=ParallelConfig(context_parallel_size=2), distillation=full))
+    check_teachers(MegatronRLConfig(parallel=ParallelConfig(context_parallel_size=2),
+                                    distillation=config.distillation))  # reverse_kl: fine
 
 
 def _batch(student, teacher, loss_mask, **extra) -> TrainingBatch:
@@ -113,8 +127,11 @@ def test_the_students_logprobs_are_the_old_ones_else_the_rollouts():
     assert student_logprobs(_batch(None, old, mask, rollout_logprobs=rollout)) is rollout
     with pytest.raises(ValueError, match="neither 'old_logprobs' nor 'rollout_logprobs'"):
         student_logprobs(_batch(None, old, mask))
-    assert Distillation.needs_old_logprobs(_batch(None, old, mask))
-    assert not Distillation.needs_old_logprobs(_batch(None, old, mask, rollout_logprobs=rollout))
+    distillation = Distillation(DistillationConfig(teachers=[{"name": "t", "hf_path": "/x"}]), [None])
+    assert distillation.needs_old_logprobs(_batch(None, old, mask))
+    assert not distillation.needs_old_logprobs(_batch(None, old, mask, rollout_logprobs=rollout))
+    full = Distillation(DistillationConfig(teachers=[{"name": "t", "hf_path": "/x"}], kind="full_kl"), [None])
+    assert not full.needs_old_logprobs(_batch(None, old, mask))  # full_kl reads the update's own logits
 
 
 def test_the_trainer_takes_teachers_exactly_when_the_config_names_them():

@@ -74,3 +74,7 @@ def test_a_short_run_names_its_first_and_last_step():
     text = summary_paragraph(rows, baseline=None, times=WallTimes(startup_s=8.0, loop_s=2.0, total_s=10.0))
     assert "pure distillation (every reward 0), reverse KL to the teacher (step 1 -> step 2): teacher 'a' 1.000 -> " \
            "0.500" in text
+    rows = [{"step": s, "reward/mean": 0.0, "distill/a/full_kl": 1.0 / s} for s in (1, 2)]  # kind: full_kl
+    text = summary_paragraph(rows, baseline=None, times=WallTimes(startup_s=8.0, loop_s=2.0, total_s=10.0))
+    assert "pure distillation (every reward 0), full-vocabulary KL to the teacher (step 1 -> step 2): teacher 'a' " \
+           "1.000 -> 0.500" in text
