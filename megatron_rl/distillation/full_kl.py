@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.losses import DISTILL_KL
 from megatron_rl.distillation.config import DistillationConfig
+from megatron_rl.distillation.offload import OffloadedTeacher
 from megatron_rl.metrics import Metric, mean_metric
 from megatron_rl.model import schedule
 from megatron_rl.model.logprobs import vocab_parallel_kl
@@ -76,6 +77,9 @@ class FullKLTerm:
         """PP > 1: each teacher with rows in the mini-batch runs over the whole call (its own pipeline schedule,
         forward only); the last stage keeps every micro-batch's logits until the student's head takes them.
         Every rank first checks the micro-batches carry ``teacher_ids`` (the head reads them on the last stage)."""
+        for index, teacher in enumerate(self.teachers):  # offloaded teachers (offload.py): on the device until close
+            if self.rows_of[index] and isinstance(teacher, OffloadedTeacher):
+                teacher.wake()
         if "teacher_ids" not in call.microbatches[0].tensors:
             raise ValueError("distillation.kind=full_kl needs the batch's 'teacher_ids' [B] (Distillation.score sets "
                              "them); score the batch before forward_backward, or pass GeneratorOutput['teacher_ids']")
@@ -119,8 +123,11 @@ class FullKLTerm:
         return {DISTILL_KL: total}, metrics
 
     def close(self) -> None:
-        """Drop the logits the head did not take (an error mid-schedule)."""
+        """Drop the logits the head did not take (an error mid-schedule); offloaded teachers back to sleep."""
         self.stored.clear()
+        for teacher in self.teachers:
+            if isinstance(teacher, OffloadedTeacher):
+                teacher.sleep()
 
 
 def _keep_logits(item: Any, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -2,7 +2,8 @@
 (``distillation/offload.py``). One process, gloo, ~15 s (a spawn); on CUDA (``gpu``) also its device memory.
 
 Checked: an offloaded teacher's log-probs are bitwise the resident teacher's, and a whole distillation step with
-it gives the resident run's loss and grad norm; between passes every parameter's storage is the host copy and a
+it gives the resident run's loss and grad norm, for ``reverse_kl`` and for ``full_kl`` (whose update runs the
+teacher: awake from the term's ``prepare`` to its ``close``); between passes every parameter's storage is the host copy and a
 failing forward still puts it back to sleep; on a GPU the teacher holds no device memory between passes and its
 scores are the resident ones. Planted bug checked by hand: ``sleep`` that keeps the device copies fails the GPU
 test's memory check (it cannot fail on CPU, where host and device are one memory).
@@ -34,6 +35,7 @@ def _scores(cfg, groups) -> tuple[torch.Tensor, dict, object]:
 
 def _rank(rank, world_size, teacher_dir, device):
     from megatron_rl.distillation.config import DistillationConfig
+    from megatron_rl.distillation.teachers import build_distillation
     from megatron_rl.distributed.bootstrap import initialize_distributed
     from megatron_rl.model.policy import MegatronPolicy
     from megatron_rl.trainer import Trainer
@@ -60,19 +62,29 @@ def _rank(rank, world_size, teacher_dir, device):
     out["equal"] = torch.equal(resident, offloaded)
     out["teacher_mib"] = sum(p.numel() * p.element_size() for p in teacher.params) / 2**20
     steps = {}
-    for name, c in (("resident", cfg), ("offloaded", offloaded_cfg)):
+    full = {name: dataclasses.replace(c, distillation=dataclasses.replace(c.distillation, kind="full_kl"))
+            for name, c in (("resident", cfg), ("offloaded", offloaded_cfg))}  # the teacher inside the update
+    for name, c in (("resident", cfg), ("offloaded", offloaded_cfg), ("resident_full", full["resident"]),
+                    ("offloaded_full", full["offloaded"])):
         torch.manual_seed(0)
         policy = MegatronPolicy(c, groups, pad_token_id=0)
-        _, dist = _scores(c, groups)
+        dist = build_distillation(c, groups, pad_token_id=0)
         steps[name] = Trainer(c, policy, distillation=dist).train_step(_rollouts())
+        if name == "offloaded_full":
+            out["asleep_after_full_kl"] = all(p.data.data_ptr() == h.data_ptr()
+                                              for p, h in zip(dist.teachers[0].params, dist.teachers[0].host))
     out["steps"] = steps
     return out
 
 
 def _check(out: dict) -> None:
     assert out["equal"] and out["asleep"] and out["on_host"] and out["asleep_after_error"]
+    assert out["asleep_after_full_kl"]
     for key in ("policy/pg_loss", "optim/grad_norm", "distill/t/reverse_kl"):
         assert out["steps"]["offloaded"][key] == out["steps"]["resident"][key], key
+    for key in ("policy/pg_loss", "optim/grad_norm", "distill/t/full_kl"):
+        assert out["steps"]["offloaded_full"][key] == out["steps"]["resident_full"][key], key
+    assert out["steps"]["resident_full"]["distill/t/full_kl"] > 0
 
 
 def test_an_offloaded_teacher_scores_bitwise_like_a_resident_one(teacher_dir):
