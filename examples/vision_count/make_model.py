@@ -4,7 +4,7 @@ downloads).
 The model the image demo (``configs/vision_count_cpu.yaml``) trains with RL from scratch to count the squares of
 a picture: language model 2 layers, hidden 64, 2 heads of 32 (vLLM's CPU attention needs head sizes >= 32),
 mrope_section [4, 6, 6]; vision tower 2 blocks (one windowed, one full attention), hidden 32, patch 4, 2x2 merge,
-so a 32 x 32 picture is 8 x 8 patches and 16 image tokens (one per 8 x 8 pixels); 16 tokens in all::
+so a 32 x 32 picture is 8 x 8 patches and 16 image tokens (one per 8 x 8 pixels); a vocabulary of 15 tokens::
 
     python examples/vision_count/make_model.py outputs/vision_count_model [--seed 0]
 
