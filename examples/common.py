@@ -45,16 +45,18 @@ def _temporary_dir() -> Path:
     return path
 
 
-def save_word_tokenizer(path: Path, words: Sequence[str] = WORDS) -> int:
-    """A whitespace word-level tokenizer over ``SPECIAL + words`` (pad ``<pad>`` id 0, eos ``<eos>`` id 2);
-    returns its size."""
+def save_word_tokenizer(path: Path, words: Sequence[str] = WORDS, special: Sequence[str] = ()) -> int:
+    """A whitespace word-level tokenizer over ``SPECIAL + words + special`` (pad ``<pad>`` id 0, eos ``<eos>`` id
+    2; ``special``: tokens matched anywhere in the text, without spaces around them, e.g. a VL model's
+    ``<|image_pad|>``); returns its size."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {word: i for i, word in enumerate([*SPECIAL, *words])}
+    vocab = {word: i for i, word in enumerate([*SPECIAL, *words, *special])}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+                                   **({"additional_special_tokens": list(special)} if special else {}))
     fast.save_pretrained(path)
     return len(vocab)
 

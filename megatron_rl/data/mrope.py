@@ -87,7 +87,7 @@ def pack_positions(positions: torch.Tensor, attention_mask: torch.Tensor, packed
     row = torch.repeat_interleave(torch.arange(len(seq_lens), device=valid.device), seq_lens)  # [N]
     offset = torch.arange(int(seq_lens.sum()), device=valid.device) - cu_seq_starts(seq_lens)[row]
     dest = packed.cu_seqlens[:-1].to(valid.device, torch.int64)[row] + offset  # as data.packing.pack
-    out = packed.position_ids.reshape(1, -1).expand(3, -1).clone()
+    out = packed.position_ids.reshape(1, -1).expand(positions.shape[0], -1).clone()
     out[:, dest] = positions[:, valid].to(out.device)
     return out
 
@@ -140,12 +140,14 @@ class VisionPack(PackedBatch):
     """``[N, F]`` every patch of the micro-batch's images, row order (``row_images``); None: no image."""
     image_grid_thw: torch.Tensor | None = None
     """``[n, 3]`` int64 their patch grids."""
+    image_mask: torch.Tensor | None = None
+    """``[T]`` bool: the pack's tokens that the images' embeddings replace (``images_tokens``)."""
 
     def packed_seq_params(self) -> Any:
         from megatron_rl.model.vision_language import mrope_params
 
         return mrope_params(self, self.mrope_positions, self.mrope_section, pixel_values=self.pixel_values,
-                            image_grid_thw=self.image_grid_thw)
+                            image_grid_thw=self.image_grid_thw, image_mask=self.image_mask)
 
 
 def vision_pack(packed: PackedBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -153,8 +155,24 @@ def vision_pack(packed: PackedBatch, input_ids: torch.Tensor, attention_mask: to
                 spatial_merge_size: int, mrope_section: list[int]) -> VisionPack:
     """``packed`` (= ``pack(input_ids, attention_mask)``) with the rows' 3-D positions and images."""
     pixels, grids = row_images(pixel_values, image_grid_thw)
-    rows = mrope_positions(input_ids, attention_mask, grids, image_token_id=image_token_id,
-                           spatial_merge_size=spatial_merge_size)
+    mine = images_tokens(input_ids, attention_mask, image_grid_thw, image_token_id, spatial_merge_size)
+    rows = mrope_positions(input_ids.masked_fill((input_ids == image_token_id) & ~mine, -1), attention_mask, grids,
+                           image_token_id=image_token_id, spatial_merge_size=spatial_merge_size)
+    image_mask = pack_positions(mine[None].long(), attention_mask, packed)[0] == 1  # padding slots: their position
+    image_mask &= packed.input_ids[0] == image_token_id  # ... but pad tokens
     fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(PackedBatch)}
     return VisionPack(**fields, mrope_positions=pack_positions(rows, attention_mask, packed),
-                      mrope_section=tuple(mrope_section), pixel_values=pixels, image_grid_thw=grids)
+                      mrope_section=tuple(mrope_section), pixel_values=pixels, image_grid_thw=grids,
+                      image_mask=image_mask)
+
+
+def images_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: torch.Tensor | None,
+                  image_token_id: int, spatial_merge_size: int) -> torch.Tensor:
+    """``[b, S]`` bool: the image tokens that are the rows' images' (``image_grid_thw [b, K, 3]``: each row's
+    first t*h*w/merge**2 per image, in order). An image token past them (a response may sample one) is text, as
+    in transformers' and vLLM's generation: text positions, its own embedding."""
+    is_image = (input_ids == image_token_id) & attention_mask.bool()
+    if image_grid_thw is None:
+        return torch.zeros_like(is_image)
+    counts = (image_grid_thw.prod(-1) // spatial_merge_size**2).sum(-1).to(input_ids.device)  # [b]
+    return is_image & (is_image.long().cumsum(1) <= counts[:, None])

@@ -41,6 +41,8 @@ class MropeParams(PackedRopeParams):
     """``[N, F]`` the micro-batch's image patches (row order) when they ride with the pack (``data/mrope.py:
     VisionPack``); the model's ``pixel_values`` argument otherwise."""
     image_grid_thw: torch.Tensor | None = None
+    image_mask: torch.Tensor | None = None
+    """``[T]`` bool: the tokens the images replace (``data/mrope.py: images_tokens``); None: every image token."""
 
     def rope_cos_sin(self, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (id(table), dtype)
@@ -99,10 +101,12 @@ class VisionLanguageModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """``[S, b, H]`` token embeddings with each image token's row replaced by the vision tower's output."""
+              image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[S, b, H]`` token embeddings with each image token's row (``image_mask [b*S]`` of them, when given)
+        replaced by the vision tower's output."""
         embeds = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [S, b, H]
-        is_image = (input_ids == self.image_token_id).transpose(0, 1)  # [S, b]
+        is_image = input_ids == self.image_token_id if image_mask is None else image_mask.view(input_ids.shape)
+        is_image = is_image.transpose(0, 1)  # [S, b]
         if pixel_values is None:
             if bool(is_image.any()):
                 raise ValueError("image tokens in the batch but no pixel_values")
@@ -117,11 +121,13 @@ class VisionLanguageModel(MegatronModule):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any, *,
                 packed_seq_params: Any = None, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        image_mask = None
         if pixel_values is None and isinstance(packed_seq_params, MropeParams):  # images riding with the pack
             pixel_values, image_grid_thw = packed_seq_params.pixel_values, packed_seq_params.image_grid_thw
+            image_mask = packed_seq_params.image_mask
         decoder_input = None
         if self.visual is not None and self.language_model.pre_process:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask)
         return self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                    packed_seq_params=packed_seq_params, **kwargs)
 

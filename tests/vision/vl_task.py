@@ -1,16 +1,17 @@
 """A vision-language task for the main job's tests (tests/vision/test_vl_environment.py, test_vl_job.py): the tiny
 Qwen2.5-VL of tests/support/qwen2_5_vl_tiny.py, a JSONL of prompts with generated PNG images ("how many squares":
-each image holds 1 to 3 white squares on black, its ``count`` column says how many), a row whose image is missing
+each image holds 1 to 3 white squares on black, its ``count`` column says how many; the pictures of the image demo
+examples/vision_count, smaller), a row whose image is missing
 and a reward that varies with the sample (so every GRPO group has a gradient)."""
 
 from __future__ import annotations
 
 import base64
-import io
 import json
 from pathlib import Path
 
 from tests.support import qwen2_5_vl_tiny as tiny
+from tests.support.job_run import example_module
 
 IMAGE = tiny.IMAGE
 
@@ -18,16 +19,11 @@ REWARD = ("def count_reward(prompt, response, images, count):\n"
           "    return -abs(len(response.split()) - count)\n")
 
 
-def squares_png(count: int, size: int = 16) -> bytes:
-    """A ``size`` x ``size`` PNG with ``count`` white 4x4 squares on black, along the diagonal."""
-    from PIL import Image
-
-    image = Image.new("RGB", (size, size))
-    for k in range(count):
-        image.paste((255, 255, 255), (4 * k, 4 * k, 4 * k + 4, 4 * k + 4))
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
+def squares_png(count: int) -> bytes:
+    """A 16 x 16 PNG with ``count`` white 4x4 squares on black, along the diagonal (the image demo's picture
+    maker, examples/vision_count/make_data.py)."""
+    make_data = example_module("examples/vision_count/make_data.py")
+    return make_data.squares_png([(4 * k, 4 * k) for k in range(count)], size=16, square=4)
 
 
 def make_task(path: Path, head_dim: int = 16) -> dict[str, Path]:
