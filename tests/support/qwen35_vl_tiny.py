@@ -31,7 +31,7 @@ random_png, pixel_values, image_tokens, prompt_rows, batch = (
     _vl.random_png, _vl.pixel_values, _vl.image_tokens, _vl.prompt_rows, _vl.batch)
 
 
-def config(head_dim: int = 32):
+def config(head_dim: int = 32, **text_overrides):
     from transformers import Qwen3_5Config
 
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, layer_types=LAYER_TYPES,
@@ -39,7 +39,7 @@ def config(head_dim: int = 32):
                 linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
                 max_position_embeddings=512, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=None, eos_token_id=2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                 "mrope_section": MROPE_SECTION, "mrope_interleaved": True})
+                                 "mrope_section": MROPE_SECTION, "mrope_interleaved": True}) | text_overrides
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=PATCH,
                   temporal_patch_size=TEMPORAL_PATCH, spatial_merge_size=MERGE, in_channels=CHANNELS,
                   num_position_embeddings=64)
@@ -47,12 +47,12 @@ def config(head_dim: int = 32):
                          vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=False)
 
 
-def make_model(seed: int = 0, head_dim: int = 32):
-    """The tiny ``Qwen3_5ForConditionalGeneration`` in eval mode, fp32."""
+def make_model(seed: int = 0, head_dim: int = 32, **text_overrides):
+    """The tiny ``Qwen3_5ForConditionalGeneration`` in eval mode, fp32 (``text_overrides``: text config fields)."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config(head_dim)).eval()
+    model = Qwen3_5ForConditionalGeneration(config(head_dim, **text_overrides)).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -61,11 +61,11 @@ def make_model(seed: int = 0, head_dim: int = 32):
     return model
 
 
-def save_checkpoint(path: Path, seed: int = 0, head_dim: int = 32) -> Path:
+def save_checkpoint(path: Path, seed: int = 0, head_dim: int = 32, **text_overrides) -> Path:
     """Save the tiny model with the tokenizer and image processor of ``qwen2_5_vl_tiny``."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    make_model(seed, head_dim).save_pretrained(path)
+    make_model(seed, head_dim, **text_overrides).save_pretrained(path)
     _vl.save_tokenizer(path)
     Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=TEMPORAL_PATCH, merge_size=MERGE,
                              min_pixels=8 * 8, max_pixels=32 * 32).save_pretrained(path)

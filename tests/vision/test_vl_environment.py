@@ -74,3 +74,9 @@ def test_image_key_needs_a_vision_checkpoint_and_an_engine_that_takes_images(tas
         make_environment(_config(task, f"model.hf_path={text_model}"))
     with pytest.raises(ConfigError, match=r"data.image_key='images': a step-API class .* takes text prompts only"):
         make_environment(_config(task, "job.environment=my_env.py:MyEnv"))
+    from tests.support import qwen35_vl_tiny  # a family whose vLLM engines do not take images yet
+
+    qwen35 = qwen35_vl_tiny.save_checkpoint(tmp_path / "qwen35_vl", linear_key_head_dim=64, linear_value_head_dim=64)
+    assert make_environment(_config(task, f"model.hf_path={qwen35}")).images is not None
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: vLLM with images is not wired for .*Qwen3.5"):
+        make_environment(_config(task, f"model.hf_path={qwen35}", "rollout.engine=vllm"))
