@@ -1,14 +1,14 @@
 """Qwen2.5-VL and Qwen3.5 multimodal (hf/families/qwen2_5_vl.py, qwen35_vl.py; model/vision_language.py), each
 test once per family (``tiny``: tests/support/qwen2_5_vl_tiny.py, qwen35_vl_tiny.py): a tiny random checkpoint
-made by transformers loads into the Megatron model with its vision tower and exports back bitwise; a packed batch of left-padded rows
-(right-aligned responses) with images of different sizes gives transformers' response log-probs (one sequence per
-forward), and the 3-D RoPE positions equal transformers' ``get_rope_index`` per row; the policy
-(model/vision_policy.py) gives the same with images in its ``TrainingBatch``, and a trained one resumes from a
-distributed checkpoint.
+made by transformers loads into the Megatron model with its vision tower and exports back bitwise; a packed batch
+of left-padded rows (right-aligned responses) with images of different sizes gives transformers' response
+log-probs (one sequence per forward), and the 3-D RoPE positions equal transformers' ``get_rope_index`` per row;
+the policy (model/vision_policy.py) gives the same with images in its ``TrainingBatch``, and a trained one resumes
+from a distributed checkpoint.
 
 Planted bugs (negative controls, kept): 1-D text positions for the image tokens (what a model without multimodal
-RoPE would use) moves the log-probs by ~3e-3 >> the 1e-5 bound; for Qwen3.5, consecutive mrope sections instead
-of interleaved ones too. Measured: the correct path matches within 1e-6 (Qwen2.5-VL bitwise; Qwen3.5's GDN
+RoPE would use) moves the log-probs by 3e-3 (Qwen2.5-VL) / 5e-2 (Qwen3.5) >> the 1e-5 bound; for Qwen3.5,
+consecutive mrope sections instead of interleaved ones: 3.8e-3. Measured: the correct path matches within 1e-6 (Qwen2.5-VL bitwise; Qwen3.5's GDN
 layers run the same recurrences in another order); the bound is 1e-5 (fp32).
 Cost: ~15 s CPU per family (one process: the model, three policies, transformers' reference, a checkpoint).
 """
