@@ -72,11 +72,21 @@ def test_main_job_trains_a_vl_checkpoint_on_image_prompts(tmp_path, groups, fami
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_main_job_with_the_vllm_fleet_on_image_prompts(tmp_path):
-    """The same job on ``rollout.engine=vllm`` (the tiny model with head size 32; fp32 engine, bound 1e-4 as
-    tests/job/test_vllm_main_job.py): the fleet samples with the rows' images (``VLLMEngine.generate(images=...)``)
-    and gets the trained weights, vision tower included, after each step."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen35_vl", marks=pytest.mark.skipif(
+    not hybrid.mcore_supports_hybrid(), reason=f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}"))])
+def test_main_job_with_the_vllm_fleet_on_image_prompts(tmp_path, family):
+    """The same job on ``rollout.engine=vllm`` (Qwen2.5-VL: the tiny model with head size 32, fp32 engine, bound
+    1e-4 as tests/job/test_vllm_main_job.py; Qwen3.5: GDN head dims 64, a bf16 engine, ``rollout.dtype=auto``'s
+    choice, bound ``AGREEMENT_BOUNDS['bfloat16']`` = 2^-5): the fleet samples with the rows' images
+    (``VLLMEngine.generate(images=...)``) and gets the trained weights, vision tower included, after each step."""
+    from megatron_rl.inference.config import AGREEMENT_BOUNDS
+
     task = make_task(tmp_path, head_dim=32)
+    bound = AGREEMENT_BOUNDS["float32"]
+    if family == "qwen35_vl":
+        task["model"] = qwen35_vl_tiny.save_checkpoint(tmp_path / family, linear_key_head_dim=64,
+                                                       linear_value_head_dim=64)
+        bound = AGREEMENT_BOUNDS["bfloat16"]
     out_dir = tmp_path / "run"
     out = run_megatron(*overrides(task), f"logging.output_dir={out_dir}", "logging.progress_bar=false",
                        "rollout.engine=vllm", "job.num_steps=2", "batch.train_batch_size=4",
@@ -86,4 +96,4 @@ def test_main_job_with_the_vllm_fleet_on_image_prompts(tmp_path):
     rows = metric_rows(out_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["rollout/logprob_abs_diff_max"] < 1e-4 and r["data/failed_image_rows"] == 1, r
+        assert r["rollout/logprob_abs_diff_max"] < bound and r["data/failed_image_rows"] == 1, r

@@ -104,8 +104,8 @@ QWEN35_VL = Qwen35VLFamily(
     name="qwen35_vl", model_types=(MULTIMODAL_MODEL_TYPE,), title="vision-language hybrid Gated-DeltaNet (Qwen3.5)",
     support=Support(kv_cache_decoding=False, vllm_prefix_caching=False, vllm_cpu_dtypes=("bfloat16",),
                     vllm_cpu_dtype_why="vLLM's CPU Gated-DeltaNet kernels run in bf16 only",
-                    vllm_cpu_linear_head_dims=(64, 128), vllm_adapter_sync=False),
+                    vllm_cpu_linear_head_dims=(64, 128), vllm_adapter_sync=False, vllm_images=True),
 )
 """Qwen3.5 with its vision tower. Training, log-probs and the built-in engine with images (full forwards, as every
-hybrid model); vLLM with images not wired yet (``vllm_images`` False: ``data.image_key`` with
-``rollout.engine=vllm`` is refused at start-up)."""
+hybrid model); vLLM serves it with images (bf16 on CPU, as every Qwen3.5; the weight sync streams the tower as
+``model.visual.*``: docs/VISION.md section 11)."""
