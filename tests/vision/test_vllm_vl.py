@@ -1,5 +1,6 @@
 """vLLM serves the tiny Qwen2.5-VL with images in the prompt, token in / token out, and the weight sync feeds it the
-trainer's vision tower with its language model.
+trainer's vision tower with its language model. The tiny Qwen3.5 multimodal model too (the last test: a bf16
+engine, its own bound and planted bug, in its docstring).
 
 One engine (fp32, CPU; the tiny model with head size 32, which vLLM's CPU attention needs) started by
 ``VLLMEngine.start`` on the trainer's export; prompts of 3 rows with PNG images of two sizes, encoded by the
