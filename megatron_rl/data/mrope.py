@@ -1,4 +1,4 @@
-"""Multimodal RoPE positions (Qwen2-VL / Qwen2.5-VL, "mrope"): 3-D (temporal, height, width) positions per
+"""Multimodal RoPE positions (Qwen2-VL / Qwen2.5-VL / Qwen3.5, "mrope"): 3-D (temporal, height, width) positions per
 token, built per sequence and carried through padding removal (docs/VISION.md section 3).
 
 Place in the data flow: per micro-batch, beside ``data/packing.py: pack`` (pure tensor code, no Megatron):
@@ -7,7 +7,8 @@ Place in the data flow: per micro-batch, beside ``data/packing.py: pack`` (pure 
     text token at text position p           (p, p, p); the next text token p + 1
     image of t x h x w merged patches        (p + ti, p + hi, p + wi) for its token (ti, hi, wi) in raster order;
     starting at text position p              the text after it starts at p + max(h, w) (transformers'
-                                             ``Qwen2_5_VLModel.get_rope_index`` for images)
+                                             ``Qwen2_5_VLModel.get_rope_index`` for images; Qwen3.5's
+                                             ``get_vision_position_ids`` gives the same for images)
     mrope_positions   [3, b, S]   per row on its valid tokens (left padding never shifts them; a response is
                                   the row's trailing text, so it continues the prompt's positions)
     pack_positions    [3, T]      each valid token's positions where ``pack`` put the token
@@ -136,6 +137,8 @@ class VisionPack(PackedBatch):
     mrope_positions: torch.Tensor | None = None
     """``[3, T]`` int64 (``pack_positions``)."""
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+    """The sections interleave (Qwen3.5; ``model/vision_language.py: mrope_rows``)."""
     pixel_values: torch.Tensor | None = None
     """``[N, F]`` every patch of the micro-batch's images, row order (``row_images``); None: no image."""
     image_grid_thw: torch.Tensor | None = None
@@ -146,13 +149,14 @@ class VisionPack(PackedBatch):
     def packed_seq_params(self) -> Any:
         from megatron_rl.model.vision_language import mrope_params
 
-        return mrope_params(self, self.mrope_positions, self.mrope_section, pixel_values=self.pixel_values,
-                            image_grid_thw=self.image_grid_thw, image_mask=self.image_mask)
+        return mrope_params(self, self.mrope_positions, self.mrope_section, self.mrope_interleaved,
+                            pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw,
+                            image_mask=self.image_mask)
 
 
 def vision_pack(packed: PackedBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None, *, image_token_id: int,
-                spatial_merge_size: int, mrope_section: list[int]) -> VisionPack:
+                spatial_merge_size: int, mrope_section: list[int], mrope_interleaved: bool = False) -> VisionPack:
     """``packed`` (= ``pack(input_ids, attention_mask)``) with the rows' 3-D positions and images."""
     pixels, grids = row_images(pixel_values, image_grid_thw)
     mine = images_tokens(input_ids, attention_mask, image_grid_thw, image_token_id, spatial_merge_size)
@@ -162,8 +166,8 @@ def vision_pack(packed: PackedBatch, input_ids: torch.Tensor, attention_mask: to
     image_mask &= packed.input_ids[0] == image_token_id  # ... but pad tokens
     fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(PackedBatch)}
     return VisionPack(**fields, mrope_positions=pack_positions(rows, attention_mask, packed),
-                      mrope_section=tuple(mrope_section), pixel_values=pixels, image_grid_thw=grids,
-                      image_mask=image_mask)
+                      mrope_section=tuple(mrope_section), mrope_interleaved=mrope_interleaved, pixel_values=pixels,
+                      image_grid_thw=grids, image_mask=image_mask)
 
 
 def images_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, image_grid_thw: torch.Tensor | None,

@@ -118,8 +118,17 @@ def _prompt_images(config: Any) -> Any:
     from pathlib import Path
 
     files = config.data.paths("train_files") + config.data.paths("val_files")
-    return PromptImages(config.data.image_key, config.rl.model.hf_path,
-                        base_dirs=[".", *dict.fromkeys(str(Path(f).parent) for f in files)])
+    images = PromptImages(config.data.image_key, config.rl.model.hf_path,  # ConfigError for a text checkpoint
+                          base_dirs=[".", *dict.fromkeys(str(Path(f).parent) for f in files)])
+    if config.rollout.engine == "vllm":
+        from megatron_rl.hf.families import family_of
+
+        family = family_of(config.rl.model)
+        if not family.support.vllm_images:
+            raise ConfigError(f"data.image_key={config.data.image_key!r} with rollout.engine=vllm: vLLM with "
+                              f"images is not wired for {family.title or family.name} models yet; use "
+                              "rollout.engine=builtin (docs/VISION.md section 12)")
+    return images
 
 
 def _text_only(config: Any, what: str) -> None:

@@ -6,8 +6,9 @@ mbridge 0.15.1 (the newest release) has no Qwen3.5 bridge, so the mapping is wri
 
 Layouts read: ``Qwen3_5ForCausalLM`` (``model_type`` qwen3_5_text, ``model.layers.*``) and the published
 multimodal ``Qwen3_5ForConditionalGeneration`` (``model_type`` qwen3_5, the text config nested under
-``text_config``, ``model.language_model.layers.*``): its language model only; the vision tower
-(``model.visual.*``) is left out (megatron_rl trains text) and copied unchanged from the source on export.
+``text_config``, ``model.language_model.layers.*``): its language model (the vision tower, ``model.visual.*``, is
+``hf/families/qwen35_vl.py``'s: it trains beside this language model; anything else of the source, MTP layers,
+is copied unchanged on export).
 mbridge is not used: every rank reads the checkpoint and ``model/weights.py`` shards it (``load_weights``);
 export gathers the full state dict (``iter_weights``).
 
@@ -42,14 +43,15 @@ TEXT_PREFIX = "model."
 """HF tensor-name prefix of the text-only layout's language model (``hf/families/qwen35.py: PREFIXES``)."""
 
 
-def model_fields(cfg: Any) -> dict[str, Any]:
+def model_fields(cfg: Any, multimodal: bool = False) -> dict[str, Any]:
     """The Qwen3.5-specific ``ModelConfig`` fields of a Qwen3.5 text config (the language model's: the family
     unpacks the multimodal layout); ValueError (one line) for what the model here does not compute: MTP layers
-    are ignored, other features refused."""
+    are ignored, other features refused. ``multimodal``: the multimodal RoPE fields (``mrope_section``,
+    ``mrope_interleaved``) are the vision-language model's (``model/vision_language.py``), not refused."""
     params = getattr(cfg, "rope_parameters", None) or {}
     if getattr(cfg, "attention_bias", False):
         raise ValueError("Qwen3.5 config with attention_bias=True: attention biases are not supported")
-    if params.get("mrope_interleaved") or params.get("rope_type", "default") != "default":
+    if (params.get("mrope_interleaved") and not multimodal) or params.get("rope_type", "default") != "default":
         raise ValueError(f"Qwen3.5 config with rope_parameters={params}: only default (text) RoPE is supported")
     return {
         "linear_attention_freq": [int(t == "linear_attention") for t in cfg.layer_types],

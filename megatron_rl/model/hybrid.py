@@ -6,8 +6,9 @@ into the per-layer specs of one pipeline stage:
 
     layer i, linear_attention_freq[i] == 1   self_attention = megatron's GatedDeltaNet with local linears
                                              (in_proj ColumnParallelLinear [q|k|v|z|beta|alpha], out_proj
-                                             RowParallelLinear, out_norm our plain RMSNorm: the gated output
-                                             norm of HF's ``Qwen3_5RMSNormGated`` is not zero-centred)
+                                             RowParallelLinear, out_norm our plain RMSNorm, ``HeadsRMSNorm``:
+                                             the gated output norm of HF's ``Qwen3_5RMSNormGated`` is not
+                                             zero-centred; its gradient summed over TP)
     layer i, linear_attention_freq[i] == 0   the builder's attention layer (with ``attention_output_gate``:
                                              megatron's sigmoid output gate, q and gate projected together)
 
@@ -121,6 +122,25 @@ class ZeroCenteredRMSNorm(RMSNorm):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
+class HeadsRMSNorm(RMSNorm):
+    """The Gated-DeltaNet output norm (``out_norm``): one weight over a head's channels, applied to this TP rank's
+    heads only, so each TP rank's weight gradient is a partial sum over its heads. Under sequence parallelism
+    ``finalize_model_grads`` sums it over TP (the ``sequence_parallel`` tag); without, megatron-core 0.19.2 leaves
+    it partial (its GDN tags nothing: measured, TP2 gave a 97% relative error on this gradient), so the weight
+    goes through ``copy_to_tensor_model_parallel_region`` (identity forward, TP all-reduce of its gradient)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **unused: object):
+        super().__init__(config, hidden_size, eps)
+        self.sum_over_tp = config.tensor_model_parallel_size > 1 and not config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.sum_over_tp:
+            return self.normalize(x, self.weight)
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        return self.normalize(x, copy_to_tensor_model_parallel_region(self.weight))
+
+
 def norm_class(model_cfg: ModelConfig) -> type[RMSNorm]:
     """The layer / q-k / final norm: zero-centred for ``layernorm_zero_centered_gamma``."""
     return ZeroCenteredRMSNorm if model_cfg.layernorm_zero_centered_gamma else RMSNorm
@@ -150,7 +170,7 @@ def _gdn_layer(attention_layer: ModuleSpec) -> ModuleSpec:
     spec = copy.deepcopy(attention_layer)
     spec.submodules.self_attention = ModuleSpec(
         module=packed_gdn_class(),
-        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=RMSNorm,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=HeadsRMSNorm,
                                            out_proj=RowParallelLinear),
     )
     return spec

@@ -33,8 +33,11 @@ class RMSNorm(torch.nn.Module):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x, self.weight)
+
+    def normalize(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # one fused kernel for the normalization (fp32 inside, output in x's dtype), then the scale
-            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+            return weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return weight * normed.to(x.dtype)

@@ -1,8 +1,9 @@
-"""A vision-language model (Qwen2.5-VL) on megatron-core: the vision tower beside our language GPTModel, images
+"""A vision-language model (Qwen2.5-VL, Qwen3.5) on megatron-core: the vision tower beside our language GPTModel, images
 riding in the packed THD batch, 3-D multimodal RoPE positions built per sequence (docs/VISION.md).
 
 Place in the data flow: the "Megatron model" box of docs/DESIGN.md section 1 for a ``qwen2_5_vl`` checkpoint
-(``hf/families/qwen2_5_vl.py`` loads and exports its weights). Per micro-batch:
+(``hf/families/qwen2_5_vl.py`` loads and exports its weights) and for a ``qwen3_5`` one (``qwen35_vl.py``: the
+language GPTModel is the hybrid Gated-DeltaNet one). Per micro-batch:
 
     rows [b, S] left-padded, responses right-aligned           (the layout of docs/DESIGN.md section 2)
     data.mrope.mrope_positions   -> [3, b, S]  per row, on its valid tokens only (padding never shifts them)
@@ -13,9 +14,10 @@ Place in the data flow: the "Megatron model" box of docs/DESIGN.md section 1 for
                                  order (= row order = image order); the language GPTModel (local spec) runs on
                                  them with RoPE cos/sin from ``MropeParams`` (per-token 3-D positions)
 
-The vision tower is transformers' own ``Qwen2_5_VisionTransformerPretrainedModel`` (replicated on every TP rank
-of the first pipeline stage; plain torch, runs on CPU): mbridge 0.15.1's Megatron tower is TE-only with
-hard-coded full-size shapes (docs/VISION.md section 1).
+The vision tower is transformers' own (``AutoModel`` of the checkpoint's ``vision_config``: Qwen2.5-VL's
+``Qwen2_5_VisionTransformerPretrainedModel``, Qwen3.5's ``Qwen3_5VisionModel``), replicated on every TP rank of
+the first pipeline stage; plain torch, runs on CPU: mbridge 0.15.1's Megatron tower is TE-only with hard-coded
+full-size shapes (docs/VISION.md section 1).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ class MropeParams(PackedRopeParams):
     """``PackedRopeParams`` whose ``position_ids`` are 3-D: ``[3, T]`` (temporal, height, width) per token.
 
     Qwen2-VL's multimodal RoPE: the rotary half-dimension ``D/2`` is split into ``mrope_section`` (e.g. [16, 24,
-    24]); section i takes its angles from position row ``i % 3``; text tokens carry equal rows (plain RoPE)."""
+    24]); section i takes its angles from position row ``i % 3``; text tokens carry equal rows (plain RoPE).
+    ``mrope_interleaved`` (Qwen3-VL, Qwen3.5): the sections interleave instead (``mrope_rows``)."""
 
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
     pixel_values: torch.Tensor | None = None
     """``[N, F]`` the micro-batch's image patches (row order) when they ride with the pack (``data/mrope.py:
     VisionPack``); the model's ``pixel_values`` argument otherwise."""
@@ -50,24 +54,37 @@ class MropeParams(PackedRopeParams):
             half = table.shape[-1] // 2  # table [S, 1, 1, D] = cat(freqs, freqs): angles pos * inv_freq
             if sum(self.mrope_section) != half:
                 raise ValueError(f"mrope_section {list(self.mrope_section)} must sum to half the rotary dim ({half})")
-            rows = [table[self.position_ids[k]][..., :half] for k in range(3)]  # 3 x [T, 1, 1, D/2]
-            parts, start = [], 0
-            for i, width in enumerate(self.mrope_section):
-                parts.append(rows[i % 3][..., start:start + width])
-                start += width
-            freqs = torch.cat(parts, dim=-1)
+            rows = torch.stack([table[self.position_ids[k]][..., :half] for k in range(3)])  # [3, T, 1, 1, D/2]
+            pick = mrope_rows(self.mrope_section, self.mrope_interleaved).to(rows.device)  # [D/2]: row per freq
+            freqs = rows.gather(0, pick.expand(rows.shape[1:])[None])[0]  # [T, 1, 1, D/2]
             freqs = torch.cat((freqs, freqs), dim=-1)  # [T, 1, 1, D]
             self.rope_cache[key] = (torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype))
         return self.rope_cache[key]
 
 
+def mrope_rows(section: tuple[int, ...] | list[int], interleaved: bool) -> torch.Tensor:
+    """``[sum(section)]`` int64: the position row (0 T, 1 H, 2 W) each rotary frequency takes its angle from.
+
+    Consecutive sections (Qwen2-VL, Qwen2.5-VL): section i -> row ``i % 3``, e.g. [2, 3, 3] -> T T H H H W W W.
+    Interleaved (Qwen3-VL, Qwen3.5; transformers' ``recomposition_frequencies``): frequency j -> H when
+    ``j % 3 == 1 and j < 3 * section[1]``, W when ``j % 3 == 2 and j < 3 * section[2]``, else T; e.g. [3, 3, 2] ->
+    T H W T H W T H."""
+    if not interleaved:
+        return torch.cat([torch.full((width,), i % 3) for i, width in enumerate(section)]).long()
+    j = torch.arange(sum(section))
+    rows = torch.zeros_like(j)
+    for row in (1, 2):
+        rows[(j % 3 == row) & (j < 3 * section[row])] = row
+    return rows
+
+
 def mrope_params(packed: Any, positions: torch.Tensor, mrope_section: list[int] | tuple[int, ...],
-                 **images: Any) -> MropeParams:
+                 mrope_interleaved: bool = False, **images: Any) -> MropeParams:
     """``MropeParams`` for a pack and its 3-D positions ``[3, T]`` (``data/mrope.py: pack_positions``);
     ``images``: ``pixel_values``, ``image_grid_thw`` riding with it."""
     return MropeParams(qkv_format="thd", cu_seqlens_q=packed.cu_seqlens, cu_seqlens_kv=packed.cu_seqlens,
                        max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen, position_ids=positions,
-                       mrope_section=tuple(mrope_section), **images)
+                       mrope_section=tuple(mrope_section), mrope_interleaved=mrope_interleaved, **images)
 
 
 class VisionLanguageModel(MegatronModule):
@@ -133,20 +150,20 @@ class VisionLanguageModel(MegatronModule):
 
 
 def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, hf_config: Any) -> VisionLanguageModel:
-    """This rank's stage of a Qwen2.5-VL: ``model/builder.py``'s GPTModel for the language model, and the vision
-    tower (``hf_config.vision_config``, ``model_cfg.params_dtype``) on the first stage."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    """This rank's stage of a vision-language model: ``model/builder.py``'s GPTModel for the language model, and
+    the vision tower (transformers' ``AutoModel`` of ``hf_config.vision_config``, ``model_cfg.params_dtype``) on
+    the first stage."""
+    from transformers import AutoModel
 
     from megatron_rl.model.builder import _DTYPES, build_gpt_model
 
     if (parallel_cfg.pipeline_model_parallel_size > 1 or parallel_cfg.context_parallel_size > 1
             or parallel_cfg.sequence_parallel):
-        raise ValueError("a vision-language model (model_type qwen2_5_vl) runs with parallel."
+        raise ValueError(f"a vision-language model (model_type {hf_config.model_type}) runs with parallel."
                          "pipeline_model_parallel_size=1, context_parallel_size=1 and sequence_parallel=false for "
                          "now (docs/VISION.md section 8); set them so")
     language = build_gpt_model(model_cfg, parallel_cfg, groups)
     visual = None
     if groups.is_first_stage:
-        visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-            hf_config.vision_config, dtype=_DTYPES[model_cfg.params_dtype]).to(groups.device)
+        visual = AutoModel.from_config(hf_config.vision_config, dtype=_DTYPES[model_cfg.params_dtype]).to(groups.device)
     return VisionLanguageModel(language, visual, image_token_id=hf_config.image_token_id)

@@ -1,4 +1,4 @@
-"""``VisionLanguagePolicy``: a ``MegatronPolicy`` whose model sees images (Qwen2.5-VL; docs/VISION.md).
+"""``VisionLanguagePolicy``: a ``MegatronPolicy`` whose model sees images (Qwen2.5-VL, Qwen3.5; docs/VISION.md).
 
 Place in the data flow: the policy of docs/DESIGN.md section 1, for a ``model.hf_path`` of a vision-language
 checkpoint. What differs from the text policy, and nothing else:
@@ -51,12 +51,12 @@ class VisionLanguagePolicy(MegatronPolicy):
             raise ValueError(f"batch has {present[0]!r} but not {[k for k in IMAGE_KEYS if k not in present][0]!r}; "
                              "pass both (data/mrope.py: batch_images) or neither")
         call = super().plan_call(batch, **kwargs)
-        text = self.vl_config.text_config
+        rope = self.vl_config.text_config.rope_parameters
         for item in call.microbatches:
             item.packed = vision_pack(
                 item.packed, item.tensors["sequences"], item.tensors["attention_mask"],
                 item.tensors.get("pixel_values"), item.tensors.get("image_grid_thw"),
                 image_token_id=self.vl_config.image_token_id,
                 spatial_merge_size=self.vl_config.vision_config.spatial_merge_size,
-                mrope_section=text.rope_parameters["mrope_section"])
+                mrope_section=rope["mrope_section"], mrope_interleaved=bool(rope.get("mrope_interleaved", False)))
         return call

@@ -72,6 +72,7 @@ def test_policy_from_hf_matches_transformers_and_export_round_trips(layout, grou
     config = MegatronRLConfig(model=ModelConfig(attention_backend="local"))
     policy = policy_from_hf(config, groups, role="reference", hf_dir=source)
     assert policy.config.model.linear_attention_freq == [1, 0, 1, 0]
+    assert policy.config.model.family == {"text": "qwen35", "multimodal": "qwen35_vl"}[layout]
 
     tensors = left_padded_tensors([5, 30, 2], [9, 40, 3], 256, torch.Generator().manual_seed(0), low=3)
     got = policy.forward(training_batch(tensors))["logprobs"]
@@ -86,11 +87,11 @@ def test_policy_from_hf_matches_transformers_and_export_round_trips(layout, grou
     from megatron_rl.hf.weights import iter_stage_hf_weights  # the vLLM weight sync's stream: the model, bitwise
 
     streamed = dict(iter_stage_hf_weights([policy.module], source, groups))
-    assert streamed.keys() == {k for k in original if not k.startswith("model.visual.")}
+    assert streamed.keys() == original.keys()  # the multimodal layout: its vision tower too (hf/families/qwen35_vl.py)
     assert all(torch.equal(tensor, original[k]) for k, tensor in streamed.items())
     out = export_policy_to_hf(policy, tmp_path / "export", source)
     exported = load_file(f"{out}/model.safetensors")
-    assert exported.keys() == original.keys()  # the multimodal vision tower passes through unchanged
+    assert exported.keys() == original.keys()  # the multimodal vision tower is the model's (untrained here)
     assert all(torch.equal(exported[k], original[k]) for k in original), "round trip is not bitwise"
     if layout == "multimodal":
         _, info = Qwen3_5ForConditionalGeneration.from_pretrained(out, output_loading_info=True)

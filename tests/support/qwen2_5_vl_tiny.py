@@ -33,6 +33,8 @@ def random_png(height: int, width: int, seed: int) -> bytes:
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
 PATCH, TEMPORAL_PATCH, MERGE, CHANNELS = 4, 2, 2, 3
+VISION_TENSORS = 30
+"""Tensors of its tower: patch embed 1, 2 blocks x 12, merger 5."""
 
 
 def config(head_dim: int = 16):
@@ -139,12 +141,18 @@ def batch():
     return rows, seqs, ids, mask, response_mask, pixels
 
 
-def transformers_logprobs(checkpoint, rows, seqs, pixels, width: int, positions: torch.Tensor) -> torch.Tensor:
-    """[b, R] response log-probs from transformers, one unpadded sequence per forward; checks on the way that
-    ``positions [3, b, S]`` (ours) equal its ``get_rope_index`` on each row's valid tokens."""
+def hf_class():
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return Qwen2_5_VLForConditionalGeneration
+
+
+def transformers_logprobs(checkpoint, rows, seqs, pixels, width: int, positions: torch.Tensor,
+                          model_class=None) -> torch.Tensor:
+    """[b, R] response log-probs from transformers (``model_class``, default Qwen2.5-VL), one unpadded sequence
+    per forward; checks on the way that ``positions [3, b, S]`` (ours) equal its ``get_rope_index`` on each row's
+    valid tokens."""
+    hf = (model_class or hf_class()).from_pretrained(checkpoint, dtype=torch.float32).eval()
     out = torch.zeros(len(rows), max(r for *_, r in rows))
     for i, ((_, grids, r), seq) in enumerate(zip(rows, seqs)):
         x = torch.tensor(seq)[None]

@@ -54,7 +54,9 @@ def save_checkpoint(path: Path, multimodal: bool = False, seed: int = 0, **overr
     if multimodal:
         from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-        config = Qwen3_5Config(text_config=text.config.to_dict(), vision_config=dict(
+        text_config = text.config.to_dict()  # the multimodal RoPE fields as the published checkpoints have them
+        text_config["rope_parameters"] |= {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        config = Qwen3_5Config(text_config=text_config, vision_config=dict(
             depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64))
         model = Qwen3_5ForConditionalGeneration(config).eval()
         model.model.language_model.load_state_dict(text.model.state_dict())

@@ -1,18 +1,24 @@
-"""A Qwen2.5-VL policy (model/vision_policy.py) with images in the batch: its log-probs equal transformers' per
-sequence, and the step's loss, gradients (vision tower included) and grad norm do not depend on micro-batching,
-DP2 or TP2 (docs/VISION.md section 2: the tower is replicated over TP, its gradients agree there without a
-reduction and the grad norm counts it once).
+"""A vision-language policy (model/vision_policy.py; Qwen2.5-VL and the hybrid Qwen3.5, ``family``) with images in
+the batch: its log-probs equal transformers' per sequence, and the step's loss, gradients (vision tower included)
+and grad norm do not depend on micro-batching, DP2 or TP2 (docs/VISION.md section 2: the tower is replicated over
+TP, its gradients agree there without a reduction and the grad norm counts it once).
+
+Planted bug (found by this test, kept fixed): the Gated-DeltaNet output norm's gradient left partial over TP
+without sequence parallelism (``model/hybrid.py: HeadsRMSNorm`` as a plain ``RMSNorm``): Qwen3.5 TP2 relative
+gradient error 6.5e-4 (that weight's own: 97%), the test fails.
 
 Reference: the single-process policy with one micro-batch (in this process). ONE 2-rank spawn runs DP2 and TP2
 in turn, each with 2 micro-batches per rank (images split between micro-batches). Tolerances: fp32 with another
-reduction order, relative 1e-5 (as tests/model/test_hybrid_multirank.py). Cost: one 2-rank spawn, ~40 s wall.
+reduction order, relative 1e-5 (as tests/model/test_hybrid_multirank.py). Cost: one 2-rank spawn per family,
+~40 s wall each.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support import qwen2_5_vl_tiny as tiny
+from megatron_rl.model import hybrid
+from tests.support import qwen2_5_vl_tiny, qwen35_vl_tiny
 from tests.support.batches import max_rel_err, steps_per_count, training_batch
 from tests.support.multirank import run_ranks
 from tests.model.test_policy_multirank import summed_pg_loss
@@ -21,6 +27,7 @@ pytestmark = [pytest.mark.multirank, pytest.mark.core]
 
 LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2)}
 COUNTS = (1, 2)
+FAMILIES = {"qwen2_5_vl": qwen2_5_vl_tiny, "qwen35_vl": qwen35_vl_tiny}
 
 
 def _runs(policy, groups, tensors, counts) -> dict:
@@ -30,7 +37,7 @@ def _runs(policy, groups, tensors, counts) -> dict:
     return {**out, **steps_per_count(policy, batch, groups, counts, summed_pg_loss)}
 
 
-def _layouts_rank(rank, world_size, checkpoint, tensors):
+def _layouts_rank(rank, world_size, checkpoint, tensors, family):
     from megatron_rl.config import ParallelConfig
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
@@ -38,19 +45,32 @@ def _layouts_rank(rank, world_size, checkpoint, tensors):
     for name, parallel in LAYOUTS.items():
         groups = initialize_distributed(ParallelConfig(**parallel), 1234)
         try:
-            results[name] = _runs(tiny.vl_policy(checkpoint, groups, **parallel), groups, tensors, (2,))
+            policy = FAMILIES[family].vl_policy(checkpoint, groups, **parallel)
+            results[name] = _runs(policy, groups, tensors, (2,))
         finally:
             destroy_distributed(keep_process_group=True)  # the next layout reuses the process group
     return results
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny.save_checkpoint(tmp_path_factory.mktemp("qwen2_5_vl_mr") / "tiny")
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    if request.param == "qwen35_vl" and not hybrid.mcore_supports_hybrid():
+        pytest.skip(f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}")
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
+def tiny(family):
+    return FAMILIES[family]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny):
+    return tiny.save_checkpoint(tmp_path_factory.mktemp("vl_mr") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, tiny):
     from megatron_rl.config import ParallelConfig
     from megatron_rl.data.mrope import mrope_positions, row_images
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
@@ -68,13 +88,13 @@ def reference(checkpoint):
     return tensors, ref
 
 
-def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoint, reference):
+def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoint, reference, family):
     tensors, ref = reference
     mask = tensors["response_mask"].bool()
     assert (ref["logprobs"] - ref["transformers"])[mask].abs().max() < 1e-5
     assert ref["loss_1"] != 0.0 and float(ref["grad_1"]["visual.patch_embed.proj.weight"].norm()) > 0
     assert max_rel_err(ref["grad_2"], ref["grad_1"]) < 1e-5
-    for rank_results in run_ranks(2, _layouts_rank, checkpoint, tensors, timeout=600):
+    for rank_results in run_ranks(2, _layouts_rank, checkpoint, tensors, family, timeout=600):
         for name, got in rank_results.items():
             assert (got["logprobs"] - ref["logprobs"])[mask].abs().max() < 1e-5, name
             assert got["loss_2"] == pytest.approx(ref["loss_1"], rel=1e-5), name

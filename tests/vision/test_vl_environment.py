@@ -61,7 +61,7 @@ def test_rollouts_carry_the_rows_images(task):
     assert torch.equal(batch["pixel_values"][2], images[2][0][0]) and batch["image_grid_thw"].tolist() == [[[1, 4, 4]]] * 4
 
 
-def test_image_key_needs_a_vision_checkpoint_and_an_engine_that_takes_images(task, tmp_path):
+def test_image_key_needs_a_vision_checkpoint_and_an_engine_that_takes_images(task, tmp_path, monkeypatch):
     from transformers import Qwen2Config
 
     assert make_environment(_config(task, "rollout.engine=vllm")).images is not None  # (an engine of one's own:
@@ -74,3 +74,11 @@ def test_image_key_needs_a_vision_checkpoint_and_an_engine_that_takes_images(tas
         make_environment(_config(task, f"model.hf_path={text_model}"))
     with pytest.raises(ConfigError, match=r"data.image_key='images': a step-API class .* takes text prompts only"):
         make_environment(_config(task, "job.environment=my_env.py:MyEnv"))
+    import dataclasses
+
+    from megatron_rl.hf import families
+
+    no_images = dataclasses.replace(families.QWEN2_5_VL, support=families.Support())  # a family of one's own
+    monkeypatch.setattr(families, "family_of", lambda model_cfg: no_images)
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: vLLM with images is not wired for .*Qwen2.5-VL"):
+        make_environment(_config(task, "rollout.engine=vllm"))

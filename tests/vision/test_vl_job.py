@@ -1,25 +1,57 @@
 """The main job trains a vision-language checkpoint on image prompts (docs/VISION.md): ``bash run_megatron.sh
-model.hf_path=<tiny Qwen2.5-VL> data.train_files=<jsonl with images> data.image_key=images reward.function=...``,
-2 gloo ranks (DP2), built-in engine, with a KL loss (its reference a VisionLanguagePolicy too). The built-in engine
-samples with the images; the trainer's log-probs of the sampled tokens (its forward over the packed batch with
-the images) agree with the engine's within 1e-5; the row whose image is missing is counted and named, not a crash;
-the HF export loads in transformers, trained.
+model.hf_path=<tiny Qwen2.5-VL or Qwen3.5> data.train_files=<jsonl with images> data.image_key=images
+reward.function=...``, 2 gloo ranks (DP2), built-in engine, with a KL loss (its reference a VisionLanguagePolicy
+too). The built-in engine samples with the images; the trainer's log-probs of the sampled tokens (its forward over
+the packed batch with the images) agree with the engine's within 1e-5; the row whose image is missing is counted
+and named, not a crash; the HF export loads in transformers, trained (language model and vision tower), and gives
+the trained policy's log-probs (its last distributed checkpoint, loaded here) on a batch with images (< 1e-5; the
+source checkpoint, untrained, is farther off: the check sees the training).
 """
 
 from __future__ import annotations
 
 import pytest
+from tests.support import qwen2_5_vl_tiny, qwen35_vl_tiny
 from tests.support.job_run import metric_rows, run_megatron
 from tests.vision.vl_task import make_task, overrides
 
+from megatron_rl.model import hybrid
+
 pytestmark = [pytest.mark.multirank, pytest.mark.core]
 
+FAMILIES = {"qwen2_5_vl": qwen2_5_vl_tiny, "qwen35_vl": qwen35_vl_tiny}
 
-def test_main_job_trains_a_vl_checkpoint_on_image_prompts(tmp_path):
+
+def _export_gives_the_trained_logprobs(groups, source, export, checkpoints, tiny) -> None:
+    """The job's last checkpoint in a fresh policy, and its HF export in transformers, give the same response
+    log-probs on ``tiny``'s packed batch with images; the untrained source does not."""
+    from megatron_rl.checkpoint import load_checkpoint
+    from megatron_rl.data.mrope import mrope_positions, row_images
+    from tests.support.batches import training_batch
+
+    policy = tiny.vl_policy(source, groups)
+    load_checkpoint(policy, checkpoints, load_optimizer=False)
+    tensors, (rows, seqs, pixels) = tiny.batch_tensors()
+    got = policy.forward(training_batch(tensors))["logprobs"]
+    _, grids = row_images(tensors["pixel_values"], tensors["image_grid_thw"])
+    ids, mask = tensors["sequences"], tensors["attention_mask"]
+    positions = mrope_positions(ids, mask, grids, image_token_id=tiny.IMAGE_TOKEN, spatial_merge_size=tiny.MERGE)
+    response = tensors["response_mask"].bool()
+    want = tiny.transformers_logprobs(export, rows, seqs, pixels, ids.shape[1], positions)
+    assert (got - want)[response].abs().max() < 1e-5
+    untrained = tiny.transformers_logprobs(source, rows, seqs, pixels, ids.shape[1], positions)
+    assert (got - untrained)[response].abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen35_vl", marks=pytest.mark.skipif(
+    not hybrid.mcore_supports_hybrid(), reason=f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}"))])
+def test_main_job_trains_a_vl_checkpoint_on_image_prompts(tmp_path, groups, family):
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
 
+    tiny = FAMILIES[family]
     task = make_task(tmp_path)
+    if family != "qwen2_5_vl":  # the task's prompts and images, this family's tiny model (the same tokenizer)
+        task["model"] = tiny.save_checkpoint(tmp_path / family)
     out_dir = tmp_path / "run"
     out = run_megatron(*overrides(task), f"logging.output_dir={out_dir}", "logging.progress_bar=false",
                        "job.num_steps=2", "batch.train_batch_size=4", "job.n_samples_per_prompt=2",
@@ -31,19 +63,30 @@ def test_main_job_trains_a_vl_checkpoint_on_image_prompts(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # the engine's and the trainer's forwards see the same images at the same positions
         assert r["rollout/logprob_abs_diff_max"] < 1e-5 and r["data/failed_image_rows"] == 1, r
-    exported = Qwen2_5_VLForConditionalGeneration.from_pretrained(out_dir / "hf" / "step_2", dtype=torch.float32)
-    original = Qwen2_5_VLForConditionalGeneration.from_pretrained(task["model"], dtype=torch.float32)
+    exported = tiny.hf_class().from_pretrained(out_dir / "hf" / "step_2", dtype=torch.float32)
+    original = tiny.hf_class().from_pretrained(task["model"], dtype=torch.float32)
     changed = {n.split(".")[1] for n, p in exported.named_parameters() if not torch.equal(p, original.get_parameter(n))}
     assert {"language_model", "visual"} <= changed, changed  # the vision tower trains too
+    _export_gives_the_trained_logprobs(groups, task["model"], out_dir / "hf" / "step_2", out_dir / "checkpoints", tiny)
 
 
 @pytest.mark.engine
 @pytest.mark.slow
-def test_main_job_with_the_vllm_fleet_on_image_prompts(tmp_path):
-    """The same job on ``rollout.engine=vllm`` (the tiny model with head size 32; fp32 engine, bound 1e-4 as
-    tests/job/test_vllm_main_job.py): the fleet samples with the rows' images (``VLLMEngine.generate(images=...)``)
-    and gets the trained weights, vision tower included, after each step."""
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen35_vl", marks=pytest.mark.skipif(
+    not hybrid.mcore_supports_hybrid(), reason=f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}"))])
+def test_main_job_with_the_vllm_fleet_on_image_prompts(tmp_path, family):
+    """The same job on ``rollout.engine=vllm`` (Qwen2.5-VL: the tiny model with head size 32, fp32 engine, bound
+    1e-4 as tests/job/test_vllm_main_job.py; Qwen3.5: GDN head dims 64, a bf16 engine, ``rollout.dtype=auto``'s
+    choice, bound ``AGREEMENT_BOUNDS['bfloat16']`` = 2^-5): the fleet samples with the rows' images
+    (``VLLMEngine.generate(images=...)``) and gets the trained weights, vision tower included, after each step."""
+    from megatron_rl.inference.config import AGREEMENT_BOUNDS
+
     task = make_task(tmp_path, head_dim=32)
+    bound = AGREEMENT_BOUNDS["float32"]
+    if family == "qwen35_vl":
+        task["model"] = qwen35_vl_tiny.save_checkpoint(tmp_path / family, linear_key_head_dim=64,
+                                                       linear_value_head_dim=64)
+        bound = AGREEMENT_BOUNDS["bfloat16"]
     out_dir = tmp_path / "run"
     out = run_megatron(*overrides(task), f"logging.output_dir={out_dir}", "logging.progress_bar=false",
                        "rollout.engine=vllm", "job.num_steps=2", "batch.train_batch_size=4",
@@ -53,4 +96,4 @@ def test_main_job_with_the_vllm_fleet_on_image_prompts(tmp_path):
     rows = metric_rows(out_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["rollout/logprob_abs_diff_max"] < 1e-4 and r["data/failed_image_rows"] == 1, r
+        assert r["rollout/logprob_abs_diff_max"] < bound and r["data/failed_image_rows"] == 1, r

@@ -1,6 +1,7 @@
 """The model-family registry: which ``Family`` (``base.py``) reads a checkpoint's ``model_type``, and which one a
 ``ModelConfig`` belongs to. Built in: ``dense.py`` (Llama, Qwen2, Qwen3), ``moe.py`` (Qwen3-MoE, Mixtral),
-``qwen35.py`` (the hybrid Qwen3.5), ``qwen2_5_vl.py`` (the vision-language Qwen2.5-VL).
+``qwen35.py`` (the hybrid Qwen3.5), ``qwen2_5_vl.py`` (the vision-language Qwen2.5-VL), ``qwen35_vl.py`` (the
+multimodal Qwen3.5: the hybrid and its vision tower).
 
 A family of your own (docs/HF.md section 8): define a ``Family`` (e.g. ``DenseFamily(name=..., model_types=...,
 bridges=...)``) in a file and name it with ``model.family=path/to/file.py:NAME`` (or ``package.module:NAME``):
@@ -22,9 +23,10 @@ from megatron_rl.hf.families.dense import DENSE, DenseFamily
 from megatron_rl.hf.families.moe import MOE, MoEFamily
 from megatron_rl.hf.families.qwen2_5_vl import QWEN2_5_VL, Qwen25VLFamily
 from megatron_rl.hf.families.qwen35 import QWEN35, Qwen35Family
+from megatron_rl.hf.families.qwen35_vl import QWEN35_VL, Qwen35VLFamily
 
-__all__ = ["DENSE", "MOE", "QWEN2_5_VL", "QWEN35", "DenseFamily", "Family", "MoEFamily", "Qwen25VLFamily",
-           "Qwen35Family", "Support", "families",
+__all__ = ["DENSE", "MOE", "QWEN2_5_VL", "QWEN35", "QWEN35_VL", "DenseFamily", "Family", "MoEFamily",
+           "Qwen25VLFamily", "Qwen35Family", "Qwen35VLFamily", "Support", "families",
            "family_for_type", "family_of", "register_family", "supported_model_types"]
 
 _FAMILIES: dict[str, Family] = {}
@@ -49,7 +51,7 @@ def register_family(family: Family) -> Family:
     return family
 
 
-for _family in (DENSE, MOE, QWEN35, QWEN2_5_VL):
+for _family in (DENSE, MOE, QWEN35, QWEN2_5_VL, QWEN35_VL):
     register_family(_family)
 
 

@@ -114,12 +114,15 @@ class Qwen25VLFamily(DenseFamily):
 @dataclass(frozen=True)
 class VisionStageStream:
     """The weight sync's stream of a stage (``hf/weights.py: iter_stage_hf_weights``): the language model's
-    tensors through mbridge's ``qwen2`` bridge (``language``, given ``language_chunks``), then, on the first
-    stage's stream root, the vision tower's as ``visual.*`` (the published layout, which vLLM's Qwen2.5-VL loads),
+    tensors through mbridge's ``qwen2`` bridge (``language``, given ``language_chunks``; Qwen3.5: its own
+    ``hf/qwen35.py: StageStream``), then, on the first stage's stream root, the vision tower's as ``visual.*``
+    (``vision_prefix``: the published layout, which vLLM's Qwen2.5-VL loads),
     unchanged (``extra_stage_weights``). Loading and exporting a checkpoint (``DenseFamily.load_weights`` /
     ``iter_weights``, given the language chunks) go to the language bridge; the family moves the tower itself."""
 
     language: Any
+    vision_prefix: str = VISION_PREFIXES[0]
+    """The tower's tensor names' prefix (Qwen3.5: ``model.visual.``, its checkpoints' layout)."""
 
     @staticmethod
     def language_chunks(model_chunks: list) -> list:
@@ -131,7 +134,7 @@ class VisionStageStream:
         visual = getattr(unwrap(model_chunks[0]), "visual", None)  # the first stage's (PP1 only)
         if visual is not None and groups.tp_rank == 0 and groups.ep_rank == 0:  # the stream root
             for name, tensor in visual.state_dict().items():
-                yield VISION_PREFIXES[0] + name, tensor.detach()
+                yield self.vision_prefix + name, tensor.detach()
 
     def load_weights(self, views: list, hf_dir: str) -> None:
         self.language.load_weights(views, hf_dir)

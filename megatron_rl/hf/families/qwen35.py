@@ -1,9 +1,8 @@
 """Qwen3.5, the hybrid Gated-DeltaNet family (docs/QWEN35.md): no mbridge bridge, ``hf/qwen35.py`` maps it.
 
-Layouts read: ``Qwen3_5ForCausalLM`` (``model_type`` qwen3_5_text, ``model.layers.*``) and the published
-multimodal ``Qwen3_5ForConditionalGeneration`` (``model_type`` qwen3_5, the text config nested under
-``text_config``, ``model.language_model.layers.*``): its language model only; the vision tower is copied
-unchanged from the source on export.
+Layout read: ``Qwen3_5ForCausalLM`` (``model_type`` qwen3_5_text, ``model.layers.*``). The published multimodal
+``Qwen3_5ForConditionalGeneration`` (``model_type`` qwen3_5, the text config nested under ``text_config``,
+``model.language_model.layers.*``) is ``qwen35_vl.py``'s, a subclass: this language model and its vision tower.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ class Qwen35Family(Family):
 
 
 QWEN35 = Qwen35Family(
-    name="qwen35", model_types=(TEXT_MODEL_TYPE, MULTIMODAL_MODEL_TYPE), title="hybrid Gated-DeltaNet (Qwen3.5)",
+    name="qwen35", model_types=(TEXT_MODEL_TYPE,), title="hybrid Gated-DeltaNet (Qwen3.5)",
     support=Support(kv_cache_decoding=False, vllm_prefix_caching=False, vllm_cpu_dtypes=("bfloat16",),
                     vllm_cpu_dtype_why="vLLM's CPU Gated-DeltaNet kernels run in bf16 only",
                     vllm_cpu_linear_head_dims=(64, 128), vllm_adapter_sync=False),
