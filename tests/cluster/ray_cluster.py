@@ -3,11 +3,12 @@
 ``RayCluster().start()`` starts, from a private temporary folder (``RAY_TMPDIR``) with a free GCS port,
 
     head     ray start --head --block, node_a: 1 (a custom resource naming the node), its own CPUs
-    worker   ray start --address=<head> --block, node_b: 1, its own CPUs
+    worker   ray start --address=<head> --block, node_b: 1, its own CPUs (once the head is up)
 
 (no usage stats; no dashboard unless ``RayCluster(dashboard=True)``: then the head also serves Ray's dashboard and
-its job API, for ``ray job submit``, at ``dashboard_url``; each node's dashboard agent listens on a free port of its
-own, not Ray's fixed 52365, so that two nodes and other clusters on this machine do not collide), each in its own
+its job API, for ``ray job submit``, at ``dashboard_url``, and its metrics on a free port, not Ray's fixed 44227; each
+node's dashboard agent listens on a free port of its own, not Ray's fixed 52365, so that two nodes and other clusters
+on this machine do not collide), each in its own
 session, and ``stop()`` ends exactly those two process trees (the
 Popen handles it holds: SIGTERM to ``ray start --block``, which stops its node; then SIGKILL of what is left of
 each session). Clients reach the cluster through ``env()`` (``RAY_ADDRESS``, ``RAY_TMPDIR``). The ``ray`` extra
@@ -60,6 +61,7 @@ class RayCluster:
         self.folder = Path(tempfile.mkdtemp(prefix="mrl_ray_", dir="/tmp"))  # short: Ray's socket paths
         self.port = free_port()
         self.dashboard_port = free_port() if dashboard else None
+        self.metric_port = free_port() if dashboard else None  # not the dashboard's fixed 44227 (another cluster's)
         self.cpus = cpus_per_node
         self.procs: list[subprocess.Popen] = []
 
@@ -76,18 +78,19 @@ class RayCluster:
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a client of this cluster."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        metrics = {"DASHBOARD_METRIC_PORT": str(self.metric_port)} if self.metric_port else {}
         return {**env, "RAY_TMPDIR": str(self.folder), "RAY_ADDRESS": self.address,
-                "RAY_USAGE_STATS_ENABLED": "0", **extra}
+                "RAY_USAGE_STATS_ENABLED": "0", **metrics, **extra}
 
-    def start(self, timeout: float = 120) -> RayCluster:
+    def start(self, timeout: float = 240) -> RayCluster:
         common = ["--block", f"--num-cpus={self.cpus}", "--num-gpus=0", "--disable-usage-stats"]
         dashboard = (["--include-dashboard=true", "--dashboard-host=127.0.0.1",
                       f"--dashboard-port={self.dashboard_port}"] if self.dashboard_port else ["--include-dashboard=false"])
-        self._spawn([RAY, "start", "--head", f"--port={self.port}", *dashboard, *self._agent(),
-                     f"--resources={json.dumps({NODES[0]: 1})}", *common], "head")
-        self._spawn([RAY, "start", f"--address={self.address}", *self._agent(),
-                     f"--resources={json.dumps({NODES[1]: 1})}", *common], "worker")
-        self._wait_nodes(timeout)
+        deadline = time.monotonic() + timeout
+        self._start_node("head", lambda: [RAY, "start", "--head", f"--port={self.port}", *dashboard, *self._agent(),
+                                          f"--resources={json.dumps({NODES[0]: 1})}", *common], deadline)
+        self._start_node("worker", lambda: [RAY, "start", f"--address={self.address}", *self._agent(),
+                                            f"--resources={json.dumps({NODES[1]: 1})}", *common], deadline)
         if self.dashboard_port:
             self._wait_job_api(timeout)
         return self
@@ -114,17 +117,33 @@ class RayCluster:
                                            start_new_session=True, cwd=self.folder))
         log.close()
 
-    def _wait_nodes(self, timeout: float) -> None:
-        """Until both ``ray start --block`` said "Ray runtime started" (the worker's once it joined the head)."""
-        deadline = time.monotonic() + timeout
-        logs = [self.folder / f"{name}.out" for name in ("head", "worker")]
-        while time.monotonic() < deadline and all(proc.poll() is None for proc in self.procs):
-            if all(STARTED in log.read_text(errors="replace") for log in logs):
-                return
-            time.sleep(0.5)
-        text = {log.name: log.read_text(errors="replace")[-2000:] for log in logs}
+    def _start_node(self, name: str, command, deadline: float, attempts: int = 3) -> None:
+        """``ray start`` of one node until it says "Ray runtime started" (the worker's once it joined the head); the
+        worker starts once the head did (started together, the worker's start gave up on a head not in the GCS
+        yet). Ray gives a node's raylet a fixed 30 s to register with the GCS (``ray/_private/node.py``); at load
+        averages of ~30-50 ``ray start`` ran out of it and exited: then that node starts again (its session ended
+        first), up to ``attempts`` times."""
+        log = self.folder / f"{name}.out"
+        for attempt in range(attempts):
+            if attempt and name == "head":
+                self.port = free_port()  # the failed head's port may linger
+            self._spawn(command(), name)
+            proc = self.procs[-1]
+            while time.monotonic() < deadline and proc.poll() is None:
+                if STARTED in log.read_text(errors="replace"):
+                    return
+                time.sleep(0.5)
+            if proc.poll() is None:
+                break  # the deadline
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what its session started (a raylet, the GCS)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            self.procs.remove(proc)
+        text = {p.name: p.read_text(errors="replace")[-2000:] for p in sorted(self.folder.glob("*.out"))}
         self.stop()
-        raise RuntimeError(f"the test Ray cluster did not come up in {timeout} s: {text}")
+        raise RuntimeError(f"the test Ray cluster's {name} did not come up ({attempts} tries at most): {text}")
 
     def actors(self, marker: str) -> list[str]:
         """``pid ppid cmdline`` of the live processes with ``marker`` (e.g. ``RankProcess``) that run under this

@@ -1,6 +1,6 @@
 """``launch.scheduler=ray`` without a cluster: the ranks' torchrun variables and GPUs (``launch/ray_layout.py``),
 the ``launch.ray`` keys' errors, ``plan.py``'s line, a missing ``ray`` (one line) and the local launch never
-importing ``ray``. Pure and fast (the cluster tests: ``test_ray_launch.py``)."""
+importing ``ray``. Pure and fast (the cluster tests: ``test_ray.py``)."""
 
 from __future__ import annotations
 
