@@ -29,6 +29,22 @@ training run's. The teacher's eval is read from the metrics.jsonl of the run tha
 way when that file is not there; ``--measure-teacher`` measures it anyway, a check of this evaluation).
 
 Printed: one markdown table (the teacher's row first); ``--out`` writes every run's numbers as JSON.
+
+**Two teachers, each good at one half of the prompts** (``--arms rl,routed,teacher_one,teacher_two``): every
+run of these arms reads ``<work>/data/train.jsonl`` and ``val.jsonl``, the example's files (same rows, same order)
+with a column ``op``, ``one`` or ``two``, from the prompt ("<d> plus one|two equals"); the reward ignores it:
+
+    routed       both half teachers, each scoring the rows of its half:
+                 ``distillation.teachers=[{name: one, hf_path: <A>, when: {op: one}}, {name: two, hf_path: <B>,
+                 when: {op: two}}]``; the task reward kept (coef 1)
+    teacher_one  teacher A alone, given every row (``[{name: one, hf_path: <A>}]``); teacher_two: B alone
+
+Teacher A is the example trained by RL on the "plus one" rows only (``data.train_files`` = those 10 rows,
+``<work>/data/train_one.jsonl``), teacher B on the "plus two" rows only, ``--half-teacher-steps`` steps each (seed 1,
+evaluated on all 20 prompts every 25 steps); trained once into ``<work>/teacher_one|two`` and reused when their
+export is there. Every run of these arms logs every evaluation's 20 answers (``logging.num_samples=20``:
+samples.jsonl), from which the pass rate of each half is counted; the table gives the pass rate on all prompts
+at the ``--report`` steps and each half's at the last step, with the teachers' rows first.
 """
 
 from __future__ import annotations
@@ -44,7 +60,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "arithmetic_cpu.yaml"
-ARMS = ("rl", "distill", "pure")
+ARMS = ("rl", "distill", "pure", "routed", "teacher_one", "teacher_two")
+HALVES = ("one", "two")  # the ``op`` column the demo adds to the example's rows (``demo_data``)
+SINGLE_TEACHER_ARMS = ("distill", "pure")  # the arms of --teacher (the full example's RL teacher)
 
 
 def run_job(out: Path, overrides: list[str]) -> dict:
@@ -92,13 +110,80 @@ def teacher_eval(teacher: Path, work: Path, measure: bool) -> dict:
     return {**evaluate_checkpoint(teacher, work / "teacher_eval"), "source": "measured (lr 1e-30 run)"}
 
 
-def run_arm(arm: str, seed: int, steps: int, model: Path, teacher: Path, work: Path) -> dict:
-    overrides = [f"model.hf_path={model}", f"seed={seed}", f"job.num_steps={steps}", "checkpoint.save_interval=0"]
-    if arm != "rl":
-        overrides.append(f"distillation.teachers=[{{name: rl300, hf_path: {teacher}}}]")
+def half_pass_rates(out: Path) -> dict[int, dict[str, float]]:
+    """step -> {half: pass rate} of the evaluations in ``out/samples.jsonl`` (every answer logged:
+    ``logging.num_samples=20``); the half of a prompt is its ``op`` ("<d> plus one|two equals")."""
+    counts: dict[int, dict[str, list[int]]] = {}
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["split"] != "eval":
+            continue
+        half = op_of(record["prompt"])
+        passed = record["reward"] is not None and record["reward"] >= 1.0  # the example's eval.pass_threshold
+        counts.setdefault(record["step"], {}).setdefault(half, []).append(int(passed))
+    return {step: {h: sum(v) / len(v) for h, v in by.items()} for step, by in counts.items()}
+
+
+def op_of(prompt: str) -> str:
+    """The half of an arithmetic prompt: "one" for "<d> plus one equals", else "two"."""
+    return "one" if " plus one " in prompt else "two"
+
+
+def demo_data(work: Path) -> dict[str, Path]:
+    """The example's train and val files with an ``op`` column (``<work>/data``), and each half's training rows:
+    {"train": ..., "val": ..., "train_one": ..., "train_two": ...}."""
+    folder = work / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split in ("train", "val"):
+        rows = [json.loads(line) for line in (ROOT / f"examples/arithmetic/{split}.jsonl").read_text().splitlines()
+                if line.strip()]
+        rows = [{**row, "op": op_of(row["prompt"])} for row in rows]
+        files[split] = folder / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if split == "train":
+            for half in HALVES:
+                files[f"train_{half}"] = folder / f"train_{half}.jsonl"
+                files[f"train_{half}"].write_text("".join(json.dumps(r) + "\n" for r in rows if r["op"] == half))
+    return files
+
+
+def half_teacher(half: str, steps: int, work: Path, data: dict[str, Path]) -> Path:
+    """The example trained by RL on one half's training rows only (``<work>/teacher_<half>``; trained when its
+    export is missing, else reused); its HF export."""
+    out = work / f"teacher_{half}"
+    export = out / "hf" / f"step_{steps}"
+    if (export / "model.safetensors").exists():
+        return export
+    print(f"# training teacher {half} ({steps} steps on the 'plus {half}' rows)", file=sys.stderr, flush=True)
+    run_job(out, ["seed=1", f"job.num_steps={steps}", f"data.train_files={data[f'train_{half}']}",
+                  f"data.val_files={data['val']}", "eval.interval=25",
+                  "logging.num_samples=20", "checkpoint.save_interval=0"])
+    return export
+
+
+def teacher_overrides(arm: str, teacher: Path, halves: dict[str, Path]) -> list[str]:
+    """The ``distillation.teachers`` override of an arm ([] for rl)."""
+    if arm in SINGLE_TEACHER_ARMS:
+        return [f"distillation.teachers=[{{name: rl300, hf_path: {teacher}}}]"]
+    if arm == "routed":
+        entries = ", ".join(f"{{name: {h}, hf_path: {halves[h]}, when: {{op: {h}}}}}" for h in HALVES)
+        return [f"distillation.teachers=[{entries}]"]
+    if arm.startswith("teacher_"):
+        half = arm.removeprefix("teacher_")
+        return [f"distillation.teachers=[{{name: {half}, hf_path: {halves[half]}}}]"]
+    return []
+
+
+def run_arm(arm: str, seed: int, steps: int, model: Path, teacher: Path, work: Path,
+            halves: dict[str, Path] | None = None, data: dict[str, Path] | None = None) -> dict:
+    overrides = [f"model.hf_path={model}", f"seed={seed}", f"job.num_steps={steps}", "checkpoint.save_interval=0",
+                 *teacher_overrides(arm, teacher, halves or {})]
     overrides.append("eval.interval=0" if arm == "pure" else "eval.interval=1")
     if arm == "pure":
         overrides.append("reward.function=")
+    if halves:  # the two-teacher demo: rows with 'op'; every evaluation's answers, for each half's pass rate
+        overrides += [f"data.train_files={data['train']}", f"data.val_files={data['val']}", "logging.num_samples=20"]
     out = work / f"{arm}_s{seed}"
     result = run_job(out, overrides)
     found = evals(result["rows"])
@@ -106,6 +191,7 @@ def run_arm(arm: str, seed: int, steps: int, model: Path, teacher: Path, work: P
         found = {steps: evaluate_checkpoint(out / "hf" / f"step_{steps}", work / f"{arm}_s{seed}_eval")}
     train = [r["reward/mean"] for r in result["rows"] if "reward/mean" in r]
     return {"arm": arm, "seed": seed, "wall_s": result["wall_s"], "evals": found,
+            "halves": half_pass_rates(out) if halves else None,
             "loop_s": sum(r.get("timing/step_s", 0.0) for r in result["rows"]),
             "train_reward_last10": sum(train[-10:]) / max(len(train[-10:]), 1)}
 
@@ -137,13 +223,39 @@ def table(teacher: dict, runs: list[dict], report: list[int], steps: int) -> str
     return "\n".join(lines)
 
 
+def halves_table(teachers: dict[str, dict], teacher_steps: int, runs: list[dict], report: list[int],
+                 steps: int) -> str:
+    """The two-teacher demo: pass rate on all 20 prompts at the ``report`` steps, each half's at ``steps``."""
+    head = " | ".join(f"step {s}" for s in report)
+    lines = [f"| run | seed | {head} | 'plus one' at {steps} | 'plus two' at {steps} | wall s |",
+             "|---|---|" + "---|" * len(report) + "---|---|---|"]
+    for half, found in teachers.items():
+        rates = found["halves"].get(teacher_steps, {})
+        lines.append(f"| teacher {half} (RL on 'plus {half}' only, {teacher_steps} steps) | 1 | "
+                     + " | ".join("-" for _ in report[:-1]) + (" | " if len(report) > 1 else "")
+                     + f"{found['evals'][teacher_steps]['pass']:.2f} at step {teacher_steps} | "
+                     + f"{rates.get('one', float('nan')):.2f} | {rates.get('two', float('nan')):.2f} | - |")
+    for run in runs:
+        if run.get("error"):
+            lines.append(f"| {run['arm']} | {run['seed']} | failed: {run['error']} |")
+            continue
+        cells = ["-" if run["evals"].get(s) is None else f"{run['evals'][s]['pass']:.2f}" for s in report]
+        rates = (run["halves"] or {}).get(steps, {})
+        lines.append(f"| {run['arm']} | {run['seed']} | {' | '.join(cells)} | {rates.get('one', float('nan')):.2f} | "
+                     f"{rates.get('two', float('nan')):.2f} | {run['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--arms", default="rl,distill", help=f"comma list of {', '.join(ARMS)}")
     parser.add_argument("--report", default="10,20,30,50", help="steps whose eval the table shows")
-    parser.add_argument("--teacher", default="outputs/arithmetic_cpu/hf/step_300")
+    parser.add_argument("--teacher", default="outputs/arithmetic_cpu/hf/step_300",
+                        help="the teacher of the distill and pure arms")
+    parser.add_argument("--half-teacher-steps", type=int, default=150,
+                        help="RL steps of each half teacher (routed, teacher_one, teacher_two arms)")
     parser.add_argument("--model", default="outputs/arithmetic_model", help="the student's initial checkpoint")
     parser.add_argument("--work", default="outputs/bench_distill", help="the runs' output folders")
     parser.add_argument("--measure-teacher", action="store_true",
@@ -154,31 +266,52 @@ def main() -> int:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"--arms: unknown {unknown}; choose from {', '.join(ARMS)}")
+    single = any(a in SINGLE_TEACHER_ARMS for a in arms)
+    demo = any(a in ("routed", "teacher_one", "teacher_two") for a in arms)
+    if single and demo:
+        parser.error("--arms: the one-teacher arms (distill, pure) and the two-teacher demo's (routed, "
+                     "teacher_one, teacher_two) make different tables; run them separately")
     teacher, model, work = (Path(p).resolve() for p in (args.teacher, args.model, args.work))
-    if not (teacher / "model.safetensors").exists():
+    if not demo and not (teacher / "model.safetensors").exists():
         parser.error(f"--teacher {teacher}: no model.safetensors; train it first: CONFIG=configs/arithmetic_cpu.yaml "
                      "bash run_megatron.sh seed=1 (its export: outputs/arithmetic_cpu/hf/step_300)")
     if not model.exists():
         subprocess.run([sys.executable, str(ROOT / "examples/arithmetic/make_model.py"), str(model)], check=True)
     work.mkdir(parents=True, exist_ok=True)
     report = [int(s) for s in args.report.split(",") if int(s) <= args.steps]
-    teacher_result = teacher_eval(teacher, work, args.measure_teacher)
-    print(f"# teacher: {teacher_result}", file=sys.stderr, flush=True)
+    halves, data, teacher_result, half_results = None, None, None, {}
+    if demo:
+        data = demo_data(work)
+        halves = {h: half_teacher(h, args.half_teacher_steps, work, data) for h in HALVES}
+        for h in HALVES:
+            out = work / f"teacher_{h}"
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            half_results[h] = {"evals": evals(rows), "halves": half_pass_rates(out)}
+            print(f"# teacher {h}: {half_results[h]['halves'].get(args.half_teacher_steps)}", file=sys.stderr,
+                  flush=True)
+    else:
+        teacher_result = teacher_eval(teacher, work, args.measure_teacher)
+        print(f"# teacher: {teacher_result}", file=sys.stderr, flush=True)
     runs = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for arm in arms:
             try:
-                runs.append(run_arm(arm, seed, args.steps, model, teacher, work))
+                runs.append(run_arm(arm, seed, args.steps, model, teacher, work, halves, data))
             except RuntimeError as err:  # the other runs go on; the row says why (the run's log beside it)
                 runs.append({"arm": arm, "seed": seed, "error": str(err).splitlines()[0]})
                 print(err, file=sys.stderr, flush=True)
                 continue
-            print(f"# {arm} seed {seed}: {runs[-1]['evals'].get(args.steps)} in {runs[-1]['wall_s']:.0f} s",
+            print(f"# {arm} seed {seed}: {runs[-1]['evals'].get(args.steps)} "
+                  f"{(runs[-1]['halves'] or {}).get(args.steps, '')} in {runs[-1]['wall_s']:.0f} s",
                   file=sys.stderr, flush=True)
-    print(table(teacher_result, runs, report, args.steps))
+    if demo:
+        print(halves_table(half_results, args.half_teacher_steps, runs, report, args.steps))
+    else:
+        print(table(teacher_result, runs, report, args.steps))
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": args.steps, "teacher": str(teacher),
-                                              "teacher_eval": teacher_result, "runs": runs}, indent=1) + "\n")
+                                              "teacher_eval": teacher_result, "half_teachers": half_results,
+                                              "runs": runs}, indent=1) + "\n")
     return 0
 
 

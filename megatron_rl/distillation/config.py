@@ -57,9 +57,10 @@ class TeacherConfig:
     when: dict[str, Any] | None = None
     """Rows this teacher scores, ``{column: value}`` over the prompt row's data columns (every pair must equal
     the row's value); None = every row. Needs rows with data columns (``job.environment: single_turn``: the
-    prompt files' columns; other environments have none: a ``when`` there is a ConfigError). With several
-    teachers each needs a ``when``, and no training row may match two (checked at start-up); rows matched by
-    none get no distillation term (``distill/unscored_rows``)."""
+    prompt files' columns; a step-API class or an agent: its data rows' columns, every turn of an episode its
+    row's teacher; ``next_digit`` and registered environments have none: a ``when`` there is a ConfigError).
+    With several teachers each needs a ``when``, and no training row may match two (checked at start-up); rows
+    matched by none get no distillation term (``distill/unscored_rows``)."""
 
 
 ENGINES = ("megatron", "vllm")

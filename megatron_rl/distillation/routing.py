@@ -1,11 +1,12 @@
 """Which teacher scores a row: the teachers' ``when`` over the prompt row's data columns (docs/DISTILLATION.md).
 
-Place in the data flow: the environment's rollout (``single_turn``: each prompt row's columns) writes
+Place in the data flow: the environment's rollout (``single_turn``: each prompt row's columns; a step-API class or
+an agent: each episode's data row, on every turn: ``failures.py: assemble_episodes``) writes
 ``GeneratorOutput['teacher_ids']`` (one int per sequence, -1 = none), which travels through merging and the
 ``TrainingBatch`` (``teacher_ids [B]``) to ``Distillation.score`` (each teacher's forward on its rows only).
 At start-up, ``check_routing`` reads every training row once: a ``when`` column no row has, or a row two
-teachers match, is a ConfigError naming the teacher's key. Rows not seen at start-up (none in ``single_turn``)
-go to the first teacher that matches.
+teachers match, is a ConfigError naming the teacher's key. Rows not seen at start-up (none in the job's
+environments; an agent's pre-flight reads its first 64 rows, its ranks all) go to the first teacher that matches.
 """
 
 from __future__ import annotations

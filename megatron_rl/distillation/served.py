@@ -94,14 +94,18 @@ def response_logprobs(choices: list[dict], prompts: list[list[int]], lengths: li
 
 def served_options(rollout: Any, model_cfg: Any, device_type: str, max_model_len: int, seed: int) -> Any:
     """The teacher server's ``ServeOptions``: the policy engines' interpreter, dtype rule, KV cache and memory
-    share (``rollout.*``); no LoRA, no sleep mode, no scale-out."""
+    share (``rollout.*``); no LoRA, no sleep mode, no scale-out. ``max_model_len``: the student's longest
+    ``prompt + response`` plus ``SCORE_MAX_TOKENS`` (vLLM refuses a prompt that leaves no room for the one
+    generated token: "max_tokens must be at least 1"); past the teacher's ``max_position_embeddings`` (``model_cfg``)
+    only by that token, which nobody reads (``long_context``)."""
     from megatron_rl.inference.config import engine_dtype
     from megatron_rl.inference.vllm.launcher import engine_python
     from megatron_rl.inference.vllm.server import ServeOptions
 
     return ServeOptions(python=engine_python(rollout), dtype=engine_dtype(rollout, model_cfg, device_type)[0],
                         max_model_len=max_model_len, seed=seed, kv_cache_gib=rollout.kv_cache_gib,
-                        gpu_memory_utilization=rollout.gpu_memory_utilization)
+                        gpu_memory_utilization=rollout.gpu_memory_utilization,
+                        long_context=max_model_len > model_cfg.max_position_embeddings)
 
 
 class ServedTeacher:

@@ -118,14 +118,15 @@ def _served_teacher(config: MegatronRLConfig, teacher: Any, groups: Any, rollout
     ``distillation/served.py``)."""
     import torch
 
-    from megatron_rl.distillation.served import ServedTeacher, served_options
+    from megatron_rl.distillation.served import SCORE_MAX_TOKENS, ServedTeacher, served_options
 
     if teacher.url is not None:
         return ServedTeacher.attach(teacher.name, teacher.url, rank=groups.rank,
                                     start_timeout_s=rollout.start_timeout_s, timeout_s=rollout.request_timeout_s)
 
     shapes = model_config_from_hf(teacher.hf_path, key=f"distillation.teachers[{teacher.name}].hf_path")
-    max_len = rollout.max_model_len or shapes.max_position_embeddings
+    # the student's longest row (its engine's context) and the token vLLM generates after it (never read)
+    max_len = (rollout.max_model_len or config.model.max_position_embeddings) + SCORE_MAX_TOKENS
     try:  # (the engine's interpreter: the same answer on every rank)
         options = served_options(rollout, dataclasses.replace(shapes, params_dtype=config.model.params_dtype),
                                  groups.device.type, max_len, config.seed)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import traceback
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,20 +192,26 @@ class EpisodeRows:
 
 
 def assemble_episodes(episodes: Sequence[EpisodeRows], *, pad_token_id: int, eos_token_id: int, what: str,
-                      first_failure: str | None) -> tuple[GeneratorOutput, dict[str, float]]:
+                      first_failure: str | None, teacher_ids: Mapping[Hashable, int] | None = None
+                      ) -> tuple[GeneratorOutput, dict[str, float]]:
     """The step's ``GeneratorOutput`` from its episodes (step API and agent alike): an episode without rows gets
     one ``placeholder_row`` (every sample needs a row, see the module docstring), the rows are concatenated in
     order and the failed episodes left out (``drop_failed_samples``). ``what`` (e.g. ``job.agent='a.py:f'``) and
-    ``first_failure`` (its line) word the ``AllSamplesFailed`` of a step where every episode failed."""
+    ``first_failure`` (its line) word the ``AllSamplesFailed`` of a step where every episode failed.
+    ``teacher_ids``: uid -> the distillation teacher of the group's data row (``distillation/routing.py``), written
+    to every sequence of the group as ``GeneratorOutput['teacher_ids']``; None: no routing."""
     routing = routing_shape([episode.rows for episode in episodes])
     rows = [episode.rows or [placeholder_row(episode.uid, episode.trajectory_id, pad_token_id, eos_token_id, routing)]
             for episode in episodes]
     output = {name: [row[name] for episode_rows in rows for row in episode_rows] for name in rows[0][0]}
     failed = [episode.failed for episode, episode_rows in zip(episodes, rows) for _ in episode_rows]
     try:
-        return drop_failed_samples(output, failed)  # type: ignore[arg-type]
+        output, metrics = drop_failed_samples(output, failed)  # type: ignore[arg-type]
     except AllSamplesFailed as err:
         raise AllSamplesFailed(f"{err}: every episode of {what} failed; first: {first_failure}") from None
+    if teacher_ids is not None:  # on-policy distillation: every step of a trajectory has its row's teacher
+        output["teacher_ids"] = [teacher_ids[uid] for uid in output["uids"]]
+    return output, metrics
 
 
 def placeholder_row(uid: Hashable, trajectory_id: Hashable, pad_token_id: int, eos_token_id: int,

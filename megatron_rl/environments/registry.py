@@ -92,7 +92,7 @@ def prompt_limit(config: Any, context: int) -> int:
 
 
 def _single_turn(config: Any, *, max_rows: int | None = None) -> Environment:
-    from megatron_rl.distillation.routing import check_routing, router
+    from megatron_rl.distillation.routing import router
     from megatron_rl.environments.single_turn.environment import SingleTurnEnvironment
 
     tokenizer, context = _tokenizer_and_context(config)
@@ -101,8 +101,7 @@ def _single_turn(config: Any, *, max_rows: int | None = None) -> Environment:
                                         max_prompt_tokens=prompt_limit(config, context), context=context,
                                         max_rows=max_rows, teacher_of=router(distillation),
                                         images=_prompt_images(config))
-    if distillation.routed:  # every training row once: a 'when' column no row has, a row two teachers match
-        check_routing(distillation, [p.extra for p in environment.train.kept], "data.train_files")
+    check_rows_routing(config, [p.extra for p in environment.train.kept])
     return environment
 
 
@@ -152,24 +151,44 @@ def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
     """A step-API class (its turns are capped by ``job.max_new_tokens`` and ``turn_prompt_limit``)."""
     from megatron_rl.environments.step_api.environment import StepApiEnvironment
 
+    from megatron_rl.distillation.routing import router
+
     _text_only(config, f"a step-API class (job.environment={config.environment!r})")
     tokenizer, context = _tokenizer_and_context(config)
-    return StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
-                              max_turns=config.job.max_turns, max_prompt_tokens=turn_prompt_limit(config, context),
-                              episode_timeout_s=config.job.episode_timeout_s)
+    environment = StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
+                                     max_turns=config.job.max_turns,
+                                     max_prompt_tokens=turn_prompt_limit(config, context),
+                                     episode_timeout_s=config.job.episode_timeout_s,
+                                     teacher_of=router(config.rl.distillation))
+    check_rows_routing(config, environment.train)
+    return environment
 
 
 def _agent(config: Any, *, max_rows: int | None = None) -> Environment:
     """A user's OpenAI-client agent (``job.agent``; each call capped as a step-API turn)."""
     from megatron_rl.environments.agent.environment import AgentEnvironment
 
+    from megatron_rl.distillation.routing import router
+
     _text_only(config, f"an agent (job.agent={config.job.agent!r})")
     tokenizer, context = _tokenizer_and_context(config)
-    return AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
-                            max_concurrency=config.job.max_concurrency,
-                            max_prompt_tokens=turn_prompt_limit(config, context),
-                            tool_call_parser_name=config.rollout.tool_call_parser, max_rows=max_rows,
-                            episode_timeout_s=config.job.episode_timeout_s)
+    environment = AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
+                                   max_concurrency=config.job.max_concurrency,
+                                   max_prompt_tokens=turn_prompt_limit(config, context),
+                                   tool_call_parser_name=config.rollout.tool_call_parser, max_rows=max_rows,
+                                   episode_timeout_s=config.job.episode_timeout_s,
+                                   teacher_of=router(config.rl.distillation))
+    check_rows_routing(config, environment.train)
+    return environment
+
+
+def check_rows_routing(config: Any, rows: Any) -> None:
+    """Teachers routed by ``when``: every training row read once (a ``when`` column no row has, a row two teachers
+    match: ConfigError naming the teacher's key)."""
+    from megatron_rl.distillation.routing import check_routing
+
+    if config.rl.distillation.routed:
+        check_routing(config.rl.distillation, rows, "data.train_files")
 
 
 register_environment("next_digit", _next_digit)

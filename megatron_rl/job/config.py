@@ -230,7 +230,7 @@ def check_job_config(config: JobConfig) -> None:
                          else "")
                 raise ConfigError(f"job.environment=single_turn needs {key}; set it (README: 'Your model, your "
                                   f"prompts, your reward'){alone}")
-    if env != "single_turn":
+    if env not in ("single_turn", "agent") and not is_class_spec(env):
         check_no_routing(config)
     check_warmup(config)
     reads_rows = env in ("single_turn", "agent") or is_class_spec(env)
@@ -240,13 +240,15 @@ def check_job_config(config: JobConfig) -> None:
 
 
 def check_no_routing(config: JobConfig) -> None:
-    """Teachers routed by a data column (``distillation.teachers[i].when``) need rows with data columns: only the
-    ``single_turn`` environment's prompt rows have them."""
+    """Teachers routed by a data column (``distillation.teachers[i].when``) need rows with data columns: the
+    ``single_turn`` environment's prompt rows, a step-API class's and an agent's data rows have them (the built-in
+    ``next_digit`` game and a registered environment do not)."""
     for i, teacher in enumerate(config.rl.distillation.teachers):
         if teacher.when is not None:
             raise ConfigError(f"distillation.teachers[{i}].when={teacher.when!r}: job.environment="
-                              f"{config.environment!r} gives its rows no data columns to route by (only "
-                              "single_turn's prompt files have them); remove 'when' (one teacher scores every row)")
+                              f"{config.environment!r} gives its rows no data columns to route by (single_turn, "
+                              "a step-API class and an agent have them: data.train_files); remove 'when' (one "
+                              "teacher scores every row)")
 
 
 def check_warmup(config: JobConfig) -> None:

@@ -16,15 +16,16 @@ TEACHER_VOCAB = 129
 
 
 def make_teacher(path: Path, *, vocab: int = TEACHER_VOCAB, seed: int = 7, tokenizer_vocab: int | None = None,
-                 shift_tokens: bool = False, heads: int = 6, kv_heads: int = 2) -> Path:
+                 shift_tokens: bool = False, heads: int = 6, kv_heads: int = 2, positions: int = 256) -> Path:
     """Save a 4-layer Llama teacher at ``path``; ``tokenizer_vocab``: also a WordLevel tokenizer of that many
     tokens (``shift_tokens``: ids assigned in another order, i.e. another tokenizer); ``heads``/``kv_heads``: 3/1
-    gives head size 32, which vLLM's CPU attention needs (16 it does not support)."""
+    gives head size 32, which vLLM's CPU attention needs (16 it does not support); ``positions``: its
+    ``max_position_embeddings``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("llama", hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                                  max_position_embeddings=256, rms_norm_eps=1e-6,
+                                  max_position_embeddings=positions, rms_norm_eps=1e-6,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, pad_token_id=0)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -169,3 +169,39 @@ def test_single_turn_routes_rows_by_a_column_and_needs_no_reward_function(tmp_pa
     validate_generator_output(out, step_wise=False)
     assert out["teacher_ids"] == [[0, 1, NO_TEACHER][a % 3] for a in range(6) for _ in range(2)]
     assert out["rewards"] == [0.0] * 12
+
+
+def test_step_api_episodes_carry_their_rows_teacher_on_every_turn(tmp_path):
+    """A step-API class's data rows route like prompt rows: every turn (step-wise row) of an episode, and the
+    placeholder row of an episode that failed in ``reset``, has its data row's teacher; merging keeps it. The
+    registry builds the environment with the router and checks the columns at start-up; the job config accepts
+    ``when`` for a step-API class (the agent shares the code path: ``failures.py: assemble_episodes``)."""
+    from megatron_rl.environments.registry import make_environment
+    from megatron_rl.job.config import load_job_config
+    from tests.environments.test_step_api import GAME, answer, make, rollout
+    from tests.support.chat_helpers import ScriptedEngine
+    from tests.support.job_run import example_module
+
+    domains = ["math", "code", "art", "math"]
+    rows = [{"digits": [d, (d + 3) % 10], "domain": domains[d]} for d in range(4)]
+    rows[3]["fail_reset"] = True  # a 'math' episode with no turn: its placeholder row keeps the teacher
+    source = GAME.replace("fail_reset=False):", "fail_reset=False, **_):")  # Game(**row) gets 'domain' too
+    env, tok = make(tmp_path, rows=rows, source=source, teacher_of=router(DistillationConfig(teachers=TWO)))
+    out = rollout(env, ScriptedEngine(tok, answer), num_prompts=4).output
+    checked = validate_generator_output(out, step_wise=True)  # one teacher per trajectory
+    expected = {uid: [0, 1, NO_TEACHER, 0][uid] for uid in range(4)}  # uid = the row (no shuffle, first epoch)
+    assert checked["teacher_ids"] == [expected[u] for u in out["uids"]]
+    assert sorted(set(out["uids"])) == [0, 1, 2, 3] and out["uids"].count(3) == 1  # 3: the placeholder
+    merged, _ = merge_stepwise_output(checked)
+    assert merged["teacher_ids"] == [expected[u] for u in merged["uids"]]
+
+    example_module("examples/arithmetic/make_model.py").make_model(tmp_path / "model", seed=5)  # raw text
+    routed = "distillation.teachers=[{name: m, hf_path: /x, when: {domain: math}}, " \
+             "{name: c, hf_path: /y, when: {domain: code}}]"
+    overrides = [f"job.environment={tmp_path / 'game.py'}:Game", f"data.train_files={tmp_path / 'train.jsonl'}",
+                 f"model.hf_path={tmp_path / 'model'}", "eval.interval=0", routed]
+    config = load_job_config(None, overrides)  # a step-API class has data columns: 'when' is accepted
+    with pytest.raises(ConfigError, match=r"distillation\.teachers\[0\]\.when: no row of data\.train_files has a "
+                                          r"column 'topic'"):
+        make_environment(load_job_config(None, [*overrides[:-1], routed.replace("domain: math", "topic: math")]))
+    assert make_environment(config).teacher_of({"domain": "code"}) == 1

@@ -6,6 +6,9 @@ served by ``vllm serve`` in fp32; the student's batch is six left-padded rows of
   (``engine: megatron``, packed THD) on the same batch, within the fp32 engine bound (1e-4, as
   tests/job/test_vllm_main_job.py); columns outside each row's response stay 0;
 - an off-by-one (the log-prob of token t+1 in token t's column) is far outside the bound;
+- a row as long as the student's context (``rollout.max_model_len``), which is also the teacher's
+  ``max_position_embeddings``, is scored (the server's context leaves room for the one token vLLM generates: it
+  answered HTTP 400 "max_tokens must be at least 1" before);
 - the server's log is ``<logging.output_dir>/engine/teacher_<name>.log`` and ``Distillation.close`` kills it;
 - a SIGKILLed server is started again by the next scoring pass, which gives the same log-probs (one restart
   counted); a teacher with ``url`` attaches that server (the job's token from ``$MEGATRON_RL_ENGINE_TOKEN``),
@@ -29,6 +32,7 @@ from tests.distill.conftest import make_teacher
 
 PROMPTS = [[5, 9, 3], [7, 4, 4, 11, 6, 20, 8], [3, 3]]
 RESPONSES = [[12, 40, 7, 9], [100, 3], [55, 6, 17, 90, 31, 4], [8], [127, 64, 5], [9, 9, 9, 2, 77]]
+LONGEST = max(len(PROMPTS[i // 2]) + len(r) for i, r in enumerate(RESPONSES))  # row 2: 7 + 6 tokens
 TOLERANCE = 1e-4  # fp32 engine vs trainer, as in tests/job/test_vllm_main_job.py
 
 
@@ -83,8 +87,9 @@ def test_a_served_teacher_scores_like_transformers_and_the_in_trainer_teacher(gr
     from megatron_rl.distillation.teachers import build_distillation
     from megatron_rl.inference.config import RolloutConfig
 
-    teacher_dir = make_teacher(tmp_path / "teacher", heads=3, kv_heads=1)
-    rollout = RolloutConfig(engine="vllm", engine_python=engine_py, dtype="float32", max_model_len=64,
+    # the student's context and the teacher's positions are the longest row's length: that row fills both
+    teacher_dir = make_teacher(tmp_path / "teacher", heads=3, kv_heads=1, positions=LONGEST)
+    rollout = RolloutConfig(engine="vllm", engine_python=engine_py, dtype="float32", max_model_len=LONGEST,
                             start_timeout_s=300)
     batch = TrainingBatch.from_generator_output(_rollouts(), pad_token_id=0)
     mask = batch["response_mask"]

@@ -32,7 +32,7 @@ import hashlib
 import inspect
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,9 +79,12 @@ def call_seed(seed: int, row: int, sample: int, call: int) -> int:
 class AgentEnvironment:
     def __init__(self, spec: str, data: DataConfig, tokenizer: Any, *, seed: int, max_concurrency: int,
                  max_prompt_tokens: int, tool_call_parser_name: str, max_rows: int | None = None,
-                 episode_timeout_s: float = 900.0) -> None:
-        """``max_rows``: read only the first rows of each data file (the pre-flight's check)."""
-        self.episode_timeout_s = episode_timeout_s
+                 episode_timeout_s: float = 900.0, teacher_of: Callable[[Mapping[str, Any]], int] | None = None
+                 ) -> None:
+        """``max_rows``: read only the first rows of each data file (the pre-flight's check). ``teacher_of``: a
+        data row -> its distillation teacher (``distillation/routing.py: router``), written to
+        ``GeneratorOutput['teacher_ids']`` for every call of the row's episodes; None: no routing."""
+        self.episode_timeout_s, self.teacher_of = episode_timeout_s, teacher_of
         self._episode_lock = threading.Lock()
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
@@ -129,7 +132,8 @@ class AgentEnvironment:
                              if ep.session.turns and not ep.timed_out else [],
                              ep.uid, (ep.uid, ep.sample), ep.error is not None) for ep in episodes],
                 pad_token_id=self.pad_token_id, eos_token_id=self.stop_token_ids[0], what=f"{KEY}={self.spec!r}",
-                first_failure=failures[0].line(self.name) if failures else None)
+                first_failure=failures[0].line(self.name) if failures else None,
+                teacher_ids={ep.uid: self.teacher_of(ep.row) for ep in episodes} if self.teacher_of else None)
             finished = [ep for ep in episodes if ep.error is None]
             metrics.update(episode_metrics(finished))
             versions, tokens = weight_versions([ep.session.turns for ep in finished])  # partial rollouts

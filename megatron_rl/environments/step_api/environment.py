@@ -27,7 +27,7 @@ Every rank runs the same episodes (the engine is collective).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,10 @@ class Episode:
 
 class StepApiEnvironment:
     def __init__(self, spec: str, data: DataConfig, tokenizer: Any, *, seed: int, max_turns: int,
-                 max_prompt_tokens: int, episode_timeout_s: float = 900.0) -> None:
+                 max_prompt_tokens: int, episode_timeout_s: float = 900.0,
+                 teacher_of: Callable[[Mapping[str, Any]], int] | None = None) -> None:
+        """``teacher_of``: a data row -> its distillation teacher (``distillation/routing.py: router``), written to
+        ``GeneratorOutput['teacher_ids']`` for every turn of the row's episodes; None: no routing."""
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
         self.user = UserClass(spec)
@@ -89,6 +92,7 @@ class StepApiEnvironment:
         self.order = PromptOrder(len(self.train), seed=seed, shuffle=data.shuffle)
         self.max_turns, self.max_prompt_tokens = max_turns, max_prompt_tokens
         self.episode_timeout_s = episode_timeout_s
+        self.teacher_of = teacher_of
 
     def describe(self) -> str:
         """One line for the log: the class, the rows, how text is rendered, the limits."""
@@ -108,7 +112,8 @@ class StepApiEnvironment:
         output, failure_metrics = assemble_episodes(
             [EpisodeRows(self._rows(ep), ep.uid, (ep.uid, ep.sample), ep.end == "failed") for ep in episodes],
             pad_token_id=self.pad_token_id, eos_token_id=self.stop_token_ids[0], what=f"{KEY}={self.user.spec!r}",
-            first_failure=failures[0].line("the environment") if failures else None)
+            first_failure=failures[0].line("the environment") if failures else None,
+            teacher_ids={ep.uid: self.teacher_of(ep.row) for ep in episodes} if self.teacher_of else None)
         finished = [ep for ep in episodes if ep.end != "failed"]
         metrics = episode_metrics(finished) | failure_metrics | weight_versions(  # partial rollouts; its tokens:
             [ep.conversation.turns for ep in finished])[0]  # counted by the engine's generate

@@ -117,6 +117,10 @@ class ServeOptions:
     ``lora_dir`` as ``LORA_NAME`` (``--lora-modules``; the weight sync replaces its tensors)."""
     lora_dir: str | None = None
     """The policy's initial PEFT adapter (``<model dir>/adapter``, hf/lora.py ``ADAPTER_DIR``), with ``lora_rank``."""
+    long_context: bool = False
+    """``max_model_len`` may pass the checkpoint's ``max_position_embeddings`` (``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``):
+    a served distillation teacher, whose one generated token after a row of the student's full length is never
+    read (``distillation/served.py``)."""
     images: bool = False
     """The model takes images (a vision-language checkpoint): the engine loads its tokenizer and image processor
     (vLLM's multimodal processor needs them: no ``--skip-tokenizer-init``) and serves ``/inference/v1/generate``
@@ -196,6 +200,8 @@ class EngineServer:
         env = engine_environment(devices)
         env.update(MEGATRON_RL_ENGINE_TOKEN=token, VLLM_CPU_KVCACHE_SPACE=str(max(1, round(options.kv_cache_gib))),
                    VLLM_RPC_BASE_PATH=tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
+        if options.long_context:
+            env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         if cpu_cores is not None:  # CPU: one share of the cores per engine (vLLM binds its OMP threads there)
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
         command = [
