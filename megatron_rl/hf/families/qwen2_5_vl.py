@@ -31,6 +31,17 @@ def language_chunks(model_chunks: list) -> list:
     return [getattr(unwrap(chunk), "language_model", unwrap(chunk)) for chunk in model_chunks]
 
 
+def load_vision_tower(model_chunks: list, hf_dir: str | os.PathLike) -> None:
+    """Each chunk's vision tower (the first stage's) from ``hf_dir``'s ``visual.*`` tensors, strictly."""
+    from megatron_rl.model.weights import unwrap
+
+    _, state = vision_state(hf_dir)
+    for chunk in model_chunks:
+        visual = unwrap(chunk).visual
+        if visual is not None:
+            visual.load_state_dict(state, strict=True)
+
+
 def vision_state(hf_dir: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """``(prefix, {name without prefix: tensor})`` of the vision tower's tensors in ``hf_dir``'s safetensors."""
     from safetensors import safe_open
@@ -84,13 +95,7 @@ class Qwen25VLFamily(DenseFamily):
     def load_weights(self, model_chunks: list, hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
                      hf_config: Any) -> None:
         super().load_weights(language_chunks(model_chunks), hf_dir, groups, model_cfg, hf_config)
-        from megatron_rl.model.weights import unwrap
-
-        _, state = vision_state(hf_dir)
-        for chunk in model_chunks:
-            visual = unwrap(chunk).visual
-            if visual is not None:
-                visual.load_state_dict(state, strict=True)
+        load_vision_tower(model_chunks, hf_dir)
 
     def iter_weights(self, model_chunks: list, hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
                      hf_config: Any, merge_adapters: bool) -> Iterator[tuple[str, Any]]:

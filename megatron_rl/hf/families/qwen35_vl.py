@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from megatron_rl.hf.families.base import Support
-from megatron_rl.hf.families.qwen2_5_vl import VisionStageStream, language_chunks, vision_state
+from megatron_rl.hf.families.qwen2_5_vl import VisionStageStream, language_chunks, load_vision_tower
 from megatron_rl.hf.families.qwen35 import MULTIMODAL_MODEL_TYPE, PREFIXES, Qwen35Family
 
 VISION_PREFIX = "model.visual."
@@ -70,13 +70,7 @@ class Qwen35VLFamily(Qwen35Family):
     def load_weights(self, model_chunks: list, hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
                      hf_config: Any) -> None:
         super().load_weights(language_chunks(model_chunks), hf_dir, groups, model_cfg, hf_config)
-        from megatron_rl.model.weights import unwrap
-
-        _, state = vision_state(hf_dir)
-        for chunk in model_chunks:
-            visual = unwrap(chunk).visual
-            if visual is not None:
-                visual.load_state_dict(state, strict=True)
+        load_vision_tower(model_chunks, hf_dir)
 
     def iter_weights(self, model_chunks: list, hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
                      hf_config: Any, merge_adapters: bool) -> Iterator[tuple[str, Any]]:
