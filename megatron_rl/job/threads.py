@@ -5,7 +5,8 @@ pyyaml only, like ``job/paths.py``) and exports the first word it prints as ``OM
 is said on the launcher's own first line. The rule (issue 53: with one rank on a 2-core machine a pinned thread
 left a core idle):
 
-    threads = max(1, (cores - busy cores - engine cores) // ranks on this node)
+    threads = max(1, (cores - busy cores - engine cores) // ranks on this node), and 1 for a model of hidden size
+              < SMALL_HIDDEN (model.hidden_size, or the checkpoint's config.json)
 
 ``cores``: the CPUs this process may run on (``os.sched_getaffinity``). Busy cores: the 1-minute load average
 rounded down (other work on a shared machine: on the 2-core box at load ~28 two threads per rank made the tiny
@@ -56,6 +57,32 @@ def engine_cores(flat: dict, nnodes: int, node: int) -> int:
     return len(engines_on_node(int(flat.get("rollout.num_engines", 1)), node, max(1, nnodes), engine_nodes))
 
 
+SMALL_HIDDEN = 256
+"""A model with a hidden size below this gets one thread per rank: its ops are too small to split, and the
+passive OpenMP threads' wake-ups cost more than they give (BENCHMARKS.md section 12, fourth round: the 86k-param
+job, hidden 64, on the quiet 2-core box: 0.138-0.151 s a step with 1 thread, 0.229-0.287 s with 2 passive ones;
+2 active ones 0.138, but active threads spin on a loaded machine: W47). Sizes between 64 and 256 were not measured."""
+
+
+def hidden_size(flat: dict) -> int | None:
+    """The model's hidden size: ``model.hidden_size`` when given, else its checkpoint's config.json (the text
+    config's for a multimodal one); None when neither says."""
+    if flat.get("model.hidden_size"):
+        return int(flat["model.hidden_size"])
+    path = flat.get("model.hf_path")
+    if not path:
+        return None
+    try:
+        import json
+
+        with open(os.path.join(os.path.expanduser(str(path)), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    value = config.get("hidden_size") or (config.get("text_config") or {}).get("hidden_size")
+    return int(value) if isinstance(value, int) else None
+
+
 def threads_per_rank(cores: int, ranks: int, reserved: int = 0) -> int:
     """The rule of the module doc."""
     return max(1, (cores - reserved) // max(1, ranks))
@@ -74,6 +101,10 @@ def describe(nproc: int, flat: dict, env: dict | None = None) -> str:
     reserved = engine_cores(flat, int(env.get("NNODES", "1") or 1), int(env.get("NODE_RANK", "0") or 0))
     threads = threads_per_rank(cores, nproc, busy + reserved)
     less = "".join(f" less {n} {why}" for n, why in ((busy, "busy (load average)"), (reserved, "for the engines")) if n)
+    hidden = hidden_size(flat)
+    if threads > 1 and hidden is not None and hidden < SMALL_HIDDEN:
+        return (f"1 OpenMP thread(s) per rank (a model of hidden size {hidden} < {SMALL_HIDDEN}: its ops are too small "
+                f"to split; {OVERRIDE}=N overrides)")
     return f"{threads} OpenMP thread(s) per rank ({cores} core(s){less} / {nproc} rank(s); {OVERRIDE}=N overrides)"
 
 

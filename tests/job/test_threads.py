@@ -43,6 +43,19 @@ def test_described_and_overridable(monkeypatch):
         threads.describe(1, {}, env={"OMP_NUM_THREADS": "two"})
 
 
+def test_a_small_model_gets_one_thread(monkeypatch, tmp_path):
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)
+    assert threads.describe(1, {"model.hidden_size": 64}, env={}).startswith(
+        "1 OpenMP thread(s) per rank (a model of hidden size 64 < 256")
+    (tmp_path / "config.json").write_text('{"text_config": {"hidden_size": 128}}')  # a multimodal checkpoint
+    assert threads.hidden_size({"model.hf_path": str(tmp_path)}) == 128
+    assert threads.describe(1, {"model.hf_path": str(tmp_path)}, env={}).startswith("1 OpenMP thread(s)")
+    assert threads.describe(1, {"model.hidden_size": 1024}, env={}).startswith("4 OpenMP thread(s)")
+    assert threads.describe(1, {}, env={}).startswith("4 OpenMP thread(s)")  # size unknown: the cores' rule
+    assert threads.describe(1, {"model.hidden_size": 64}, env={"OMP_NUM_THREADS": "2"}).startswith("2 OpenMP")
+
+
 def test_the_launcher_reads_the_config_and_overrides():
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run([sys.executable, "-m", "megatron_rl.job.threads", "1", "--config",
