@@ -138,7 +138,10 @@ def test_ctrl_c_while_following_cancels_nothing(cluster: SlurmCluster, tmp_path:
     job_id = cluster.run("sbatch", "--parsable", f"--output={log}", "--wrap=echo started; sleep 60").strip()
     follower = subprocess.Popen([sys.executable, "-c", "import sys; from pathlib import Path; from megatron_rl.launch."
                                  f"submit import follow; sys.exit(follow({job_id!r}, Path({str(log)!r})))"],
-                                env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                # SIGINT at its default, as in a terminal: a pytest started in the background
+                                # (`... &` without job control) passes its children SIGINT ignored
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while "started" not in (log.read_text() if log.exists() else ""):
         assert time.monotonic() < deadline

@@ -28,6 +28,7 @@ import base64
 import pytest
 import torch
 
+from megatron_rl.model import hybrid
 from tests.support import qwen2_5_vl_tiny as tiny
 
 pytestmark = [pytest.mark.engine, pytest.mark.core]
@@ -175,6 +176,7 @@ def test_image_token_runs_go_to_the_engine_as_one_token_and_its_expansion_is_che
         EngineImages(("data:a", "data:b"), image_token=9).request([1, 9, 9, 2])
 
 
+@pytest.mark.skipif(not hybrid.mcore_supports_hybrid(), reason=f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}")
 def test_vllm_serves_qwen35_with_images_and_syncs_its_vision_tower(groups, engine_py, tmp_path, monkeypatch):
     """The tiny Qwen3.5 multimodal model (``qwen35_vl_tiny``, GDN head dims 64 as vLLM's CPU kernels need) on a bf16
     engine (``rollout.dtype=auto``: vLLM's CPU GDN kernels run bf16 only) against the fp32 trainer: vLLM's expanded
