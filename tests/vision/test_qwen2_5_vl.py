@@ -18,26 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.model import hybrid
-from tests.support import qwen2_5_vl_tiny, qwen35_vl_tiny
+from tests.support import qwen2_5_vl_tiny
 
 pytestmark = pytest.mark.core
 
 TOL = 1e-5
-FAMILIES = {"qwen2_5_vl": qwen2_5_vl_tiny, "qwen35_vl": qwen35_vl_tiny}
-"""The family each tiny model's checkpoint resolves to."""
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request) -> str:
-    if request.param == "qwen35_vl" and not hybrid.mcore_supports_hybrid():
-        pytest.skip(f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}")
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def tiny(family):
-    return FAMILIES[family]
 
 
 @pytest.fixture(scope="module")

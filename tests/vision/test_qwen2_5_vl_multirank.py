@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_rl.model import hybrid
-from tests.support import qwen2_5_vl_tiny, qwen35_vl_tiny
+from tests.vision.conftest import FAMILIES
 from tests.support.batches import max_rel_err, steps_per_count, training_batch
 from tests.support.multirank import run_ranks
 from tests.model.test_policy_multirank import summed_pg_loss
@@ -27,7 +26,6 @@ pytestmark = [pytest.mark.multirank, pytest.mark.core]
 
 LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2)}
 COUNTS = (1, 2)
-FAMILIES = {"qwen2_5_vl": qwen2_5_vl_tiny, "qwen35_vl": qwen35_vl_tiny}
 
 
 def _runs(policy, groups, tensors, counts) -> dict:
@@ -50,18 +48,6 @@ def _layouts_rank(rank, world_size, checkpoint, tensors, family):
         finally:
             destroy_distributed(keep_process_group=True)  # the next layout reuses the process group
     return results
-
-
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request):
-    if request.param == "qwen35_vl" and not hybrid.mcore_supports_hybrid():
-        pytest.skip(f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}")
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def tiny(family):
-    return FAMILIES[family]
 
 
 @pytest.fixture(scope="module")
