@@ -79,10 +79,10 @@ def thd_input(seqs: list[torch.Tensor], width: int | None, device: torch.device)
             "weights": weights.to(device), "params": params, "slots": total}
 
 
-def step(model: torch.nn.Module, batch: dict) -> float:
-    """Forward + backward; returns the loss."""
+def step(model: torch.nn.Module, batch: dict, vocab: int = VOCAB) -> float:
+    """Forward + backward of the summed log-prob loss over the first ``vocab`` logits; returns the loss."""
     model.zero_grad(set_to_none=True)
-    logits = model(batch["ids"], batch["pos"], None, packed_seq_params=batch["params"])[0, :, :VOCAB].float()
+    logits = model(batch["ids"], batch["pos"], None, packed_seq_params=batch["params"])[0, :, :vocab].float()
     logprobs = torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None])[:, 0]  # [T]
     loss = -(logprobs * batch["weights"]).sum()
     loss.backward()

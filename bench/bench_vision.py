@@ -37,6 +37,7 @@ import torch
 
 from megatron_rl.config import ModelConfig, ParallelConfig
 
+from bench_qwen35 import step as qwen35_step
 from workloads import markdown_table
 
 VOCAB, IMAGE, START, END, VIDEO = 1024, 1000, 1001, 1002, 1003
@@ -110,13 +111,8 @@ def step_input(rows, padded: bool, section, device: torch.device) -> dict:
 
 
 def step(model, batch: dict) -> float:
-    """Forward + backward; returns the loss."""
-    model.zero_grad(set_to_none=True)
-    logits = model(batch["ids"], batch["pos"], None, packed_seq_params=batch["params"])[0, :, :VOCAB].float()
-    logprobs = torch.log_softmax(logits, -1).gather(-1, batch["targets"][:, None])[:, 0]  # [T]
-    loss = -(logprobs * batch["weights"]).sum()
-    loss.backward()
-    return float(loss.detach())
+    """Forward + backward (bench_qwen35.py's step over this model's vocabulary); returns the loss."""
+    return qwen35_step(model, batch, VOCAB)
 
 
 def tower_step(model, batch: dict) -> float:
