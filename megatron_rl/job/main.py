@@ -483,16 +483,24 @@ def export(job: Job, step: int, reporter: RunReporter | None) -> None:
 
 def check_ranks_agree(groups: ParallelGroups, rollouts: list) -> None:
     """Every rank must have sampled the same tokens and given them the same rewards (a reward function that
-    failed on one rank only drops other samples there), else each would train on different data (silently)."""
+    failed on one rank only drops other samples there), else each would train on different data (silently).
+    One world-level gather of the checksum a step (the DP, TP, PP and CP groups together span the world); only on
+    a mismatch each group is asked, to name the one whose ranks differ."""
+    import torch.distributed as dist
+
     from megatron_rl.distributed.metrics import reduce_metrics
 
     checksum = zlib.crc32(json.dumps(rollouts).encode())
     probe = {"max": Metric(checksum, 1.0, "max"), "min": Metric(checksum, 1.0, "min")}
+    agreed = reduce_metrics(probe, dist.group.WORLD)
+    if agreed["max"].value == agreed["min"].value:
+        return
     for name in ("dp_group", "tp_group", "pp_group", "cp_group"):
         agreed = reduce_metrics(probe, getattr(groups, name))
         if agreed["max"].value != agreed["min"].value:
             raise RuntimeError(f"ranks of the {name} sampled different rollouts (checksums {agreed['min'].value} "
                                f"vs {agreed['max'].value}): sampling must be identical on every rank")
+    raise RuntimeError("ranks sampled different rollouts: sampling must be identical on every rank")
 
 
 def open_reporter(job: Job, start_step: int) -> RunReporter | None:

@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from megatron_rl.config import ConfigError, ParallelConfig
 from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed, select_device
+from megatron_rl.job.main import check_ranks_agree
 from tests.support.multirank import run_ranks
 
 
@@ -65,9 +66,15 @@ def _tp2_groups_and_rng(rank: int, world_size: int) -> dict:
     after = torch.rand(4)  # fork restored the default stream
     rank_sum = torch.tensor([float(rank)])
     dist.all_reduce(rank_sum, group=groups.tp_group)
+    check_ranks_agree(groups, [[1, 2, 3], [0.5]])  # the same rollouts on both ranks: passes
+    try:  # rank 1 sampled another token: both ranks learn it, the TP group named
+        check_ranks_agree(groups, [[1, 2, 3 + rank], [0.5]])
+        disagreement = None
+    except RuntimeError as err:
+        disagreement = str(err)
     return {
         "tp": (groups.tp_rank, groups.tp_size), "dp": groups.dp_size, "tp_sum": rank_sum.item(),
-        "default": default_draw, "forked": forked, "after": after,
+        "default": default_draw, "forked": forked, "after": after, "disagreement": disagreement,
     }
 
 
@@ -83,3 +90,5 @@ def test_tp2_groups_and_model_parallel_rng():
         torch.testing.assert_close(o["default"], expected_default, rtol=0, atol=0)
         torch.testing.assert_close(o["after"], expected_after, rtol=0, atol=0)
     assert not torch.equal(out[0]["forked"], out[1]["forked"])
+    # job/main.py check_ranks_agree: one world-level check, the group named only on a mismatch
+    assert all(o["disagreement"] and o["disagreement"].startswith("ranks of the tp_group sampled different") for o in out)
