@@ -1,6 +1,6 @@
 """The small end: the job a newcomer starts with, through megatron_rl's main job and through TRL's GRPOTrainer.
 
-    .venv/bin/python bench/bench_small_end.py [--steps 20] [--systems builtin,trl] [--vllm] [--out results.json]
+    .venv/bin/python bench/bench_small_end.py [--steps 20] [--systems builtin,trl] [--vllm] [--rounds 3] [--out results.json]
 
 The job (issue 36): a random 2-layer Qwen3 (hidden 64, 4 heads of 32, ``examples/common.py tiny_qwen3``) with
 a word-level tokenizer built locally, 8 prompts x 8 samples per step, at most 16 new tokens, Adam at 1e-5, one
@@ -202,6 +202,9 @@ def main() -> int:
     parser.add_argument("--trl-threads", type=int, default=None,
                         help="torch threads of the TRL run (default: torch's own, TRL's default)")
     parser.add_argument("--out", help="write the summary rows as JSON here")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the systems this many times, alternating (round 1: a, b; round 2: a, b; ...): "
+                             "each ratio to TRL is taken within its round, and their range is printed")
     args = parser.parse_args()
     systems = ((["before"] if args.before else []) + [s for s in args.systems.split(",") if s]
                + (["tokens"] if args.tokens else []) + (["vllm"] if args.vllm else [])
@@ -210,28 +213,54 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_small_end_") as tmp:
         root = Path(tmp)
         job = make_job(root)
-        for system in systems:
-            out = root / f"out_{system}"
-            try:
-                if system == "trl":
-                    if Path(args.trl_site).is_dir():
-                        sys.path.insert(0, args.trl_site)
-                    result = run_trl(job, out, args.steps, args.trl_threads)
-                elif system == "before":
-                    result = run_megatron_rl(job, out, args.steps, "builtin", repo=Path(args.before).resolve())
-                elif system in ("tokens", "vllm_tokens"):
-                    engine = "vllm" if system == "vllm_tokens" else "builtin"
-                    result = run_megatron_rl(job, out, args.steps, engine, extra=TOKEN_BUDGET)
-                else:
-                    result = run_megatron_rl(job, out, args.steps, system)
-                rows.append(summarize(system, result, args.first))
-            except ImportError as exc:
-                rows.append({"system": system, "error": f"not installed ({exc}); see the docstring"})
-            print(f"{system}: done", flush=True)
-    print(table(rows, args.first, args.steps))
+        for round_ in range(1, args.rounds + 1):
+            load = os.getloadavg()[0]
+            round_rows = [dict(run_system(system, job, root / f"out_{system}_{round_}", args), round=round_,
+                               load=load) for system in systems]
+            rows += round_rows
+            print(f"round {round_} of {args.rounds} (1-minute load average {load:.1f} at its start):", flush=True)
+            print(table(round_rows, args.first, args.steps), flush=True)
+    if args.rounds > 1:
+        print(ratio_ranges(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def run_system(system: str, job: dict[str, Path], out: Path, args: argparse.Namespace) -> dict:
+    """One system's run of the job; its summary row (or an error row when TRL is not installed)."""
+    try:
+        if system == "trl":
+            if Path(args.trl_site).is_dir() and args.trl_site not in sys.path:
+                sys.path.insert(0, args.trl_site)
+            result = run_trl(job, out, args.steps, args.trl_threads)
+        elif system == "before":
+            result = run_megatron_rl(job, out, args.steps, "builtin", repo=Path(args.before).resolve())
+        elif system in ("tokens", "vllm_tokens"):
+            engine = "vllm" if system == "vllm_tokens" else "builtin"
+            result = run_megatron_rl(job, out, args.steps, engine, extra=TOKEN_BUDGET)
+        else:
+            result = run_megatron_rl(job, out, args.steps, system)
+        row = summarize(system, result, args.first)
+    except ImportError as exc:
+        row = {"system": system, "error": f"not installed ({exc}); see the docstring"}
+    print(f"{system}: done", flush=True)
+    return row
+
+
+def ratio_ranges(rows: list[dict]) -> str:
+    """Per system: its median step's ratio to TRL's in the same round, min-max over the rounds; its start-up range."""
+    trl = {r["round"]: r["step"] for r in rows if r["system"] == "trl" and r.get("step")}
+    lines = ["| system | vs TRL, each round | range | start-up s, range |", "|---|---|---|---|"]
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = [r for r in rows if r["system"] == system and r.get("step")]
+        ratios = [r["step"] / trl[r["round"]] for r in mine if r["round"] in trl]
+        starts = [r["startup"] for r in mine if r.get("startup") is not None]
+        each = ", ".join(f"{x:.2f}x" for x in ratios) or "-"
+        span = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
+        start = f"{min(starts):.1f}-{max(starts):.1f}" if starts else "-"
+        lines.append(f"| {system} | {each} | {span} | {start} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -22,3 +22,13 @@ def test_reward():
     assert namespace["reward"](prompt="what is one plus one ?", response="two", answer="two") == 1.0
     assert namespace["reward"](prompt="p", response="it is two", answer="two") == 0.1
     assert namespace["reward"](prompt="p", response="", answer="two") == 0.0
+
+
+def test_ratio_ranges_are_taken_within_each_round():
+    rows = [{"system": "builtin", "step": 0.2, "startup": 9.0, "round": 1},
+            {"system": "trl", "step": 0.1, "startup": 0.3, "round": 1},
+            {"system": "builtin", "step": 0.3, "startup": 8.0, "round": 2},
+            {"system": "trl", "step": 0.3, "startup": 0.4, "round": 2}]
+    text = bench.ratio_ranges(rows)
+    assert "| builtin | 2.00x, 1.00x | 1.00-2.00x | 8.0-9.0 |" in text  # not 0.25 / 0.2 pooled over rounds
+    assert "| trl | 1.00x, 1.00x | 1.00-1.00x | 0.3-0.4 |" in text
