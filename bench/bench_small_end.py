@@ -8,6 +8,9 @@ optimizer step per RL step, no KL, 20 steps. Systems, run one after the other on
 
     builtin   bash run_megatron.sh ... NPROC=1 (rollout.engine builtin, the default)
     vllm      the same with rollout.engine=vllm (--vllm; needs MEGATRON_RL_ENGINE_PYTHON, docs/INFERENCE.md)
+    engine    the vLLM engine alone (no trainer): ``vllm serve`` as the job starts it, sent each step's requests
+              (8 prompts x ``n=8``, 16 tokens, concurrently, as the fleet sends them): the floor under the vllm
+              system's rollout (its column is the time of each step's requests)
     trl       TRL's GRPOTrainer on CPU with its own defaults (plain transformers ``generate``, gradient checkpointing
               on, torch's default threads; --trl-threads N pins them)
     tokens    builtin with ``batch.max_tokens_per_micro_batch=4096 batch.micro_batch_size=null`` (--tokens: a fixed
@@ -146,6 +149,44 @@ def run_trl(job: dict[str, Path], out: Path, steps: int, threads: int | None = N
             "startup_s": first_step[0] - started if first_step else None}
 
 
+def run_engine_alone(job: dict[str, Path], out: Path, steps: int) -> dict:
+    """The vLLM engine the job would start (``ServeOptions`` as ``inference/vllm/launcher.py`` derives them for
+    this model on CPU), answering one step's requests per step: the prompts (the job's chat-formatted ids) x n=8,
+    16 tokens, temperature 1, concurrently, one request per prompt."""
+    import concurrent.futures as futures
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_rl.inference.engine import SamplingSpec
+    from megatron_rl.inference.vllm.server import EngineServer, ServeOptions
+
+    python = os.environ.get("MEGATRON_RL_ENGINE_PYTHON") or str(ROOT / ".venv-engine/bin/python")
+    config = AutoConfig.from_pretrained(job["model"])
+    options = ServeOptions(python=python, dtype="float32", max_model_len=config.max_position_embeddings, seed=0,
+                           kv_cache_gib=1.0, gpu_memory_utilization=0.9)
+    started = time.perf_counter()
+    server = EngineServer.start(job["model"], options, token="bench", log_path=out / "engine.log")
+    try:
+        server.wait_ready(600)
+        startup = time.perf_counter() - started
+        tokenizer = AutoTokenizer.from_pretrained(job["model"])
+        rows = [json.loads(line) for line in job["prompts"].read_text().splitlines()]
+        spec = SamplingSpec(max_tokens=MAX_NEW_TOKENS, temperature=1.0)
+        times = []
+        with futures.ThreadPoolExecutor(PROMPTS) as pool:
+            for step in range(steps):
+                batch = [rows[(step * PROMPTS + i) % len(rows)]["prompt"] for i in range(PROMPTS)]
+                prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                           if tokenizer.chat_template else tokenizer(p)["input_ids"] for p in batch]
+                t = time.perf_counter()
+                list(pool.map(lambda ip: server.sample(list(ip[1]), spec, seed=step * 1000 + ip[0] * SAMPLES,
+                                                       n=SAMPLES, timeout_s=300), enumerate(prompts)))
+                times.append(time.perf_counter() - t)
+    finally:
+        server.kill()
+    return {"wall_s": time.perf_counter() - started, "step_s": times, "rollout_s": times, "startup_s": startup}
+
+
 def median_from(values: list[float], first: int) -> float:
     """Median of steps ``first``..N (1-based), or of all when there are fewer."""
     tail = values[first - 1:] or values
@@ -154,8 +195,9 @@ def median_from(values: list[float], first: int) -> float:
 
 def summarize(name: str, result: dict, first: int) -> dict:
     if "step_s" in result:
+        rollout = result.get("rollout_s")
         return {"system": name, "step": median_from(result["step_s"], first), "wall": result["wall_s"],
-                "startup": result.get("startup_s")}
+                "startup": result.get("startup_s"), "rollout": median_from(rollout, first) if rollout else None}
     steps = result["steps"]
 
     def col(key: str) -> float | None:
@@ -194,7 +236,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--first", type=int, default=5, help="first step of the median (1-based)")
-    parser.add_argument("--systems", default="builtin,trl", help="comma list of builtin, vllm, trl")
+    parser.add_argument("--systems", default="builtin,trl", help="comma list of builtin, vllm, engine, trl")
     parser.add_argument("--vllm", action="store_true", help="add the vllm system")
     parser.add_argument("--tokens", action="store_true", help="add the tokens system (a token budget)")
     parser.add_argument("--before", help="add the before system: builtin through this checkout")
@@ -236,6 +278,9 @@ def run_system(system: str, job: dict[str, Path], out: Path, args: argparse.Name
             result = run_trl(job, out, args.steps, args.trl_threads)
         elif system == "before":
             result = run_megatron_rl(job, out, args.steps, "builtin", repo=Path(args.before).resolve())
+        elif system == "engine":
+            out.mkdir(parents=True, exist_ok=True)
+            result = run_engine_alone(job, out, args.steps)
         elif system in ("tokens", "vllm_tokens"):
             engine = "vllm" if system == "vllm_tokens" else "builtin"
             result = run_megatron_rl(job, out, args.steps, engine, extra=TOKEN_BUDGET)
