@@ -134,9 +134,14 @@ class VisionStageStream:
         return language_chunks(model_chunks)
 
     def extra_stage_weights(self, model_chunks: list, groups: Any) -> Iterator[tuple[str, Any]]:
+        """The tower's tensors on the stream root; none when it is frozen (``model.freeze_vision``): the engines
+        keep the tower they started on (the policy's export at start), which a frozen tower still equals."""
         from megatron_rl.model.weights import unwrap
 
-        visual = getattr(unwrap(model_chunks[0]), "visual", None)  # the first stage's (PP1 only)
+        model = unwrap(model_chunks[0])
+        visual = getattr(model, "visual", None)  # the first stage's (PP1 only)
+        if getattr(model, "freeze_vision", False):
+            return
         if visual is not None and groups.tp_rank == 0 and groups.ep_rank == 0:  # the stream root
             for name, tensor in visual.state_dict().items():
                 yield self.vision_prefix + name, tensor.detach()
