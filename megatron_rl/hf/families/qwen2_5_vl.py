@@ -156,8 +156,9 @@ class VisionStageStream:
 QWEN2_5_VL = Qwen25VLFamily(
     name="qwen2_5_vl", model_types=(MODEL_TYPE,), title="vision-language (Qwen2.5-VL)",
     types={MODEL_TYPE: {"add_qkv_bias": True}}, bridges={MODEL_TYPE: "qwen2"},
-    support=Support(kv_cache_decoding=False, vllm_adapter_sync=False, vllm_images=True),
+    support=Support(vllm_adapter_sync=False, vllm_images=True),
 )
-"""Qwen2.5-VL. Training and log-probs (``model/vision_language.py``); vLLM serves it with images
+"""Qwen2.5-VL. Training and log-probs (``model/vision_language.py``); the built-in engine decodes it with the KV
+cache (3-D positions: ``model/kv_cache.py``); vLLM serves it with images
 (``inference/vllm/images.py``, the weight sync streams the tower: docs/VISION.md section 9); the main job generates
 with images on the built-in engine or the vLLM fleet (sections 8-9)."""
