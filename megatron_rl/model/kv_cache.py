@@ -130,6 +130,8 @@ class KVCache:
         shift = per_token.clone()
         shift[: int(seg.sum())] += torch.repeat_interleave(deltas, seg)
         mrope = packed.mrope_positions + shift.to(packed.mrope_positions.device)[None]
+        if packed.image_grid_thw is None:  # text only (every decoding step): each token advances all rows by one,
+            return mrope                   # the deltas stay (and no device sync)
         starts = packed.cu_seqlens.cpu()[:-1].tolist()
         for i, (r, n) in enumerate(zip(rows, packed.seq_lens.tolist())):
             if r is not None and n > 0:

@@ -9,7 +9,8 @@ checkpoint resumes bitwise, the Adam state included (a second step after the res
 Planted bugs (negative controls, in the test): the unfrozen policy's tower with its gradients zeroed but still in
 the optimizer (what a freeze by zeroing gradients would do): Adam's weight decay moves its matrices, so the "unchanged" check
 fails on it; the unfrozen policy's stream holds every tower tensor (the "no visual" check fails on it).
-A text-only checkpoint with ``freeze_vision`` is refused in one line (``hf/config.py: model_config_from_hf``).
+A text-only checkpoint with ``freeze_vision`` is refused in one line (``hf/config.py: model_config_from_hf``), and
+so is a text model built from ``model.*`` shapes (``MegatronPolicy.build_module``).
 Cost: ~6 s CPU per family (one process: three policies, a checkpoint).
 """
 
@@ -118,9 +119,10 @@ def test_a_frozen_tower_is_not_trained_synced_or_lost(groups, checkpoint, tmp_pa
     assert moved(before, got, tower) == []
 
 
-def test_freeze_vision_is_refused_for_a_text_checkpoint(tmp_path):
-    from megatron_rl.config import ModelConfig
+def test_freeze_vision_is_refused_for_a_text_model(tmp_path, groups):
+    from megatron_rl.config import MegatronRLConfig, ModelConfig
     from megatron_rl.hf.config import model_config_from_hf
+    from megatron_rl.model.policy import MegatronPolicy
     from transformers import Qwen2Config
 
     path = tmp_path / "qwen2"
@@ -129,3 +131,5 @@ def test_freeze_vision_is_refused_for_a_text_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"model\.freeze_vision=true but .* has no vision tower .* set "
                                          r"model\.freeze_vision=false"):
         model_config_from_hf(path, base=dataclasses.replace(ModelConfig(), freeze_vision=True))
+    with pytest.raises(ValueError, match=r"model\.freeze_vision=true but this model has no vision tower"):
+        MegatronPolicy(MegatronRLConfig(model=ModelConfig(freeze_vision=True)), groups)  # from model.* shapes
