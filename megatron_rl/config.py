@@ -241,6 +241,9 @@ class ModelConfig(ConfigSection):
     """RMSNorm scales by (1 + weight), the weight initialized to 0 (Qwen3.5's layer, q/k and final norms)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (``model.lora.*``; docs/LORA.md); off by default."""
+    freeze_vision: bool = False
+    """A vision-language checkpoint's tower is not trained (no gradient, no optimizer state, not in the grad norm)
+    and not in the vLLM weight sync; the export and checkpoints keep it (docs/VISION.md section 13)."""
 
     def _check_rules(self) -> None:
         mlp_targets = [name for name in self.lora.target_modules if name in ("gate_proj", "up_proj", "down_proj")]

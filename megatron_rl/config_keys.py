@@ -51,6 +51,7 @@ KEY_ALIASES: dict[str, tuple[str, ...]] = {
     "num_hidden_layers": ("model.num_layers",),
     **dict.fromkeys(("lora_rank", "lora_r"), ("model.lora.rank",)),
     "lora_alpha": ("model.lora.alpha",),
+    **dict.fromkeys(("freeze_vision_tower", "freeze_vision_encoder", "freeze_vit"), ("model.freeze_vision",)),
     **dict.fromkeys(("target_modules", "lora_target_modules"), ("model.lora.target_modules",)),
     **dict.fromkeys(("ep", "ep_size", "expert_parallel_size"), ("parallel.expert_model_parallel_size",)),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), ("model.num_moe_experts",)),

@@ -124,7 +124,8 @@ RUN_DEFINING_KEYS = (("algorithm", "advantage_estimator"), ("algorithm", "policy
 
 def check_resume_target(config: MegatronRLConfig) -> None:
     """ConfigError when the checkpoint a resume would load belongs to another run: another model shape
-    (``checkpoint.dist.SHAPE_FIELDS``), advantage estimator, policy loss, or a critic on one side only.
+    (``checkpoint.dist.SHAPE_FIELDS``), advantage estimator, policy loss, a critic on one side only, or a vision
+    tower frozen in the checkpoint but trained by the config.
 
     The checkpoint is the first of ``layout.resume_candidates`` with a readable manifest (the one the ranks try
     first); whether its files verify is left to the ranks. The message names the directory, the checkpoint's
@@ -176,6 +177,10 @@ def _run_differences(target: tuple[Path, dict], save_dir: Path, config: Megatron
         was = saved.get(section, {}).get(key) if isinstance(saved.get(section), dict) else None
         if was is not None and was != current[section][key]:
             diffs.append(f"{section}.{key}: checkpoint {was!r} vs config {current[section][key]!r}")
+    if (saved.get("model") if isinstance(saved.get("model"), dict) else {}).get("freeze_vision") \
+            and not config.model.freeze_vision:  # the other way round resumes (the tower's Adam state is not read)
+        diffs.append("model.freeze_vision: checkpoint true vs config false (it holds no optimizer state for the "
+                     "vision tower)")
     has_critic = {"checkpoint": bool(layout.checkpoint_dirs(critic_save_dir(save_dir))),
                   "config": config.critic.active(config.algorithm)}
     if has_critic["checkpoint"] != has_critic["config"]:

@@ -133,6 +133,7 @@ def _saved_run(save_dir: Path, overrides: list[str], *, critic: bool = False) ->
     (["algorithm.advantage_estimator=grpo"], ["algorithm.advantage_estimator=rloo"],
      ["algorithm.advantage_estimator: checkpoint 'grpo' vs config 'rloo'"]),
     ([], ["critic.enabled=true", "critic.lr=1e-3"], ["critic: checkpoint without vs config with"]),
+    (["model.freeze_vision=true"], [], ["model.freeze_vision: checkpoint true vs config false"]),
 ])
 def test_preflight_refuses_to_resume_another_run(tmp_path, saved, requested, needles):
     save_dir = tmp_path / "out" / "checkpoints"

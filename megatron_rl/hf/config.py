@@ -139,6 +139,9 @@ def model_config_from_hf(hf_dir: str | os.PathLike, base: ModelConfig | None = N
         raise ValueError(f"{where}: model.family={base.family!r} reads model_type {list(named.model_types)}, not "
                          f"{hf_config.model_type!r} (family {family.name!r}); unset model.family")
     _reject_unsupported(hf_config, family, where)
+    if getattr(base, "freeze_vision", False) and getattr(hf_config, "vision_config", None) is None:
+        raise ValueError(f"model.freeze_vision=true but {where} has no vision tower (a text-only checkpoint); set "
+                         "model.freeze_vision=false, or point model.hf_path at a vision-language checkpoint")
     text = family.text_config(hf_config)  # e.g. the language model of a multimodal Qwen3.5
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads

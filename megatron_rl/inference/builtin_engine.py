@@ -15,7 +15,8 @@ The model is reached through one of two interfaces, both log-softmax (temperatur
 Both are collective with the Megatron policy (every rank takes part, results identical on every rank). With the
 cache a call runs each row's new token only (one micro-batch per decoding step, whatever ``config.batch``'s
 rule): prefill once, then one token per row per step; a stopped row keeps its place (its token is ignored) so
-the rows never move between DP ranks. Exact against the full forward up to float rounding
+the rows never move between DP ranks. A vision-language policy's prompts are prefilled with their images (the
+vision tower once), its decoded tokens take 3-D positions from the cache (docs/VISION.md section 8). Exact against the full forward up to float rounding
 (``tests/inference/test_kv_cache.py``): the same seed gives the same tokens. Meant for small models and tests; a
 real checkpoint on a GPU samples with ``rollout.engine: vllm``.
 
@@ -50,8 +51,9 @@ NextTokenLogprobs = Callable[[Sequence[Sequence[int]]], torch.Tensor]
 class Decoder(Protocol):
     """Incremental next-token log-probs over a fixed set of rows (one ``generate`` call)."""
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Start the rows with their prompts; ``[n, V]`` log-probs of each row's first new token."""
+    def prefill(self, prompts: Sequence[Sequence[int]], images: Sequence[Any] | None = None) -> torch.Tensor:
+        """Start the rows with their prompts (and their images: a vision-language policy); ``[n, V]`` log-probs
+        of each row's first new token."""
 
     def extend(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append one token to every row; ``[n, V]`` log-probs of each row's next token."""
@@ -149,7 +151,8 @@ def sample_responses(
 ) -> Samples:
     """Sample one response per prompt: a forward per step over the rows that have not stopped yet (a
     ``Decoder``: its new token of every row; the draws are the same: only the active rows are sampled).
-    ``images``: per prompt (``ImageLogprobs``: called with the active rows' images, full forwards)."""
+    ``images``: per prompt (``ImageLogprobs``: called with the active rows' images, full forwards; a ``Decoder``:
+    its prefill's)."""
     spec = params.to_spec() if isinstance(params, SamplingParams) else params
     stop = set(spec.stop_token_ids)
     responses: list[list[int]] = [[] for _ in prompts]
@@ -164,7 +167,7 @@ def sample_responses(
             next_lp = (next_token_logprobs(contexts) if images is None  # [n_active, V]
                        else next_token_logprobs(contexts, [images[i] for i in active]))
         elif step == 0:
-            next_lp = decoder.prefill(prompts)[active]
+            next_lp = (decoder.prefill(prompts) if images is None else decoder.prefill(prompts, images))[active]
         else:  # every row's last token (a stopped row's is ignored), so the rows keep their places
             next_lp = decoder.extend([r[-1] if r else 0 for r in responses])[active]
         assert next_lp.shape[0] == len(active), (next_lp.shape, len(active))
@@ -214,12 +217,16 @@ class PolicyDecoder:
         self.cache = None
         self.num_rows = 0
 
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def prefill(self, prompts: Sequence[Sequence[int]], images: Sequence[Any] | None = None) -> torch.Tensor:
+        """The prompts through the whole model (with ``images``: each row's, the vision tower run once here;
+        the decoded tokens then take their 3-D positions from the cache's ``rope_deltas``)."""
+        from megatron_rl.data.mrope import batch_images
         from megatron_rl.model.kv_cache import KVCache  # the policy's module; tests use stand-ins
 
         self.cache, self.num_rows = KVCache(), len(prompts)
         sequences, mask = left_padded(prompts, self.pad_token_id)
-        return self.policy.next_token_logprobs(sequences, mask, kv_cache=self.cache).float().cpu()
+        pictures = None if images is None else batch_images(list(images))
+        return self.policy.next_token_logprobs(sequences, mask, kv_cache=self.cache, images=pictures).float().cpu()
 
     def extend(self, tokens: Sequence[int]) -> torch.Tensor:
         assert self.cache is not None and len(tokens) == self.num_rows, (len(tokens), self.num_rows)
@@ -232,8 +239,8 @@ class PolicyDecoder:
 def policy_image_logprobs(policy, pad_token_id: int) -> ImageLogprobs:
     """``(contexts, images) -> [n, V]`` through ``policy.next_token_logprobs(images=...)`` (a
     ``VisionLanguagePolicy``): a full forward over each context with its images (the vision tower runs every
-    decoding step; no KV cache: the cache's positions are the 1-D text ones). Rows with the same context and the
-    same images object (a group's samples) are computed once. Collective."""
+    decoding step): the engine's path without the KV cache (``from_policy(kv_cache=False)``, a hybrid model).
+    Rows with the same context and the same images object (a group's samples) are computed once. Collective."""
     from megatron_rl.data.mrope import batch_images
 
     def next_token_logprobs(contexts: Sequence[Sequence[int]], images: Sequence[Any]) -> torch.Tensor:
@@ -292,7 +299,8 @@ class BuiltinEngine:
                  decoder: Callable[[], Decoder] | None = None, image_logprobs: ImageLogprobs | None = None) -> None:
         self.next_token_logprobs = next_token_logprobs
         self.image_logprobs = image_logprobs
-        """Set (a vision-language policy): ``generate(images=...)`` samples through it (full forwards)."""
+        """Set (a vision-language policy): ``generate(images=...)`` samples through it (full forwards) unless
+        ``decoder`` is set (its prefill takes the images)."""
         """The full-forward path (no cache): used when ``decoder`` is None."""
         self.decoder = decoder
         """Set: each ``generate`` decodes incrementally through a fresh ``decoder()`` (the KV-cache path)."""
@@ -328,7 +336,7 @@ class BuiltinEngine:
             raise ValueError("BuiltinEngine.generate(images=...) needs a vision-language policy (a model.hf_path "
                              "of a Qwen2.5-VL checkpoint); this engine's policy sees text only")
         model = self.decoder() if self.decoder is not None else self.next_token_logprobs
-        if images is not None:
+        if images is not None and self.decoder is None:
             model = self.image_logprobs
         samples = sample_responses(model, prompts, spec, self._generator, images)
         completions = [Completion(token_ids=r, logprobs=lp, finish_reason=reason)

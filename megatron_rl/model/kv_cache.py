@@ -19,6 +19,13 @@ rank's own heads; sequence parallelism pads every row's new tokens to the alignm
 cached and never attended to: they come after the row's real tokens). Context parallelism is not supported (the
 engine then decodes without the cache).
 
+A vision-language policy's rows (``model/vision_policy.py``: each micro-batch a ``data/mrope.py: VisionPack``,
+3-D positions and images) go the same way as a ``CachedVisionPack``: the prefill runs the prompts with their
+images through the whole model (the vision tower once, its outputs in the image tokens' keys/values) at their
+3-D positions; each row's ``rope_deltas`` entry is then its next position minus its cached length (<= 0: an image
+of t x h x w merged tokens advances the positions by max(h, w) only), and a decoded token of cached length c
+takes the position c + delta on all three rows (transformers' ``rope_deltas`` in ``Qwen2_5_VLModel.forward``).
+
 Exactness: the cached keys/values are those the full forward computes for the same tokens at the same positions
 (same weights, same RoPE positions); the new queries attend to exactly the keys the causal full forward gives
 them. Only float rounding differs (matmuls over a different number of rows, one softmax row at a time), tested in
@@ -27,12 +34,14 @@ them. Only float rounding differs (matmuls over a different number of rows, one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from megatron_rl.data.mrope import VisionPack
 from megatron_rl.data.packing import PackedBatch
 from megatron_rl.model.rotary import PackedRopeParams
+from megatron_rl.model.vision_language import MropeParams
 
 
 @dataclass
@@ -44,6 +53,15 @@ class CachedPackParams(PackedRopeParams):
     """Per packed sequence: its cache key (global row), or None for a DP/micro-batch dummy (never cached)."""
     new_lens: list[int] = field(default_factory=list)
     """Per packed sequence: its real new tokens (the pack's align padding after them is not cached)."""
+
+
+VISION_FIELDS = ("mrope_section", "mrope_interleaved", "pixel_values", "image_grid_thw", "image_mask")
+"""What a ``VisionPack`` hands its ``MropeParams`` beside the positions (the same names on both)."""
+
+
+@dataclass
+class CachedMropeParams(MropeParams, CachedPackParams):
+    """``MropeParams`` (3-D positions; the prefill's images) of a pack whose sequences continue cached ones."""
 
 
 @dataclass
@@ -73,7 +91,10 @@ class KVCache:
         self._slots: dict[object, int] = {}
         self.lengths: dict[int, int] = {}
         """Tokens cached per row (the same in every layer once a forward has finished)."""
+        self.rope_deltas: dict[int, int] = {}
+        """Per row of a vision-language pack: its next 3-D position (all three rows) minus its cached length."""
         self._pending: dict[int, int] = {}
+        self._pending_deltas: dict[int, int] = {}
 
     def attach(self, call, num_rows: int) -> None:
         """Make ``call``'s micro-batches (``model/plan.py CallPlan``) continue the cached rows: positions offset by
@@ -94,15 +115,37 @@ class KVCache:
             for r, n in zip(rows, packed.seq_lens.tolist()):
                 if r is not None:
                     self._pending[r] = n
-            packs.append((item, _cached_pack(packed, position_ids, rows, self)))
+            mrope = None
+            if isinstance(packed, VisionPack):
+                mrope = self._mrope_positions(packed, rows, offsets, seg, per_token)
+            packs.append((item, _cached_pack(packed, position_ids, rows, self, mrope)))
         for item, pack in packs:
             item.packed = replace(pack, rope_max_seqlen=max_len)
+
+    def _mrope_positions(self, packed: VisionPack, rows: list[int | None], offsets: torch.Tensor,
+                         seg: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor:
+        """``[3, T]``: the pack's 3-D positions (each sequence's from 0) moved by each row's cached length and rope
+        delta; records each row's delta after these tokens (its next position minus its new cached length)."""
+        deltas = torch.tensor([self.rope_deltas.get(r, 0) if r is not None else 0 for r in rows], dtype=torch.long)
+        shift = per_token.clone()
+        shift[: int(seg.sum())] += torch.repeat_interleave(deltas, seg)
+        mrope = packed.mrope_positions + shift.to(packed.mrope_positions.device)[None]
+        if packed.image_grid_thw is None:  # text only (every decoding step): each token advances all rows by one,
+            return mrope                   # the deltas stay (and no device sync)
+        starts = packed.cu_seqlens.cpu()[:-1].tolist()
+        for i, (r, n) in enumerate(zip(rows, packed.seq_lens.tolist())):
+            if r is not None and n > 0:
+                after = int(mrope[:, starts[i]:starts[i] + n].max()) + 1  # the row's next position
+                self._pending_deltas[r] = after - (int(offsets[i]) + n)
+        return mrope
 
     def commit(self) -> None:
         """The forward of the attached call finished: its new tokens are cached."""
         for r, n in self._pending.items():
             self.lengths[r] = self.lengths.get(r, 0) + n
+        self.rope_deltas.update(self._pending_deltas)
         self._pending.clear()
+        self._pending_deltas.clear()
 
     def attend(self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                params: CachedPackParams, sdpa) -> torch.Tensor:
@@ -167,9 +210,24 @@ class KVCache:
         return k_buf, v_buf
 
 
+@dataclass
+class CachedVisionPack(VisionPack, CachedPack):
+    """A ``VisionPack`` (its ``mrope_positions`` offset like ``position_ids``) continuing cached rows."""
+
+    def packed_seq_params(self) -> CachedMropeParams:
+        cached = CachedPack.packed_seq_params(self)
+        params = {f.name: getattr(cached, f.name) for f in fields(cached) if f.init}
+        params.update({name: getattr(self, name) for name in VISION_FIELDS}, position_ids=self.mrope_positions)
+        return CachedMropeParams(**params)
+
+
 def _cached_pack(packed: PackedBatch, position_ids: torch.Tensor, rows: list[int | None],
-                 cache: KVCache) -> CachedPack:
-    """``packed`` as a ``CachedPack`` with the given positions."""
-    fields = {name: getattr(packed, name) for name in
-              ("input_ids", "labels", "label_mask", "cu_seqlens", "seq_lens", "max_seqlen")}
-    return CachedPack(**fields, position_ids=position_ids, kv_cache=cache, rows=rows)
+                 cache: KVCache, mrope_positions: torch.Tensor | None = None) -> CachedPack:
+    """``packed`` as a ``CachedPack`` with the given positions (a ``VisionPack``: a ``CachedVisionPack``)."""
+    names = ("input_ids", "labels", "label_mask", "cu_seqlens", "seq_lens", "max_seqlen")
+    if mrope_positions is None:
+        return CachedPack(**{n: getattr(packed, n) for n in names}, position_ids=position_ids, kv_cache=cache,
+                          rows=rows)
+    vision = {f.name: getattr(packed, f.name) for f in fields(VisionPack)}
+    return CachedVisionPack(**{**vision, "position_ids": position_ids, "mrope_positions": mrope_positions},
+                            kv_cache=cache, rows=rows)

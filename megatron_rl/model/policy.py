@@ -125,6 +125,9 @@ class MegatronPolicy:
 
     def build_module(self) -> torch.nn.Module:
         """This rank's GPTModel stage (a subclass may swap the head: ``model/critic.py``)."""
+        if self.config.model.freeze_vision:  # a vision-language checkpoint builds model/vision_policy.py's
+            raise ValueError("model.freeze_vision=true but this model has no vision tower (a text model); set "
+                             "model.freeze_vision=false, or model.hf_path to a vision-language checkpoint")
         return build_gpt_model(self.config.model, self.config.parallel, self.groups)
 
     @property

@@ -95,11 +95,18 @@ class VisionLanguageModel(MegatronModule):
     ``forward(input_ids, position_ids, attention_mask, packed_seq_params=MropeParams, pixel_values=..., image_
     grid_thw=...)``: ``pixel_values [patches, C*tp*p*p]`` of every image of the micro-batch, in row order."""
 
-    def __init__(self, language_model: torch.nn.Module, visual: torch.nn.Module | None, image_token_id: int) -> None:
+    def __init__(self, language_model: torch.nn.Module, visual: torch.nn.Module | None, image_token_id: int,
+                 freeze_vision: bool = False) -> None:
         super().__init__(config=language_model.config)
         self.language_model = language_model
         self.visual = visual
         self.image_token_id = image_token_id
+        self.freeze_vision = freeze_vision
+        """``model.freeze_vision``: the tower's parameters do not require a gradient (so megatron-core's DDP and
+        optimizer leave them out: no grad buffer, no Adam state, not in the grad norm) and the weight sync skips
+        them (``hf/families/qwen2_5_vl.py: VisionStageStream``); its state dict (export, checkpoint) keeps them."""
+        if freeze_vision and visual is not None:
+            visual.requires_grad_(False)
         # what megatron-core's schedule, DDP and grad finalization read from a model chunk
         self.model_type = language_model.model_type
         self.pre_process, self.post_process = language_model.pre_process, language_model.post_process
@@ -152,7 +159,7 @@ class VisionLanguageModel(MegatronModule):
 def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, hf_config: Any) -> VisionLanguageModel:
     """This rank's stage of a vision-language model: ``model/builder.py``'s GPTModel for the language model, and
     the vision tower (transformers' ``AutoModel`` of ``hf_config.vision_config``, ``model_cfg.params_dtype``) on
-    the first stage."""
+    the first stage (frozen with ``model.freeze_vision``)."""
     from transformers import AutoModel
 
     from megatron_rl.model.builder import _DTYPES, build_gpt_model
@@ -166,4 +173,5 @@ def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, 
     visual = None
     if groups.is_first_stage:
         visual = AutoModel.from_config(hf_config.vision_config, dtype=_DTYPES[model_cfg.params_dtype]).to(groups.device)
-    return VisionLanguageModel(language, visual, image_token_id=hf_config.image_token_id)
+    return VisionLanguageModel(language, visual, image_token_id=hf_config.image_token_id,
+                               freeze_vision=bool(getattr(model_cfg, "freeze_vision", False)))

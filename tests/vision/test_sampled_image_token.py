@@ -7,6 +7,9 @@ image_grid_thw give 32``.
 Reference: transformers' generation path, the prompt (with its image) prefilled, then the response fed one token
 at a time through the KV cache (no pixel values after the prefill). Planted bug (checked by hand): without
 ``images_tokens`` (every image token an image's) the policy raises that ValueError. Cost: ~3 s CPU (one process).
+
+The last test: the built-in engine's own KV-cache path with images (``model/kv_cache.py``, docs/VISION.md section
+8) against its full-forward path and the trainer's forward (~2 s more).
 """
 
 from pathlib import Path
@@ -63,3 +66,55 @@ def test_an_image_token_in_the_response_is_text(groups, checkpoint):
     for i, (prompt, response, images) in enumerate(rows):
         want = generation_logprobs(checkpoint, prompt, response, pixels if images else None, grid if images else None)
         assert (got[i, resp - len(response):] - want).abs().max() < TOL, (i, got[i], want)
+
+
+def test_the_builtin_engine_decodes_images_through_the_kv_cache(groups, checkpoint, monkeypatch):
+    """The built-in engine's KV-cache path with images (``model/kv_cache.py``: the prompts and their images
+    prefilled once, each decoded token at its cached length + the row's rope delta on all three position rows):
+    the same tokens as the full-forward path (``from_policy(kv_cache=False)``: the whole context and its images
+    every step) for the same seed, and the sampled tokens' log-probs within 1e-5 of the trainer's forward
+    (``VisionLanguagePolicy.forward``) on prompt + response. Rows: ``tiny.prompt_rows`` (one image; two images; a
+    text row; an image first), each twice (a group). Planted (kept): the rope deltas dropped (decoded tokens at
+    their 1-D index, what the text cache does): the log-probs move beyond the bound."""
+    from megatron_rl.data.batch import left_pad
+    from megatron_rl.data.mrope import batch_images
+    from megatron_rl.inference.builtin_engine import BuiltinEngine
+    from megatron_rl.inference.engine import SamplingSpec
+    from megatron_rl.model.kv_cache import KVCache
+    from tests.support.batches import training_batch
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [r for r in tiny.prompt_rows(gen) for _ in range(2)]
+    prompts = [prompt for prompt, _, _ in rows]
+    images = []
+    for _, grids, _ in rows:
+        pixels = torch.split(tiny.pixel_values(grids, gen), [t * h * w for t, h, w in grids]) if grids else []
+        images.append(list(zip(pixels, grids)))
+    policy = tiny.vl_policy(checkpoint, groups)
+    spec = SamplingSpec(max_tokens=6, temperature=1.0)
+
+    def generate(engine):
+        return engine.generate(prompts, spec, seed=7, images=images)
+
+    def trainer_diff(completions) -> float:
+        seqs = [p + c.token_ids for p, c in zip(prompts, completions)]
+        ids, mask = left_pad(seqs, 0)
+        width = max(len(c.token_ids) for c in completions)
+        response_mask = torch.tensor([[0] * (width - len(c.token_ids)) + [1] * len(c.token_ids) for c in completions])
+        pixel_values, image_grid_thw = batch_images(images)
+        got = policy.forward(training_batch(dict(
+            sequences=ids, attention_mask=mask, response_mask=response_mask, loss_mask=response_mask.float(),
+            pixel_values=pixel_values, image_grid_thw=image_grid_thw)))["logprobs"]
+        engine = torch.tensor([[0.0] * (width - len(c.logprobs)) + c.logprobs for c in completions])
+        return float(((got - engine) * response_mask).abs().max())
+
+    cached_engine = BuiltinEngine.from_policy(policy, 0)
+    assert cached_engine.decoder is not None
+    cached = generate(cached_engine)
+    full = generate(BuiltinEngine.from_policy(policy, 0, kv_cache=False))
+    assert [c.token_ids for c in cached] == [c.token_ids for c in full]
+    assert trainer_diff(cached) < TOL  # measured 4.8e-7
+
+    commit = KVCache.commit
+    monkeypatch.setattr(KVCache, "commit", lambda self: (commit(self), self.rope_deltas.clear()))  # planted
+    assert trainer_diff(generate(BuiltinEngine.from_policy(policy, 0))) > TOL  # measured 7.2e-3

@@ -13,12 +13,16 @@ TOLERANCE: both fp32, other kernels):
 - before any training: within the bound; planted bug: the trainer scores each sample with the images of the
   other 16 x 16 row (same token layout, other pixels): beyond the bound; the same through
   ``VLLMEngine.generate(images=...)`` (the fleet's routing and grouping: a group is a prompt with its images);
+- ``model.freeze_vision`` (docs/VISION.md section 13): a frozen-tower policy's Adam step synced (its stream has no
+  tower: the engine keeps the one it started on, which the frozen tower still equals): within the bound; the sync
+  is the tower's bytes (196,224: 49,056 fp32 parameters) lighter than the next full sync's (a sync that still sent
+  the tower would be as heavy: the test fails);
 - after one SGD step (lr 0.05: the tower moves) and ``update_weights``: within the bound again; planted bug: one
   more step synced without the vision tensors (the language model only, as before this slice): beyond the bound.
 
 Measured: 4.8e-7 before and after the sync and through ``generate``; the swapped images 6.6e-3, the language-only
 sync 5.0e-3, ``generate`` with the fleet grouping samples by tokens alone (planted in ``calls.py``, checked) 4.3e-3.
-Cost: ~17 s wall on the 2-core machine (one engine start, three syncs). Markers: ``engine``, ``core``.
+Cost: ~17 s wall on the 2-core machine (one engine start, four syncs; the freeze case ~1.4 s of it). Markers: ``engine``, ``core``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from megatron_rl.model import hybrid
 from tests.support import qwen2_5_vl_tiny as tiny
+from tests.vision.test_freeze_vision import adam_policy
 
 pytestmark = [pytest.mark.engine, pytest.mark.core]
 
@@ -132,6 +137,7 @@ def _no_vision(self, model_chunks, groups):
 def test_vllm_samples_with_images_match_the_trainer_before_and_after_a_sync(groups, engine_py, tmp_path, monkeypatch):
     from megatron_rl.inference.config import RolloutConfig
     from megatron_rl.inference.vllm.engine import VLLMEngine
+    from megatron_rl.model.weights import unwrap
 
     checkpoint = tiny.save_checkpoint(tmp_path / "model", head_dim=32)
     policy = tiny.vl_policy(checkpoint, groups)
@@ -146,7 +152,14 @@ def test_vllm_samples_with_images_match_the_trainer_before_and_after_a_sync(grou
 
         assert _diff(policy, prompts, _generate(engine, prompts)) < TOLERANCE
 
-        _train_and_sync(policy, engine, prompts, samples)
+        frozen = adam_policy(checkpoint, groups, freeze_vision=True)  # the sync leaves the engine's tower alone
+        _train_and_sync(frozen, engine, prompts, samples)
+        frozen_bytes = engine.last_sync_bytes
+        assert _diff(frozen, prompts, _sample(engine, prompts, seed=50)) < TOLERANCE
+
+        _train_and_sync(policy, engine, prompts, samples)  # the whole model again: the policy's
+        tower = unwrap(policy.module).visual.parameters()
+        assert engine.last_sync_bytes - frozen_bytes == sum(p.numel() * p.element_size() for p in tower)
         samples = _sample(engine, prompts, seed=100)
         assert _diff(policy, prompts, samples) < TOLERANCE  # the tower moved (lr 0.05) and the engine's with it
 

@@ -134,9 +134,14 @@ class VisionStageStream:
         return language_chunks(model_chunks)
 
     def extra_stage_weights(self, model_chunks: list, groups: Any) -> Iterator[tuple[str, Any]]:
+        """The tower's tensors on the stream root; none when it is frozen (``model.freeze_vision``): the engines
+        keep the tower they started on (the policy's export at start), which a frozen tower still equals."""
         from megatron_rl.model.weights import unwrap
 
-        visual = getattr(unwrap(model_chunks[0]), "visual", None)  # the first stage's (PP1 only)
+        model = unwrap(model_chunks[0])
+        visual = getattr(model, "visual", None)  # the first stage's (PP1 only)
+        if getattr(model, "freeze_vision", False):
+            return
         if visual is not None and groups.tp_rank == 0 and groups.ep_rank == 0:  # the stream root
             for name, tensor in visual.state_dict().items():
                 yield self.vision_prefix + name, tensor.detach()
@@ -151,8 +156,9 @@ class VisionStageStream:
 QWEN2_5_VL = Qwen25VLFamily(
     name="qwen2_5_vl", model_types=(MODEL_TYPE,), title="vision-language (Qwen2.5-VL)",
     types={MODEL_TYPE: {"add_qkv_bias": True}}, bridges={MODEL_TYPE: "qwen2"},
-    support=Support(kv_cache_decoding=False, vllm_adapter_sync=False, vllm_images=True),
+    support=Support(vllm_adapter_sync=False, vllm_images=True),
 )
-"""Qwen2.5-VL. Training and log-probs (``model/vision_language.py``); vLLM serves it with images
+"""Qwen2.5-VL. Training and log-probs (``model/vision_language.py``); the built-in engine decodes it with the KV
+cache (3-D positions: ``model/kv_cache.py``); vLLM serves it with images
 (``inference/vllm/images.py``, the weight sync streams the tower: docs/VISION.md section 9); the main job generates
 with images on the built-in engine or the vLLM fleet (sections 8-9)."""
