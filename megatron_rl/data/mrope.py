@@ -98,7 +98,8 @@ def row_images(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor |
     """A batch's per-row images -> the vision tower's input. Right-aligned like every per-row tensor of a
     ``TrainingBatch`` (so ``TrainingBatch.concat``'s left padding keeps them valid): ``pixel_values [b, P, F]``
     (each row's patches last, zero rows before) and ``image_grid_thw [b, K, 3]`` (each row's images last,
-    all-zero rows before) -> ``(pixels [N, F], grids [n, 3])`` in row order, or ``(None, None)`` without images."""
+    all-zero rows before) -> ``(pixels [N, F], grids [n, 3])`` in row order, or ``(None, None)`` without images;
+    ``pixels`` is None when ``pixel_values`` is (a later pipeline stage: the grids alone place the positions)."""
     if image_grid_thw is None:
         return None, None
     pixels, grids = [], []
@@ -106,10 +107,11 @@ def row_images(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor |
         mine = image_grid_thw[i][image_grid_thw[i].prod(-1) > 0]  # [k, 3]
         if len(mine):
             grids.append(mine)
-            pixels.append(pixel_values[i, pixel_values.shape[1] - int(mine.prod(-1).sum()):])
+            if pixel_values is not None:
+                pixels.append(pixel_values[i, pixel_values.shape[1] - int(mine.prod(-1).sum()):])
     if not grids:
         return None, None
-    return torch.cat(pixels), torch.cat(grids)
+    return (torch.cat(pixels) if pixels else None), torch.cat(grids)
 
 
 def batch_images(rows: list[list[tuple[torch.Tensor, tuple[int, int, int]]]]

@@ -157,11 +157,10 @@ def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, 
 
     from megatron_rl.model.builder import _DTYPES, build_gpt_model
 
-    if (parallel_cfg.pipeline_model_parallel_size > 1 or parallel_cfg.context_parallel_size > 1
-            or parallel_cfg.sequence_parallel):
+    if parallel_cfg.context_parallel_size > 1 or parallel_cfg.sequence_parallel:
         raise ValueError(f"a vision-language model (model_type {hf_config.model_type}) runs with parallel."
-                         "pipeline_model_parallel_size=1, context_parallel_size=1 and sequence_parallel=false for "
-                         "now (docs/VISION.md section 8); set them so")
+                         "context_parallel_size=1 and sequence_parallel=false for now (docs/VISION.md section 10); "
+                         "set them so (TP, DP and pipeline_model_parallel_size > 1 are supported)")
     language = build_gpt_model(model_cfg, parallel_cfg, groups)
     visual = None
     if groups.is_first_stage:
