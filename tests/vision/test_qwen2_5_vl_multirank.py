@@ -16,6 +16,7 @@ reduction order, relative 1e-5 (as tests/model/test_hybrid_multirank.py). Cost: 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.vision.conftest import FAMILIES
 from tests.support.batches import max_rel_err, steps_per_count, training_batch
@@ -24,7 +25,7 @@ from tests.model.test_policy_multirank import summed_pg_loss
 
 pytestmark = [pytest.mark.multirank, pytest.mark.core]
 
-LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2)}
+LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2)}
 COUNTS = (1, 2)
 
 
@@ -35,7 +36,29 @@ def _runs(policy, groups, tensors, counts) -> dict:
     return {**out, **steps_per_count(policy, batch, groups, counts, summed_pg_loss)}
 
 
-def _layouts_rank(rank, world_size, checkpoint, tensors, family):
+def _stage_weights(policy, groups, checkpoint, out) -> dict:
+    """PP2, before the step: the HF export (rank 0 writes ``out``) and this stage's weight-sync stream, as
+    ``{name: tensor}`` (the tower belongs to stage 0)."""
+    from megatron_rl.hf.weights import export_policy_to_hf, iter_hf_weights, iter_stage_hf_weights
+
+    export_policy_to_hf(policy, out, checkpoint)
+    exported = [name for name, _ in iter_hf_weights([policy.module], checkpoint, groups)]  # every rank: all names
+    stream = {name: tensor.cpu().clone() for name, tensor in iter_stage_hf_weights([policy.module], checkpoint, groups)}
+    return {"exported": exported, "stream": stream}
+
+
+def _resumed(policy, groups, checkpoint, out, family, parallel) -> dict:
+    """PP2, after the step: the distributed checkpoint saved and loaded into a fresh policy, both full state dicts."""
+    from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(policy, out, {"step": 1})
+    trained = policy.full_state_dict()
+    fresh = FAMILIES[family].vl_policy(checkpoint, groups, **parallel)
+    load_checkpoint(fresh, out)
+    return {"trained": trained, "resumed": fresh.full_state_dict()}
+
+
+def _layouts_rank(rank, world_size, checkpoint, tensors, family, tmp):
     from megatron_rl.config import ParallelConfig
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
@@ -44,7 +67,11 @@ def _layouts_rank(rank, world_size, checkpoint, tensors, family):
         groups = initialize_distributed(ParallelConfig(**parallel), 1234)
         try:
             policy = FAMILIES[family].vl_policy(checkpoint, groups, **parallel)
+            weights = _stage_weights(policy, groups, checkpoint, tmp / "export") if name == "pp2" else {}
             results[name] = _runs(policy, groups, tensors, (2,))
+            if name == "pp2":
+                results[name].update(**weights, **_resumed(policy, groups, checkpoint, tmp / "dist", family,
+                                                              parallel))
         finally:
             destroy_distributed(keep_process_group=True)  # the next layout reuses the process group
     return results
@@ -74,13 +101,32 @@ def reference(checkpoint, tiny):
     return tensors, ref
 
 
-def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoint, reference, family):
+def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoint, reference, family, tiny,
+                                                                        tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.support.exports import assert_same_weights
+
     tensors, ref = reference
     mask = tensors["response_mask"].bool()
     assert (ref["logprobs"] - ref["transformers"])[mask].abs().max() < 1e-5
     assert ref["loss_1"] != 0.0 and float(ref["grad_1"]["visual.patch_embed.proj.weight"].norm()) > 0
     assert max_rel_err(ref["grad_2"], ref["grad_1"]) < 1e-5
-    for rank_results in run_ranks(2, _layouts_rank, checkpoint, tensors, family, timeout=600):
+    ranks = run_ranks(2, _layouts_rank, checkpoint, tensors, family, tmp_path, timeout=600)
+    # PP2 weights: the export is the source bitwise, the tower streamed by stage 0 only, the dist checkpoint resumes
+    assert_same_weights(checkpoint, tmp_path / "export", f"{family} pp2 export")
+    source = load_file(checkpoint / "model.safetensors")
+    streams = [rank_results["pp2"]["stream"] for rank_results in ranks]
+    towers = [sum("visual." in name for name in stream) for stream in streams]
+    assert towers == [tiny.VISION_TENSORS, 0] and len(streams[0]) > towers[0] and len(streams[1]) > 0
+    assert not set(streams[0]) & set(streams[1]) and set(streams[0]) | set(streams[1]) == set(source)
+    assert all(sorted(rank_results["pp2"]["exported"]) == sorted(source) for rank_results in ranks)
+    for stream in streams:
+        assert all(torch.equal(tensor, source[name]) for name, tensor in stream.items())
+    for rank_results in ranks:
+        trained, resumed = rank_results["pp2"]["trained"], rank_results["pp2"]["resumed"]
+        assert sorted(resumed) == sorted(trained) and all(torch.equal(resumed[k], trained[k]) for k in trained)
+    for rank_results in ranks:
         for name, got in rank_results.items():
             assert (got["logprobs"] - ref["logprobs"])[mask].abs().max() < 1e-5, name
             assert got["loss_2"] == pytest.approx(ref["loss_1"], rel=1e-5), name
