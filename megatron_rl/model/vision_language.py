@@ -120,20 +120,27 @@ class VisionLanguageModel(MegatronModule):
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
               image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[S, b, H]`` token embeddings with each image token's row (``image_mask [b*S]`` of them, when given)
-        replaced by the vision tower's output."""
+        replaced by the vision tower's output; under sequence parallelism then scattered (``[S/tp, b, H]``: the
+        embedding is built unscattered, ``build_vision_language_model``), so that the tower sees every image
+        row's gradient on every TP rank (the scatter's backward all-gathers it)."""
         embeds = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [S, b, H]
         is_image = input_ids == self.image_token_id if image_mask is None else image_mask.view(input_ids.shape)
         is_image = is_image.transpose(0, 1)  # [S, b]
         if pixel_values is None:
             if bool(is_image.any()):
                 raise ValueError("image tokens in the batch but no pixel_values")
-            return embeds
-        image = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
-        image = getattr(image, "pooler_output", image)  # transformers 5: an output object; 4.x: the merged tensor
-        if int(is_image.sum()) != image.shape[0]:
-            raise ValueError(f"{int(is_image.sum())} image tokens but the vision tower gave {image.shape[0]} "
-                             "embeddings (image_grid_thw does not match the image placeholders)")
-        return embeds.masked_scatter(is_image[..., None], image.to(embeds.dtype))
+        else:
+            image = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
+            image = getattr(image, "pooler_output", image)  # transformers 5: an output object; 4.x: the tensor
+            if int(is_image.sum()) != image.shape[0]:
+                raise ValueError(f"{int(is_image.sum())} image tokens but the vision tower gave {image.shape[0]} "
+                                 "embeddings (image_grid_thw does not match the image placeholders)")
+            embeds = embeds.masked_scatter(is_image[..., None], image.to(embeds.dtype))
+        if self.config.sequence_parallel:
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            embeds = scatter_to_sequence_parallel_region(embeds, group=self.language_model.embedding.tp_group).clone()
+        return embeds
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any, *,
                 packed_seq_params: Any = None, pixel_values: torch.Tensor | None = None,
@@ -157,11 +164,11 @@ def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, 
 
     from megatron_rl.model.builder import _DTYPES, build_gpt_model
 
-    if parallel_cfg.context_parallel_size > 1 or parallel_cfg.sequence_parallel:
+    if parallel_cfg.context_parallel_size > 1:
         raise ValueError(f"a vision-language model (model_type {hf_config.model_type}) runs with parallel."
-                         "context_parallel_size=1 and sequence_parallel=false for now (docs/VISION.md section 10); "
-                         "set them so (TP, DP and pipeline_model_parallel_size > 1 are supported)")
-    language = build_gpt_model(model_cfg, parallel_cfg, groups)
+                         "context_parallel_size=1 for now (docs/VISION.md section 10); set it so (TP, sequence "
+                         "parallelism, DP and pipeline_model_parallel_size > 1 are supported)")
+    language = build_gpt_model(model_cfg, parallel_cfg, groups, scatter_embedding=False)  # embed() scatters
     visual = None
     if groups.is_first_stage:
         visual = AutoModel.from_config(hf_config.vision_config, dtype=_DTYPES[model_cfg.params_dtype]).to(groups.device)

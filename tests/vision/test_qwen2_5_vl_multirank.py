@@ -25,7 +25,8 @@ from tests.model.test_policy_multirank import summed_pg_loss
 
 pytestmark = [pytest.mark.multirank, pytest.mark.core]
 
-LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2)}
+LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2),
+           "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True)}
 COUNTS = (1, 2)
 
 
