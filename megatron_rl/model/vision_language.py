@@ -17,7 +17,10 @@ language GPTModel is the hybrid Gated-DeltaNet one). Per micro-batch:
 The vision tower is transformers' own (``AutoModel`` of the checkpoint's ``vision_config``: Qwen2.5-VL's
 ``Qwen2_5_VisionTransformerPretrainedModel``, Qwen3.5's ``Qwen3_5VisionModel``), replicated on every TP rank of
 the first pipeline stage; plain torch, runs on CPU: mbridge 0.15.1's Megatron tower is TE-only with hard-coded
-full-size shapes (docs/VISION.md section 1).
+full-size shapes (docs/VISION.md section 1). Later pipeline stages hold no tower and get no pixels, only the
+3-D positions (their attention's RoPE); the p2p messages are hidden states, as for a text model. Under
+sequence parallelism the embedding stays whole until ``embed`` has replaced the image rows, then is scattered
+(docs/VISION.md section 2).
 """
 
 from __future__ import annotations
