@@ -50,6 +50,9 @@ class MropeParams(PackedRopeParams):
     image_grid_thw: torch.Tensor | None = None
     image_mask: torch.Tensor | None = None
     """``[T]`` bool: the tokens the images replace (``data/mrope.py: images_tokens``); None: every image token."""
+    image_rows: torch.Tensor | None = None
+    """Context parallelism: ``[n]`` int64, the tower's output row of each image token of this rank
+    (``data/mrope.py: VisionCPLocalPack``); None: all rows, in order."""
 
     def rope_cos_sin(self, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (id(table), dtype)
@@ -121,7 +124,8 @@ class VisionLanguageModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+              image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor | None = None,
+              image_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[S, b, H]`` token embeddings with each image token's row (``image_mask [b*S]`` of them, when given)
         replaced by the vision tower's output; under sequence parallelism then scattered (``[S/tp, b, H]``: the
         embedding is built unscattered, ``build_vision_language_model``), so that the tower sees every image
@@ -135,6 +139,8 @@ class VisionLanguageModel(MegatronModule):
         else:
             image = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
             image = getattr(image, "pooler_output", image)  # transformers 5: an output object; 4.x: the tensor
+            if image_rows is not None:  # context parallelism: this rank's image tokens' rows
+                image = image[image_rows]
             if int(is_image.sum()) != image.shape[0]:
                 raise ValueError(f"{int(is_image.sum())} image tokens but the vision tower gave {image.shape[0]} "
                                  "embeddings (image_grid_thw does not match the image placeholders)")
@@ -148,13 +154,13 @@ class VisionLanguageModel(MegatronModule):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any, *,
                 packed_seq_params: Any = None, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        image_mask = None
+        image_mask = image_rows = None
         if pixel_values is None and isinstance(packed_seq_params, MropeParams):  # images riding with the pack
             pixel_values, image_grid_thw = packed_seq_params.pixel_values, packed_seq_params.image_grid_thw
-            image_mask = packed_seq_params.image_mask
+            image_mask, image_rows = packed_seq_params.image_mask, packed_seq_params.image_rows
         decoder_input = None
         if self.visual is not None and self.language_model.pre_process:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask)
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask, image_rows)
         return self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                    packed_seq_params=packed_seq_params, **kwargs)
 
@@ -167,10 +173,6 @@ def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, 
 
     from megatron_rl.model.builder import _DTYPES, build_gpt_model
 
-    if parallel_cfg.context_parallel_size > 1:
-        raise ValueError(f"a vision-language model (model_type {hf_config.model_type}) runs with parallel."
-                         "context_parallel_size=1 for now (docs/VISION.md section 10); set it so (TP, sequence "
-                         "parallelism, DP and pipeline_model_parallel_size > 1 are supported)")
     language = build_gpt_model(model_cfg, parallel_cfg, groups, scatter_embedding=False)  # embed() scatters
     visual = None
     if groups.is_first_stage:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from megatron_rl.data.batch import TrainingBatch
-from megatron_rl.data.mrope import vision_pack
+from megatron_rl.data.mrope import vision_cp_local, vision_pack
 from megatron_rl.model.plan import CallPlan
 from megatron_rl.model.policy import MegatronPolicy
 from megatron_rl.model.vision_language import build_vision_language_model
@@ -59,4 +59,6 @@ class VisionLanguagePolicy(MegatronPolicy):
                 image_token_id=self.vl_config.image_token_id,
                 spatial_merge_size=self.vl_config.vision_config.spatial_merge_size,
                 mrope_section=rope["mrope_section"], mrope_interleaved=bool(rope.get("mrope_interleaved", False)))
+            if item.cp_local is not None:  # context parallelism: this rank's tokens' positions and image rows
+                item.cp_local = vision_cp_local(item.cp_local, item.packed)
         return call
