@@ -19,8 +19,9 @@ The vision tower is transformers' own (``AutoModel`` of the checkpoint's ``visio
 the first pipeline stage; plain torch, runs on CPU: mbridge 0.15.1's Megatron tower is TE-only with hard-coded
 full-size shapes (docs/VISION.md section 1). Later pipeline stages hold no tower and get no pixels, only the
 3-D positions (their attention's RoPE); the p2p messages are hidden states, as for a text model. Under
-sequence parallelism the embedding stays whole until ``embed`` has replaced the image rows, then is scattered
-(docs/VISION.md section 2).
+sequence parallelism the embedding stays whole until ``embed`` has replaced the image rows, then is scattered;
+under context parallelism every CP rank runs the tower and keeps its own tokens' image rows
+(``MropeParams.image_rows``; docs/VISION.md section 2).
 """
 
 from __future__ import annotations

@@ -1,16 +1,22 @@
 """A vision-language policy (model/vision_policy.py; Qwen2.5-VL and the hybrid Qwen3.5, ``family``) with images in
 the batch: its log-probs equal transformers' per sequence, and the step's loss, gradients (vision tower included)
-and grad norm do not depend on micro-batching, DP2 or TP2 (docs/VISION.md section 2: the tower is replicated over
-TP, its gradients agree there without a reduction and the grad norm counts it once).
+and grad norm do not depend on micro-batching, DP2, TP2, PP2, TP2+SP or CP2 (docs/VISION.md section 2: the tower
+is replicated over TP, its gradients agree there without a reduction and the grad norm counts it once; under PP
+it is the first stage's and the later stages get the 3-D positions only; under SP the image rows replace the
+embedding's before the scatter; under CP each rank keeps its tokens' image rows; Qwen3.5's hybrid model refuses
+CP, skipped). At PP2 also the weights: the HF export (bitwise the source), the per-stage weight stream (the tower
+from stage 0 only) and the distributed checkpoint (resumed by a fresh PP2 policy, every tensor equal).
 
-Planted bug (found by this test, kept fixed): the Gated-DeltaNet output norm's gradient left partial over TP
-without sequence parallelism (``model/hybrid.py: HeadsRMSNorm`` as a plain ``RMSNorm``): Qwen3.5 TP2 relative
-gradient error 6.5e-4 (that weight's own: 97%), the test fails.
+Planted bugs, each failing this test: the Gated-DeltaNet output norm's gradient left partial over TP without
+sequence parallelism (``model/hybrid.py: HeadsRMSNorm`` as a plain ``RMSNorm``; found by this test, kept fixed):
+Qwen3.5 TP2 relative gradient error 6.5e-4; 1-D text positions on stage 1: PP2 log-probs 1.7e-3 (Qwen2.5-VL) /
+4.2e-2 (Qwen3.5) off; the image rows replaced after the SP scatter (each rank its own): gradients 3.7e-2 / 4.1e-2
+off; CP: a rank's image tokens taking the tower's first rows, 4.5e-3, or text positions, 3.0e-3.
 
-Reference: the single-process policy with one micro-batch (in this process). ONE 2-rank spawn runs DP2 and TP2
-in turn, each with 2 micro-batches per rank (images split between micro-batches). Tolerances: fp32 with another
-reduction order, relative 1e-5 (as tests/model/test_hybrid_multirank.py). Cost: one 2-rank spawn per family,
-~40 s wall each.
+Reference: the single-process policy with one micro-batch (in this process). ONE 2-rank spawn per family runs
+the layouts in turn, each with 2 micro-batches per rank (images split between micro-batches). Tolerances: fp32
+with another reduction order, relative 1e-5 (as tests/model/test_hybrid_multirank.py). Cost: one 2-rank spawn per
+family, ~10 s wall each on a quiet machine (all five layouts; 40-100 s on a loaded one).
 """
 
 from __future__ import annotations
