@@ -67,6 +67,12 @@ def _resumed(policy, groups, checkpoint, out, family, parallel) -> dict:
     return {"trained": trained, "resumed": fresh.full_state_dict()}
 
 
+def _has_pixels(policy, tensors) -> bool:
+    """Whether this rank's planned micro-batches hold image pixels (under PP: the first stage's only)."""
+    plan = policy.plan_call(training_batch(tensors))
+    return any(m.packed.pixel_values is not None or "pixel_values" in m.tensors for m in plan.microbatches)
+
+
 def _layouts_rank(rank, world_size, checkpoint, tensors, family, tmp):
     from megatron_rl.config import ParallelConfig
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
@@ -81,8 +87,8 @@ def _layouts_rank(rank, world_size, checkpoint, tensors, family, tmp):
             weights = _stage_weights(policy, groups, checkpoint, tmp / "export") if name == "pp2" else {}
             results[name] = _runs(policy, groups, tensors, (2,))
             if name == "pp2":
-                results[name].update(**weights, **_resumed(policy, groups, checkpoint, tmp / "dist", family,
-                                                              parallel))
+                results[name].update(**weights, pixels=_has_pixels(policy, tensors),
+                                     **_resumed(policy, groups, checkpoint, tmp / "dist", family, parallel))
         finally:
             destroy_distributed(keep_process_group=True)  # the next layout reuses the process group
     return results
@@ -132,6 +138,7 @@ def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoin
     assert towers == [tiny.VISION_TENSORS, 0] and len(streams[0]) > towers[0] and len(streams[1]) > 0
     assert not set(streams[0]) & set(streams[1]) and set(streams[0]) | set(streams[1]) == set(source)
     assert all(sorted(rank_results["pp2"]["exported"]) == sorted(source) for rank_results in ranks)
+    assert [rank_results["pp2"]["pixels"] for rank_results in ranks] == [True, False]
     for stream in streams:
         assert all(torch.equal(tensor, source[name]) for name, tensor in stream.items())
     for rank_results in ranks:
