@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.data.packing import PackedBatch, cu_seq_starts
+from megatron_rl.data.packing import CPLocalPack, PackedBatch, cu_seq_starts
 
 
 def image_token_counts(image_grid_thw: torch.Tensor, spatial_merge_size: int) -> list[int]:
@@ -98,7 +98,8 @@ def row_images(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor |
     """A batch's per-row images -> the vision tower's input. Right-aligned like every per-row tensor of a
     ``TrainingBatch`` (so ``TrainingBatch.concat``'s left padding keeps them valid): ``pixel_values [b, P, F]``
     (each row's patches last, zero rows before) and ``image_grid_thw [b, K, 3]`` (each row's images last,
-    all-zero rows before) -> ``(pixels [N, F], grids [n, 3])`` in row order, or ``(None, None)`` without images."""
+    all-zero rows before) -> ``(pixels [N, F], grids [n, 3])`` in row order, or ``(None, None)`` without images;
+    ``pixels`` is None when ``pixel_values`` is (a later pipeline stage: the grids alone place the positions)."""
     if image_grid_thw is None:
         return None, None
     pixels, grids = [], []
@@ -106,10 +107,11 @@ def row_images(pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor |
         mine = image_grid_thw[i][image_grid_thw[i].prod(-1) > 0]  # [k, 3]
         if len(mine):
             grids.append(mine)
-            pixels.append(pixel_values[i, pixel_values.shape[1] - int(mine.prod(-1).sum()):])
+            if pixel_values is not None:
+                pixels.append(pixel_values[i, pixel_values.shape[1] - int(mine.prod(-1).sum()):])
     if not grids:
         return None, None
-    return torch.cat(pixels), torch.cat(grids)
+    return (torch.cat(pixels) if pixels else None), torch.cat(grids)
 
 
 def batch_images(rows: list[list[tuple[torch.Tensor, tuple[int, int, int]]]]
@@ -152,6 +154,46 @@ class VisionPack(PackedBatch):
         return mrope_params(self, self.mrope_positions, self.mrope_section, self.mrope_interleaved,
                             pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw,
                             image_mask=self.image_mask)
+
+
+@dataclass
+class VisionCPLocalPack(CPLocalPack):
+    """Context parallelism: a CP rank's part of a ``VisionPack`` (``vision_cp_local``): its tokens' 3-D positions
+    and image mask, and the row of the tower's output (all the micro-batch's images, pack order: the tower runs on
+    every CP rank) that each of its image tokens takes."""
+
+    mrope_positions: torch.Tensor | None = None
+    """``[3, T/cp]`` int64: this rank's tokens' (``cp_index[cp_rank]``)."""
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_mask: torch.Tensor | None = None
+    """``[T/cp]`` bool: this rank's tokens that an image's embedding replaces."""
+    image_rows: torch.Tensor | None = None
+    """``[n]`` int64: for each of them (local order), its row of the tower's output."""
+
+    def packed_seq_params(self) -> Any:
+        from megatron_rl.model.vision_language import mrope_params
+
+        params = mrope_params(self, self.mrope_positions, self.mrope_section, self.mrope_interleaved,
+                              pixel_values=self.pixel_values, image_grid_thw=self.image_grid_thw,
+                              image_mask=self.image_mask, image_rows=self.image_rows)
+        params.cu_seqlens_q_padded = params.cu_seqlens_kv_padded = self.cu_seqlens  # as CPLocalPack's
+        params.cp_order = self.cp_order
+        return params
+
+
+def vision_cp_local(local: CPLocalPack, whole: VisionPack) -> VisionCPLocalPack:
+    """``local`` (``split_for_cp`` of ``whole``'s pack) with its share of ``whole``'s positions and images."""
+    mine = local.cp_index[local.cp_rank]  # [T/cp] global pack positions of this rank's tokens
+    rows = whole.image_mask.long().cumsum(0) - 1  # [T] the tower's output row of each image token
+    image_mask = whole.image_mask[mine]
+    fields = {f.name: getattr(local, f.name) for f in dataclasses.fields(CPLocalPack)}
+    return VisionCPLocalPack(**fields, mrope_positions=whole.mrope_positions[:, mine],
+                             mrope_section=whole.mrope_section, mrope_interleaved=whole.mrope_interleaved,
+                             pixel_values=whole.pixel_values, image_grid_thw=whole.image_grid_thw,
+                             image_mask=image_mask, image_rows=rows[mine][image_mask])
 
 
 def vision_pack(packed: PackedBatch, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -189,8 +189,11 @@ def build_gpt_model(
     *,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    scatter_embedding: bool = True,
 ) -> GPTModel:
-    """This rank's GPTModel stage (embedding on the first stage, output layer on the last by default)."""
+    """This rank's GPTModel stage (embedding on the first stage, output layer on the last by default);
+    ``scatter_embedding=False``: under sequence parallelism the embedding's output stays whole (the caller
+    scatters it: a vision-language model replaces image rows first, model/vision_language.py)."""
     use_te = use_transformer_engine(model_cfg)
     moe.validate(model_cfg, parallel_cfg, on_cpu=groups.device.type == "cpu")
     config = build_transformer_config(model_cfg, parallel_cfg)
@@ -211,6 +214,7 @@ def build_gpt_model(
         rotary_base=model_cfg.rotary_base,
         rotary_percent=model_cfg.rotary_percent,
         pg_collection=groups.pg_collection,
+        scatter_embedding_sequence_parallel=scatter_embedding,
     )
     if config.num_moe_experts is not None:
         moe.reduce_dense_marked_experts(model, parallel_cfg)

@@ -17,7 +17,11 @@ language GPTModel is the hybrid Gated-DeltaNet one). Per micro-batch:
 The vision tower is transformers' own (``AutoModel`` of the checkpoint's ``vision_config``: Qwen2.5-VL's
 ``Qwen2_5_VisionTransformerPretrainedModel``, Qwen3.5's ``Qwen3_5VisionModel``), replicated on every TP rank of
 the first pipeline stage; plain torch, runs on CPU: mbridge 0.15.1's Megatron tower is TE-only with hard-coded
-full-size shapes (docs/VISION.md section 1).
+full-size shapes (docs/VISION.md section 1). Later pipeline stages hold no tower and get no pixels, only the
+3-D positions (their attention's RoPE); the p2p messages are hidden states, as for a text model. Under
+sequence parallelism the embedding stays whole until ``embed`` has replaced the image rows, then is scattered;
+under context parallelism every CP rank runs the tower and keeps its own tokens' image rows
+(``MropeParams.image_rows``; docs/VISION.md section 2).
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ class MropeParams(PackedRopeParams):
     image_grid_thw: torch.Tensor | None = None
     image_mask: torch.Tensor | None = None
     """``[T]`` bool: the tokens the images replace (``data/mrope.py: images_tokens``); None: every image token."""
+    image_rows: torch.Tensor | None = None
+    """Context parallelism: ``[n]`` int64, the tower's output row of each image token of this rank
+    (``data/mrope.py: VisionCPLocalPack``); None: all rows, in order."""
 
     def rope_cos_sin(self, table: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (id(table), dtype)
@@ -125,33 +132,43 @@ class VisionLanguageModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+              image_grid_thw: torch.Tensor | None, image_mask: torch.Tensor | None = None,
+              image_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[S, b, H]`` token embeddings with each image token's row (``image_mask [b*S]`` of them, when given)
-        replaced by the vision tower's output."""
+        replaced by the vision tower's output; under sequence parallelism then scattered (``[S/tp, b, H]``: the
+        embedding is built unscattered, ``build_vision_language_model``), so that the tower sees every image
+        row's gradient on every TP rank (the scatter's backward all-gathers it)."""
         embeds = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [S, b, H]
         is_image = input_ids == self.image_token_id if image_mask is None else image_mask.view(input_ids.shape)
         is_image = is_image.transpose(0, 1)  # [S, b]
         if pixel_values is None:
             if bool(is_image.any()):
                 raise ValueError("image tokens in the batch but no pixel_values")
-            return embeds
-        image = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
-        image = getattr(image, "pooler_output", image)  # transformers 5: an output object; 4.x: the merged tensor
-        if int(is_image.sum()) != image.shape[0]:
-            raise ValueError(f"{int(is_image.sum())} image tokens but the vision tower gave {image.shape[0]} "
-                             "embeddings (image_grid_thw does not match the image placeholders)")
-        return embeds.masked_scatter(is_image[..., None], image.to(embeds.dtype))
+        else:
+            image = self.visual(pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw)
+            image = getattr(image, "pooler_output", image)  # transformers 5: an output object; 4.x: the tensor
+            if image_rows is not None:  # context parallelism: this rank's image tokens' rows
+                image = image[image_rows]
+            if int(is_image.sum()) != image.shape[0]:
+                raise ValueError(f"{int(is_image.sum())} image tokens but the vision tower gave {image.shape[0]} "
+                                 "embeddings (image_grid_thw does not match the image placeholders)")
+            embeds = embeds.masked_scatter(is_image[..., None], image.to(embeds.dtype))
+        if self.config.sequence_parallel:
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            embeds = scatter_to_sequence_parallel_region(embeds, group=self.language_model.embedding.tp_group).clone()
+        return embeds
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: Any, *,
                 packed_seq_params: Any = None, pixel_values: torch.Tensor | None = None,
                 image_grid_thw: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        image_mask = None
+        image_mask = image_rows = None
         if pixel_values is None and isinstance(packed_seq_params, MropeParams):  # images riding with the pack
             pixel_values, image_grid_thw = packed_seq_params.pixel_values, packed_seq_params.image_grid_thw
-            image_mask = packed_seq_params.image_mask
+            image_mask, image_rows = packed_seq_params.image_mask, packed_seq_params.image_rows
         decoder_input = None
         if self.visual is not None and self.language_model.pre_process:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask)
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, image_mask, image_rows)
         return self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
                                    packed_seq_params=packed_seq_params, **kwargs)
 
@@ -164,12 +181,7 @@ def build_vision_language_model(model_cfg: Any, parallel_cfg: Any, groups: Any, 
 
     from megatron_rl.model.builder import _DTYPES, build_gpt_model
 
-    if (parallel_cfg.pipeline_model_parallel_size > 1 or parallel_cfg.context_parallel_size > 1
-            or parallel_cfg.sequence_parallel):
-        raise ValueError(f"a vision-language model (model_type {hf_config.model_type}) runs with parallel."
-                         "pipeline_model_parallel_size=1, context_parallel_size=1 and sequence_parallel=false for "
-                         "now (docs/VISION.md section 8); set them so")
-    language = build_gpt_model(model_cfg, parallel_cfg, groups)
+    language = build_gpt_model(model_cfg, parallel_cfg, groups, scatter_embedding=False)  # embed() scatters
     visual = None
     if groups.is_first_stage:
         visual = AutoModel.from_config(hf_config.vision_config, dtype=_DTYPES[model_cfg.params_dtype]).to(groups.device)

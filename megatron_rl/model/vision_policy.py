@@ -6,7 +6,9 @@ checkpoint. What differs from the text policy, and nothing else:
     build_module     model/vision_language.py: VisionLanguageModel (language GPTModel + the vision tower)
     plan_call        each micro-batch's pack becomes a data/mrope.py: VisionPack (3-D positions built per row,
                      the rows' images in row order), so megatron's schedule hands them to the model through
-                     ``packed_seq_params`` like any pack
+                     ``packed_seq_params`` like any pack; under PP every stage builds the 3-D positions (each
+                     stage's attention applies RoPE), the first stage alone keeps the pixels (its tower's input);
+                     under CP each rank keeps its tokens' share (data/mrope.py: VisionCPLocalPack)
 
 Batch keys beside the standard ones (docs/INTERFACES.md): ``pixel_values [B, P, F]`` float (each row's image
 patches, right-aligned: zero rows first) and ``image_grid_thw [B, K, 3]`` int64 (each row's images, right-aligned;
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from megatron_rl.data.batch import TrainingBatch
-from megatron_rl.data.mrope import vision_pack
+from megatron_rl.data.mrope import vision_cp_local, vision_pack
 from megatron_rl.model.plan import CallPlan
 from megatron_rl.model.policy import MegatronPolicy
 from megatron_rl.model.vision_language import build_vision_language_model
@@ -50,6 +52,9 @@ class VisionLanguagePolicy(MegatronPolicy):
         if len(present) == 1:
             raise ValueError(f"batch has {present[0]!r} but not {[k for k in IMAGE_KEYS if k not in present][0]!r}; "
                              "pass both (data/mrope.py: batch_images) or neither")
+        if "pixel_values" in batch and not self.groups.is_first_stage:  # the tower is the first stage's only
+            batch = TrainingBatch({k: v for k, v in batch.tensors.items() if k != "pixel_values"}, batch.uids,
+                                  batch.trajectory_ids, batch.is_last_step)
         call = super().plan_call(batch, **kwargs)
         rope = self.vl_config.text_config.rope_parameters
         for item in call.microbatches:
@@ -59,4 +64,6 @@ class VisionLanguagePolicy(MegatronPolicy):
                 image_token_id=self.vl_config.image_token_id,
                 spatial_merge_size=self.vl_config.vision_config.spatial_merge_size,
                 mrope_section=rope["mrope_section"], mrope_interleaved=bool(rope.get("mrope_interleaved", False)))
+            if item.cp_local is not None:  # context parallelism: this rank's tokens' positions and image rows
+                item.cp_local = vision_cp_local(item.cp_local, item.packed)
         return call

@@ -139,17 +139,6 @@ def test_policy_with_images_in_the_batch_matches_transformers(groups, checkpoint
         policy.forward(training_batch({k: v for k, v in tensors.items() if k != "image_grid_thw"}))
 
 
-@pytest.mark.parametrize("layout", [dict(pipeline_model_parallel_size=2), dict(context_parallel_size=2)])
-def test_unsupported_layouts_are_refused_in_one_line(groups, checkpoint, layout):
-    from megatron_rl.config import ModelConfig, ParallelConfig
-    from megatron_rl.hf.config import load_hf_config, model_config_from_hf
-    from megatron_rl.model.vision_language import build_vision_language_model
-
-    cfg = model_config_from_hf(checkpoint, base=ModelConfig(attention_backend="local"))
-    with pytest.raises(ValueError, match="pipeline_model_parallel_size=1, context_parallel_size=1"):
-        build_vision_language_model(cfg, ParallelConfig(**layout), groups, load_hf_config(checkpoint))
-
-
 def test_batch_images_survive_concat_and_dp_padding():
     """``batch_images`` right-aligns each row's images, so ``TrainingBatch.concat`` (left-pads narrower tensors)
     and DP padding rows (zeros: no image) keep ``row_images`` exact."""

@@ -1,21 +1,28 @@
 """A vision-language policy (model/vision_policy.py; Qwen2.5-VL and the hybrid Qwen3.5, ``family``) with images in
 the batch: its log-probs equal transformers' per sequence, and the step's loss, gradients (vision tower included)
-and grad norm do not depend on micro-batching, DP2 or TP2 (docs/VISION.md section 2: the tower is replicated over
-TP, its gradients agree there without a reduction and the grad norm counts it once).
+and grad norm do not depend on micro-batching, DP2, TP2, PP2, TP2+SP or CP2 (docs/VISION.md section 2: the tower
+is replicated over TP, its gradients agree there without a reduction and the grad norm counts it once; under PP
+it is the first stage's and the later stages get the 3-D positions only; under SP the image rows replace the
+embedding's before the scatter; under CP each rank keeps its tokens' image rows; Qwen3.5's hybrid model refuses
+CP, skipped). At PP2 also the weights: the HF export (bitwise the source), the per-stage weight stream (the tower
+from stage 0 only) and the distributed checkpoint (resumed by a fresh PP2 policy, every tensor equal).
 
-Planted bug (found by this test, kept fixed): the Gated-DeltaNet output norm's gradient left partial over TP
-without sequence parallelism (``model/hybrid.py: HeadsRMSNorm`` as a plain ``RMSNorm``): Qwen3.5 TP2 relative
-gradient error 6.5e-4 (that weight's own: 97%), the test fails.
+Planted bugs, each failing this test: the Gated-DeltaNet output norm's gradient left partial over TP without
+sequence parallelism (``model/hybrid.py: HeadsRMSNorm`` as a plain ``RMSNorm``; found by this test, kept fixed):
+Qwen3.5 TP2 relative gradient error 6.5e-4; 1-D text positions on stage 1: PP2 log-probs 1.7e-3 (Qwen2.5-VL) /
+4.2e-2 (Qwen3.5) off; the image rows replaced after the SP scatter (each rank its own): gradients 3.7e-2 / 4.1e-2
+off; CP: a rank's image tokens taking the tower's first rows, 4.5e-3, or text positions, 3.0e-3.
 
-Reference: the single-process policy with one micro-batch (in this process). ONE 2-rank spawn runs DP2 and TP2
-in turn, each with 2 micro-batches per rank (images split between micro-batches). Tolerances: fp32 with another
-reduction order, relative 1e-5 (as tests/model/test_hybrid_multirank.py). Cost: one 2-rank spawn per family,
-~40 s wall each.
+Reference: the single-process policy with one micro-batch (in this process). ONE 2-rank spawn per family runs
+the layouts in turn, each with 2 micro-batches per rank (images split between micro-batches). Tolerances: fp32
+with another reduction order, relative 1e-5 (as tests/model/test_hybrid_multirank.py). Cost: one 2-rank spawn per
+family, ~10 s wall each on a quiet machine (all five layouts; 40-100 s on a loaded one).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.vision.conftest import FAMILIES
 from tests.support.batches import max_rel_err, steps_per_count, training_batch
@@ -24,7 +31,10 @@ from tests.model.test_policy_multirank import summed_pg_loss
 
 pytestmark = [pytest.mark.multirank, pytest.mark.core]
 
-LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2)}
+LAYOUTS = {"dp2": dict(), "tp2": dict(tensor_model_parallel_size=2), "pp2": dict(pipeline_model_parallel_size=2),
+           "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True), "cp2": dict(context_parallel_size=2)}
+HYBRID_REFUSES = {"cp2"}
+"""Layouts Qwen3.5's hybrid language model refuses (model/hybrid.py: CP), skipped for that family."""
 COUNTS = (1, 2)
 
 
@@ -35,16 +45,50 @@ def _runs(policy, groups, tensors, counts) -> dict:
     return {**out, **steps_per_count(policy, batch, groups, counts, summed_pg_loss)}
 
 
-def _layouts_rank(rank, world_size, checkpoint, tensors, family):
+def _stage_weights(policy, groups, checkpoint, out) -> dict:
+    """PP2, before the step: the HF export (rank 0 writes ``out``) and this stage's weight-sync stream, as
+    ``{name: tensor}`` (the tower belongs to stage 0)."""
+    from megatron_rl.hf.weights import export_policy_to_hf, iter_hf_weights, iter_stage_hf_weights
+
+    export_policy_to_hf(policy, out, checkpoint)
+    exported = [name for name, _ in iter_hf_weights([policy.module], checkpoint, groups)]  # every rank: all names
+    stream = {name: tensor.cpu().clone() for name, tensor in iter_stage_hf_weights([policy.module], checkpoint, groups)}
+    return {"exported": exported, "stream": stream}
+
+
+def _resumed(policy, groups, checkpoint, out, family, parallel) -> dict:
+    """PP2, after the step: the distributed checkpoint saved and loaded into a fresh policy, both full state dicts."""
+    from megatron_rl.checkpoint import load_checkpoint, save_checkpoint
+
+    save_checkpoint(policy, out, {"step": 1})
+    trained = policy.full_state_dict()
+    fresh = FAMILIES[family].vl_policy(checkpoint, groups, **parallel)
+    load_checkpoint(fresh, out)
+    return {"trained": trained, "resumed": fresh.full_state_dict()}
+
+
+def _has_pixels(policy, tensors) -> bool:
+    """Whether this rank's planned micro-batches hold image pixels (under PP: the first stage's only)."""
+    plan = policy.plan_call(training_batch(tensors))
+    return any(m.packed.pixel_values is not None or "pixel_values" in m.tensors for m in plan.microbatches)
+
+
+def _layouts_rank(rank, world_size, checkpoint, tensors, family, tmp):
     from megatron_rl.config import ParallelConfig
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
 
     results = {}
     for name, parallel in LAYOUTS.items():
+        if family == "qwen35_vl" and name in HYBRID_REFUSES:
+            continue
         groups = initialize_distributed(ParallelConfig(**parallel), 1234)
         try:
             policy = FAMILIES[family].vl_policy(checkpoint, groups, **parallel)
+            weights = _stage_weights(policy, groups, checkpoint, tmp / "export") if name == "pp2" else {}
             results[name] = _runs(policy, groups, tensors, (2,))
+            if name == "pp2":
+                results[name].update(**weights, pixels=_has_pixels(policy, tensors),
+                                     **_resumed(policy, groups, checkpoint, tmp / "dist", family, parallel))
         finally:
             destroy_distributed(keep_process_group=True)  # the next layout reuses the process group
     return results
@@ -74,13 +118,33 @@ def reference(checkpoint, tiny):
     return tensors, ref
 
 
-def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoint, reference, family):
+def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoint, reference, family, tiny,
+                                                                        tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.support.exports import assert_same_weights
+
     tensors, ref = reference
     mask = tensors["response_mask"].bool()
     assert (ref["logprobs"] - ref["transformers"])[mask].abs().max() < 1e-5
     assert ref["loss_1"] != 0.0 and float(ref["grad_1"]["visual.patch_embed.proj.weight"].norm()) > 0
     assert max_rel_err(ref["grad_2"], ref["grad_1"]) < 1e-5
-    for rank_results in run_ranks(2, _layouts_rank, checkpoint, tensors, family, timeout=600):
+    ranks = run_ranks(2, _layouts_rank, checkpoint, tensors, family, tmp_path, timeout=600)
+    # PP2 weights: the export is the source bitwise, the tower streamed by stage 0 only, the dist checkpoint resumes
+    assert_same_weights(checkpoint, tmp_path / "export", f"{family} pp2 export")
+    source = load_file(checkpoint / "model.safetensors")
+    streams = [rank_results["pp2"]["stream"] for rank_results in ranks]
+    towers = [sum("visual." in name for name in stream) for stream in streams]
+    assert towers == [tiny.VISION_TENSORS, 0] and len(streams[0]) > towers[0] and len(streams[1]) > 0
+    assert not set(streams[0]) & set(streams[1]) and set(streams[0]) | set(streams[1]) == set(source)
+    assert all(sorted(rank_results["pp2"]["exported"]) == sorted(source) for rank_results in ranks)
+    assert [rank_results["pp2"]["pixels"] for rank_results in ranks] == [True, False]
+    for stream in streams:
+        assert all(torch.equal(tensor, source[name]) for name, tensor in stream.items())
+    for rank_results in ranks:
+        trained, resumed = rank_results["pp2"]["trained"], rank_results["pp2"]["resumed"]
+        assert sorted(resumed) == sorted(trained) and all(torch.equal(resumed[k], trained[k]) for k in trained)
+    for rank_results in ranks:
         for name, got in rank_results.items():
             assert (got["logprobs"] - ref["logprobs"])[mask].abs().max() < 1e-5, name
             assert got["loss_2"] == pytest.approx(ref["loss_1"], rel=1e-5), name

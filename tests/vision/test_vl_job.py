@@ -1,11 +1,11 @@
 """The main job trains a vision-language checkpoint on image prompts (docs/VISION.md): ``bash run_megatron.sh
 model.hf_path=<tiny Qwen2.5-VL or Qwen3.5> data.train_files=<jsonl with images> data.image_key=images
-reward.function=...``, 2 gloo ranks (DP2), built-in engine, with a KL loss (its reference a VisionLanguagePolicy
-too). The built-in engine samples with the images; the trainer's log-probs of the sampled tokens (its forward over
-the packed batch with the images) agree with the engine's within 1e-5; the row whose image is missing is counted
-and named, not a crash; the HF export loads in transformers, trained (language model and vision tower), and gives
-the trained policy's log-probs (its last distributed checkpoint, loaded here) on a batch with images (< 1e-5; the
-source checkpoint, untrained, is farther off: the check sees the training).
+reward.function=...``, 2 gloo ranks (Qwen2.5-VL at DP2, Qwen3.5 at PP2), built-in engine, with a KL loss (its
+reference a VisionLanguagePolicy too). The built-in engine samples with the images; the trainer's log-probs of the
+sampled tokens (its forward over the packed batch with the images) agree with the engine's within 1e-5; the row
+whose image is missing is counted and named, not a crash; the HF export loads in transformers, trained (language
+model and vision tower), and gives the trained policy's log-probs (its last distributed checkpoint, loaded here) on
+a batch with images (< 1e-5; the source checkpoint, untrained, is farther off: the check sees the training).
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ def _export_gives_the_trained_logprobs(groups, source, export, checkpoints, tiny
     assert (got - untrained)[response].abs().max() > 1e-4
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("qwen35_vl", marks=pytest.mark.skipif(
-    not hybrid.mcore_supports_hybrid(), reason=f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}"))])
-def test_main_job_trains_a_vl_checkpoint_on_image_prompts(tmp_path, groups, family):
+@pytest.mark.parametrize(("family", "layout"), [("qwen2_5_vl", "dp2"), pytest.param("qwen35_vl", "pp2", marks=(
+    pytest.mark.skipif(not hybrid.mcore_supports_hybrid(), reason=f"Qwen3.5 needs megatron-core>={hybrid.MIN_MCORE}")
+))])
+def test_main_job_trains_a_vl_checkpoint_on_image_prompts(tmp_path, groups, family, layout):
+    """Qwen3.5 runs at PP2 (its hybrid layers split over the stages, the tower on the first): the engine's
+    full forwards, the loss and the export cross the stages; its last checkpoint resumes here in one process."""
     import torch
 
     tiny = FAMILIES[family]
@@ -56,9 +59,10 @@ def test_main_job_trains_a_vl_checkpoint_on_image_prompts(tmp_path, groups, fami
     out = run_megatron(*overrides(task), f"logging.output_dir={out_dir}", "logging.progress_bar=false",
                        "job.num_steps=2", "batch.train_batch_size=4", "job.n_samples_per_prompt=2",
                        "batch.policy_mini_batch_size=2", "batch.micro_batch_size=2", "job.max_new_tokens=4",
-                       "algorithm.use_kl_loss=true", "optimizer.lr=1e-2", config="").stdout
+                       "algorithm.use_kl_loss=true", "optimizer.lr=1e-2",
+                       f"parallel.pipeline_model_parallel_size={2 if layout == 'pp2' else 1}", config="").stdout
     assert "single_turn: train: 5 prompts; 1 train rows left out" in out and "missing.png" in out, out[-3000:]
-    assert "WARNING" not in out
+    assert "WARNING" not in out and ("(TP1 PP2 DP1)" if layout == "pp2" else "(TP1 PP1 DP2)") in out
     rows = metric_rows(out_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # the engine's and the trainer's forwards see the same images at the same positions

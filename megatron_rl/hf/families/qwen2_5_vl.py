@@ -42,6 +42,24 @@ def load_vision_tower(model_chunks: list, hf_dir: str | os.PathLike) -> None:
             visual.load_state_dict(state, strict=True)
 
 
+def tower_state(model_chunks: list, groups: Any) -> dict[str, Any]:
+    """The vision tower's tensors (names without prefix) on CPU, on every rank: the first pipeline stage holds the
+    tower (``model/vision_language.py``); under PP it is broadcast over the PP group (collective there), so that
+    the export yields every weight on every rank as the language model's does."""
+    import torch.distributed as dist
+
+    from megatron_rl.model.weights import unwrap
+
+    visual = getattr(unwrap(model_chunks[0]), "visual", None)
+    state = None if visual is None else {name: tensor.detach().to("cpu", copy=True).contiguous()
+                                         for name, tensor in visual.state_dict().items()}
+    if groups.pp_size > 1:
+        box = [state]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(groups.pp_group, 0), group=groups.pp_group)
+        state = box[0]
+    return state
+
+
 def vision_state(hf_dir: str | os.PathLike) -> tuple[str, dict[str, Any]]:
     """``(prefix, {name without prefix: tensor})`` of the vision tower's tensors in ``hf_dir``'s safetensors."""
     from safetensors import safe_open
@@ -101,12 +119,9 @@ class Qwen25VLFamily(DenseFamily):
                      hf_config: Any, merge_adapters: bool) -> Iterator[tuple[str, Any]]:
         yield from super().iter_weights(language_chunks(model_chunks), hf_dir, groups, model_cfg, hf_config,
                                         merge_adapters)
-        from megatron_rl.model.weights import unwrap
-
         prefix, _ = vision_state(hf_dir)
-        visual = unwrap(model_chunks[0]).visual  # the first stage's (PP1 only: model/vision_language.py)
-        for name, tensor in visual.state_dict().items():
-            yield prefix + name, tensor.detach().to("cpu", copy=True).contiguous()
+        for name, tensor in tower_state(model_chunks, groups).items():
+            yield prefix + name, tensor
 
     def stage_stream(self, model_chunks: list, hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
                      hf_config: Any) -> Any:
@@ -139,7 +154,7 @@ class VisionStageStream:
         from megatron_rl.model.weights import unwrap
 
         model = unwrap(model_chunks[0])
-        visual = getattr(model, "visual", None)  # the first stage's (PP1 only)
+        visual = getattr(model, "visual", None)  # the first stage's; None on the later ones
         if getattr(model, "freeze_vision", False):
             return
         if visual is not None and groups.tp_rank == 0 and groups.ep_rank == 0:  # the stream root

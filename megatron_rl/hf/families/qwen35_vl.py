@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from megatron_rl.hf.families.base import Support
-from megatron_rl.hf.families.qwen2_5_vl import VisionStageStream, language_chunks, load_vision_tower
+from megatron_rl.hf.families.qwen2_5_vl import VisionStageStream, language_chunks, load_vision_tower, tower_state
 from megatron_rl.hf.families.qwen35 import MULTIMODAL_MODEL_TYPE, PREFIXES, Qwen35Family
 
 VISION_PREFIX = "model.visual."
@@ -76,15 +76,12 @@ class Qwen35VLFamily(Qwen35Family):
                      hf_config: Any, merge_adapters: bool) -> Iterator[tuple[str, Any]]:
         """The language model's tensors and the source's others but its tower (MTP layers: unchanged), then the
         trained tower's."""
-        from megatron_rl.model.weights import unwrap
-
         for name, tensor in super().iter_weights(language_chunks(model_chunks), hf_dir, groups, model_cfg,
                                                  hf_config, merge_adapters):
             if not name.startswith(VISION_PREFIX):
                 yield name, tensor
-        visual = unwrap(model_chunks[0]).visual  # the first stage's (PP1 only: model/vision_language.py)
-        for name, tensor in visual.state_dict().items():
-            yield VISION_PREFIX + name, tensor.detach().to("cpu", copy=True).contiguous()
+        for name, tensor in tower_state(model_chunks, groups).items():  # the first stage's, on every rank
+            yield VISION_PREFIX + name, tensor
 
     def stage_stream(self, model_chunks: list, hf_dir: str | os.PathLike, groups: Any, model_cfg: Any,
                      hf_config: Any) -> Any:
