@@ -5,7 +5,9 @@ is replicated over TP, its gradients agree there without a reduction and the gra
 it is the first stage's and the later stages get the 3-D positions only; under SP the image rows replace the
 embedding's before the scatter; under CP each rank keeps its tokens' image rows; Qwen3.5's hybrid model refuses
 CP, skipped). At PP2 also the weights: the HF export (bitwise the source), the per-stage weight stream (the tower
-from stage 0 only) and the distributed checkpoint (resumed by a fresh PP2 policy, every tensor equal).
+from stage 0 only) and the distributed checkpoint (resumed by a fresh PP2 policy, every tensor equal); and the
+built-in engine's KV-cache decoding with images (Qwen2.5-VL) gives the full-forward path's tokens and log-probs
+(1e-5; planted: the rope deltas dropped, 4.8e-3).
 
 Planted bugs, each failing this test: the Gated-DeltaNet output norm's gradient left partial over TP without
 sequence parallelism (``model/hybrid.py: HeadsRMSNorm`` as a plain ``RMSNorm``; found by this test, kept fixed):
@@ -73,6 +75,31 @@ def _has_pixels(policy, tensors) -> bool:
     return any(m.packed.pixel_values is not None or "pixel_values" in m.tensors for m in plan.microbatches)
 
 
+def _decoded(policy, family) -> dict | None:
+    """PP2: the built-in engine's samples through its KV cache with images (3-D positions offset by each row's
+    rope delta on both stages) and through full forwards, same seed: tokens and log-probs (None: a family whose
+    engine decodes by full forwards only, Qwen3.5's hybrid)."""
+    from megatron_rl.inference.builtin_engine import BuiltinEngine
+    from megatron_rl.inference.engine import SamplingSpec
+
+    tiny = FAMILIES[family]
+    cached_engine = BuiltinEngine.from_policy(policy, 0)
+    if cached_engine.decoder is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    rows = tiny.prompt_rows(gen)
+    images = []
+    for _, grids, _ in rows:
+        pixels = torch.split(tiny.pixel_values(grids, gen), [t * h * w for t, h, w in grids]) if grids else []
+        images.append(list(zip(pixels, grids)))
+    spec = SamplingSpec(max_tokens=4, temperature=1.0)
+    out = {}
+    for name, engine in (("cached", cached_engine), ("full", BuiltinEngine.from_policy(policy, 0, kv_cache=False))):
+        completions = engine.generate([prompt for prompt, _, _ in rows], spec, seed=7, images=images)
+        out[name] = ([c.token_ids for c in completions], [c.logprobs for c in completions])
+    return out
+
+
 def _layouts_rank(rank, world_size, checkpoint, tensors, family, tmp):
     from megatron_rl.config import ParallelConfig
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed
@@ -85,9 +112,10 @@ def _layouts_rank(rank, world_size, checkpoint, tensors, family, tmp):
         try:
             policy = FAMILIES[family].vl_policy(checkpoint, groups, **parallel)
             weights = _stage_weights(policy, groups, checkpoint, tmp / "export") if name == "pp2" else {}
+            decoded = _decoded(policy, family) if name == "pp2" else None
             results[name] = _runs(policy, groups, tensors, (2,))
             if name == "pp2":
-                results[name].update(**weights, pixels=_has_pixels(policy, tensors),
+                results[name].update(**weights, pixels=_has_pixels(policy, tensors), decoded=decoded,
                                      **_resumed(policy, groups, checkpoint, tmp / "dist", family, parallel))
         finally:
             destroy_distributed(keep_process_group=True)  # the next layout reuses the process group
@@ -139,6 +167,13 @@ def test_policy_logprobs_loss_grads_and_grad_norm_match_across_layouts(checkpoin
     assert not set(streams[0]) & set(streams[1]) and set(streams[0]) | set(streams[1]) == set(source)
     assert all(sorted(rank_results["pp2"]["exported"]) == sorted(source) for rank_results in ranks)
     assert [rank_results["pp2"]["pixels"] for rank_results in ranks] == [True, False]
+    for rank_results in ranks:  # the KV cache with images at PP2: stage 1 continues the 3-D positions too
+        decoded = rank_results["pp2"]["decoded"]
+        assert (decoded is None) == (family == "qwen35_vl")  # Qwen3.5's engine decodes by full forwards
+        if decoded is not None:
+            assert decoded["cached"][0] == decoded["full"][0]
+            diff = max(abs(a - b) for x, y in zip(decoded["cached"][1], decoded["full"][1]) for a, b in zip(x, y))
+            assert diff < 1e-5, f"pp2 KV-cache decoding vs full forwards: {diff:.2e}"
     for stream in streams:
         assert all(torch.equal(tensor, source[name]) for name, tensor in stream.items())
     for rank_results in ranks:
