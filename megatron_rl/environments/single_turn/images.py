@@ -45,6 +45,16 @@ def png_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def is_vision_checkpoint(hf_path: str | None) -> bool:
+    """``model.hf_path`` is a vision-language checkpoint: its config has a vision tower and an image token."""
+    from transformers import AutoConfig
+
+    if hf_path is None:
+        return False
+    config = AutoConfig.from_pretrained(hf_path, local_files_only=True)
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
 def check_vision_checkpoint(hf_path: str | None, image_key: str) -> None:
     """ConfigError unless ``model.hf_path`` is a vision-language checkpoint (its config has a vision tower and an
     image token)."""
