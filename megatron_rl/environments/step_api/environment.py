@@ -156,9 +156,9 @@ class StepApiEnvironment:
             if not running:
                 break
             prompts = [ep.conversation.prompt_ids for ep in running]
-            if self.images is not None:  # every image of each prompt (a VL model's turns without any: none)
-                completions = engine.generate(prompts, spec, seed=seed,  # type: ignore[call-arg]
-                                              images=[ep.conversation.images for ep in running])
+            images = [ep.conversation.images for ep in running]  # every image of each prompt (None: text only)
+            if any(images):  # (text prompts of a VL model: the engine's text path, e.g. the KV cache)
+                completions = engine.generate(prompts, spec, seed=seed, images=images)  # type: ignore[call-arg]
             else:
                 completions = engine.generate(prompts, spec, seed=seed)
             for ep, completion in zip(running, completions):
