@@ -9,7 +9,7 @@ from the policy itself (full forwards with the images):
   past the bound;
 - an OpenAI-client agent whose second call sends a screenshot as an ``image_url`` part of a tool message: its calls
   are sampled with their images (a stand-in for the vLLM fleet that runs the built-in engine on the images it is
-  sent, as vLLM does) and its rows score the same under the policy.
+  sent, as vLLM does) and its rows score the same under the policy; an unreadable image is a 400 naming it.
 
 Cost: ~15 s CPU (one process; the policy built once)."""
 
@@ -227,3 +227,11 @@ def test_an_agents_image_url_parts_are_sampled_and_trained_with_their_images(tas
     assert (got - want).abs().max() < BOUND
     got, want, _ = policy_logprobs(policy, merge_stepwise_output(out)[0])
     assert (got - want).abs().max() < BOUND
+
+    from megatron_rl.environments.agent.endpoint import RequestError, Session
+
+    session = Session("s", tok, calls.complete, spec, seed_of_call=lambda k: k, max_prompt_tokens=200,
+                      parse=lambda text: None, tokenizer_lock=threading.Lock(), images=images)
+    broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+    with pytest.raises(RequestError, match="an image of these messages cannot be used: image .* cannot be read"):
+        session.chat({"messages": [{"role": "user", "content": [broken]}]})

@@ -125,7 +125,8 @@ class FleetCalls:
             slot = self.slots[engine]
             try:
                 return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s,
-                                            model=self.model, versioned=self.config.partial_rollouts, images=images)
+                                            model=self.model, versioned=self.config.partial_rollouts,
+                                            **({} if images is None else {"images": images}))
             except EngineDown as err:
                 self.mark_down(slot, str(err))
 
