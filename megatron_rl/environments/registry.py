@@ -114,11 +114,8 @@ def _prompt_images(config: Any) -> Any:
     if config.rollout.engine not in ("builtin", "vllm"):
         raise ConfigError(f"data.image_key={config.data.image_key!r} needs rollout.engine=builtin or vllm (got "
                           f"{config.rollout.engine!r}): the engines that take images (docs/VISION.md)")
-    from pathlib import Path
-
-    files = config.data.paths("train_files") + config.data.paths("val_files")
     images = PromptImages(config.data.image_key, config.rl.model.hf_path,  # ConfigError for a text checkpoint
-                          base_dirs=[".", *dict.fromkeys(str(Path(f).parent) for f in files)])
+                          base_dirs=image_dirs(config))
     if config.rollout.engine == "vllm":
         from megatron_rl.hf.families import family_of
 
@@ -150,10 +147,18 @@ def _turn_images(config: Any) -> Any:
 
         if not family_of(config.rl.model).support.vllm_images:
             return None
-    files = config.data.paths("train_files") + config.data.paths("val_files")
+    return TurnImages.from_checkpoint(hf_path, image_dirs(config))
+
+
+def image_dirs(config: Any) -> list[str]:
+    """Where a relative image path is looked for, in order: the directory the command runs from
+    (``$MEGATRON_RL_CALLER_CWD``, which ``run_megatron.sh`` sets before it changes into the repository: the job's
+    ``job/paths.py: caller_cwd``), then each data file's folder."""
+    import os
     from pathlib import Path
 
-    return TurnImages.from_checkpoint(hf_path, [".", *dict.fromkeys(str(Path(f).parent) for f in files)])
+    files = config.data.paths("train_files") + config.data.paths("val_files")
+    return [os.environ.get("MEGATRON_RL_CALLER_CWD") or ".", *dict.fromkeys(str(Path(f).parent) for f in files)]
 
 
 def turn_prompt_limit(config: Any, context: int) -> int:

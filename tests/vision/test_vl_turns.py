@@ -11,7 +11,9 @@ from the policy itself (full forwards with the images):
   are sampled with their images (a stand-in for the vLLM fleet that runs the built-in engine on the images it is
   sent, as vLLM does) and its rows score the same under the policy; an unreadable image is a 400 naming it.
 
-Cost: ~15 s CPU (one process; the policy built once)."""
+Cost: ~16 s CPU (one process; the policy built once). And the main job on such a class (``slow``, ``multirank``: 2
+gloo ranks, ~25 s wall): 2 steps, the engine's and the trainer's log-probs within 1e-5, a missing first picture
+counted as failed episodes and named."""
 
 from __future__ import annotations
 
@@ -235,3 +237,27 @@ def test_an_agents_image_url_parts_are_sampled_and_trained_with_their_images(tas
     broken = {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
     with pytest.raises(RequestError, match="an image of these messages cannot be used: image .* cannot be read"):
         session.chat({"messages": [{"role": "user", "content": [broken]}]})
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_the_main_job_trains_a_step_api_class_whose_turns_bring_images(task, tmp_path):
+    from tests.support.job_run import metric_rows, run_megatron
+
+    path = task["path"]
+    rows = [{"images": [f"squares_{a}.png"], "second": str(path / f"squares_{b}.png")} for a, b in ((1, 2), (2, 3), (3, 1))]
+    rows.append({"images": ["gone.png"], "second": str(path / "squares_1.png")})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out_dir = tmp_path / "run"
+    out = run_megatron(f"model.hf_path={task['model']}", f"data.train_files={tmp_path / 'rows.jsonl'}",
+                       "data.image_key=images", f"job.environment={path / 'screens.py'}:Screens",
+                       f"logging.output_dir={out_dir}", "logging.progress_bar=false", "job.num_steps=2",
+                       "batch.train_batch_size=2", "job.n_samples_per_prompt=2", "batch.policy_mini_batch_size=2",
+                       "batch.micro_batch_size=2", "job.max_new_tokens=4", "job.max_turns=3", config="",
+                       cwd=path).stdout  # (the pictures' paths relative to the directory the command runs from)
+    assert "turns may bring images (the first prompt's: column 'images')" in out and "gone.png" in out, out[-3000:]
+    metrics = metric_rows(out_dir)
+    assert [r["step"] for r in metrics] == [1, 2]
+    for r in metrics:  # every turn's images where the engine had them
+        assert r["rollout/logprob_abs_diff_max"] < BOUND and r["episode/turns_mean"] == 2, r
+    assert sum(r["rollout/failed_samples"] for r in metrics) == 2  # the row whose first picture is missing
