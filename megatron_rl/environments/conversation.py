@@ -42,6 +42,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rl.data.images import ImageError
 from megatron_rl.environments.base import Sample
 from megatron_rl.environments.turn_images import NO_IMAGES, RowImages, TurnImages, joined
 
@@ -178,6 +179,7 @@ class Conversation:
         self.images = joined(self.images, new) if self.images is not None else None
         self.image_refs += list(images)
         self._extends = True
+        self._check_image_tokens()
 
     def continue_with(self, messages: list[Message], tools: list[dict] | None = None,
                       images: Sequence[Any] | None = None) -> None:
@@ -198,6 +200,20 @@ class Conversation:
             prompt_ids, row_images = self._encode(text, refs)
         self.tools, self._extends, self.prompt_ids, self.images = tools, extends, prompt_ids, row_images
         self.messages, self.text, self.image_refs = list(messages), text, refs
+        self._check_image_tokens()
+
+    def _check_image_tokens(self) -> None:
+        """ImageError when the prompt holds more image tokens than its images take: a reply sampled the image
+        token (a young model does), and the engines would read it as part of an image (the built-in engine gives
+        each image the row's first image tokens; vLLM counts the image-token runs), so the turn could not be
+        sampled and scored alike: the episode is left out."""
+        if not self.images:
+            return
+        held = self.prompt_ids.count(self.encoder.image_token_id)
+        taken = self.encoder.image_tokens(self.images)
+        if held != taken:
+            raise ImageError(f"the prompt holds {held} image tokens, its {len(self.images)} image(s) take {taken}: "
+                             "a reply sampled the image token, which the engines would read as an image's")
 
     def _seen_ids(self) -> list[int]:
         last = self.turns[-1]

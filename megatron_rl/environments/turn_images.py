@@ -58,6 +58,10 @@ class TurnImages:
             getattr(config, "vision_end_token_id", None)) if i is not None]
         return cls(encoder, int(config.image_token_id), "".join(names), base_dirs, image_key)
 
+    def image_tokens(self, images: RowImages) -> int:
+        """The image tokens ``images`` take in a prompt: t*h*w/merge**2 each."""
+        return sum(t * h * w for _, (t, h, w) in images) // self.encoder.merge_size**2
+
     def row_images(self, row: dict[str, Any]) -> list[Any]:
         """The references of a data row's images (``image_key``'s column; none without it)."""
         return image_refs(dict(row), self.image_key) if self.image_key else []

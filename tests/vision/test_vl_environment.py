@@ -5,7 +5,8 @@ trainer's batch turns into ``pixel_values`` / ``image_grid_thw``; ``data.image_k
 an agent is one ConfigError at start-up; the vLLM engine takes them. Images in later turns of a step-API class
 (docs/VISION.md section 13): a picture that cannot be read fails its episode (counted, the file named), images
 from a class on a text checkpoint stop the start-up, a chat template's turns extend with their images (a changed
-earlier picture starts a new step), the rows of a failed episode's group keep the ``images`` field."""
+earlier picture starts a new step), the rows of a failed episode's group keep the ``images`` field; a reply that
+sampled the image token before a later picture fails its episode."""
 
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def test_step_api_turns_bring_images_and_a_picture_that_cannot_be_read_fails_its
     assert seen[0] == [1, 1] and seen[-1] == [2]  # row 1 failed at reset, row 2 at its step; row 0's turn 2: both
     assert out.metrics["rollout/failed_samples"] == 2 and [f.row for f in out.failures] == [1, 2]
     assert "gone.png" in out.failures[0].error and "column 'images'" in out.failures[0].error
-    assert "also_gone.png" in out.failures[1].error and "step(response) returned images" in out.failures[1].error
+    assert "also_gone.png" in out.failures[1].error and "step(response): the next prompt's images" in out.failures[1].error
     kept = out.output  # the failed groups keep one masked placeholder each, with no images
     assert [len(i) for i in kept["images"]] == [1, 2, 0, 1] and kept["loss_masks"][2] == [0]
 
@@ -147,6 +148,17 @@ def test_step_api_turns_bring_images_and_a_picture_that_cannot_be_read_fails_its
     conversation.add_response([9], [-1.0], "length")
     assert conversation.new_steps == 1 and conversation.prompt_ids.count(tiny.IMAGE_TOKEN) == 8
     assert not torch.equal(conversation.images[0][0], conversation.turns[0].images[0][0])
+
+    # a reply that sampled the image token: the next prompt with images cannot be read alike by the engines
+    from megatron_rl.data.images import ImageError
+
+    from transformers import AutoTokenizer
+
+    raw = AutoTokenizer.from_pretrained(task["model"], local_files_only=True)  # no template: the reply is kept
+    conversation = Conversation(raw, f"t5 {tiny.IMAGE}", images=env.images, first_images=[good])
+    conversation.add_response([tiny.IMAGE_TOKEN, 9], [-1.0, -1.0], "length")
+    with pytest.raises(ImageError, match="holds 9 image tokens, its 2 image.s. take 8: a reply sampled the image"):
+        conversation.add_observation(f"t7 {tiny.IMAGE}", [good])
 
     # images from a class on a text checkpoint: one line at start-up
     from transformers import Qwen2Config

@@ -252,7 +252,8 @@ class StepApiEnvironment:
         except EpisodeError as err:
             return self._fail(ep, str(err), err)
         except ImageError as err:
-            return self._fail(ep, f"{self.user.name}.step(response) returned images that cannot be used: {err}", err)
+            return self._fail(ep, f"{self.user.name}.step(response): the next prompt's images cannot be used: {err}",
+                              err)
         except ValueError as err:  # messages without a chat template
             return self._fail(ep, f"{self.user.name}.step(response) returned an observation that cannot be "
                                   f"rendered: {err}", err)
