@@ -47,9 +47,12 @@ class EncodedPrompt:
 
 
 def read_image(ref: Any, base_dir: str | Path = ".") -> Any:
-    """An RGB ``PIL.Image`` from a path (relative to ``base_dir``), a ``data:`` URL or raw base64 text/bytes."""
+    """An RGB ``PIL.Image`` from a ``PIL.Image``, a path (relative to ``base_dir``), a ``data:`` URL or raw base64
+    text/bytes."""
     from PIL import Image, UnidentifiedImageError
 
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
     try:
         if isinstance(ref, (bytes, bytearray)):
             data = bytes(ref)
@@ -116,17 +119,23 @@ class ImageEncoder:
     def encode(self, text: str, images: list[Any]) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         """``(input_ids, pixel_values [N, F], image_grid_thw [k, 3])`` of one prompt whose ``text`` holds one
         ``image_token`` per image, in order."""
+        text, pixels, grids = self.expand(text, images)
+        return self.tokenizer(text)["input_ids"], pixels, grids
+
+    def expand(self, text: str, images: list[Any]) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """``(text with each image_token repeated t*h*w/merge**2 times, pixel_values [N, F], image_grid_thw
+        [k, 3])``; ImageError when ``text`` does not hold one ``image_token`` per image."""
         parts = text.split(self.image_token)
         if len(parts) - 1 != len(images):
             raise ImageError(f"the prompt has {len(parts) - 1} image placeholders ({self.image_token!r}) for "
                              f"{len(images)} images")
         if not images:
-            return self.tokenizer(text)["input_ids"], torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
+            return text, torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
         out = self.image_processor(images=images, return_tensors="pt")
         grids = out["image_grid_thw"].long()
         counts = (grids.prod(-1) // self.merge_size**2).tolist()
         text = parts[0] + "".join(self.image_token * n + part for n, part in zip(counts, parts[1:]))
-        return self.tokenizer(text)["input_ids"], out["pixel_values"].float(), grids
+        return text, out["pixel_values"].float(), grids
 
 
 def encode_rows(rows: list[dict[str, Any]], encoder: ImageEncoder, *, prompt_key: str, image_key: str,

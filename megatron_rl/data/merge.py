@@ -18,8 +18,10 @@ Per-token rewards are concatenated like loss masks. Mixing both kinds inside one
 Routed experts (R3): a merged group's tokens are exactly its last step's prompt + response, so it takes that
 step's ``routed_experts`` row.
 Teacher ids (distillation): one per trajectory, so a merged group keeps it.
+Images (a vision-language model): each step's are every image of its prompt (``environments/conversation.py``), so
+a merged group takes its last step's, as for routed experts.
 Output keys: the standard per-sequence fields (``rollout_logprobs`` / ``stop_reasons`` / ``routed_experts`` /
-``teacher_ids`` only when given);
+``teacher_ids`` / ``images`` only when given);
 other keys are dropped. Cost: O(tokens of the input) per trajectory (list slice comparisons, amortized appends).
 """
 
@@ -46,6 +48,7 @@ class _Group:
     stop_reason: Any
     routed_experts: Any = None
     teacher_id: Any = None
+    images: Any = None
 
 
 def merge_stepwise_output(
@@ -97,6 +100,7 @@ def _new_group(out: GeneratorOutput, i: int) -> _Group:
         stop_reason=stop_reasons[i] if stop_reasons is not None else None,
         routed_experts=_row(out, "routed_experts", i),
         teacher_id=_row(out, "teacher_ids", i),  # one per trajectory (validated): the group's
+        images=_row(out, "images", i),
     )
 
 
@@ -115,6 +119,7 @@ def _append_step(group: _Group, out: GeneratorOutput, i: int) -> None:
     stop_reasons = out.get("stop_reasons")
     group.stop_reason = stop_reasons[i] if stop_reasons is not None else None
     group.routed_experts = _row(out, "routed_experts", i)  # the last step's tokens are the whole group's
+    group.images = _row(out, "images", i)  # ... and its images every image of them
 
 
 def _row(out: GeneratorOutput, name: str, i: int) -> Any:
@@ -156,4 +161,6 @@ def _to_generator_output(groups: list[_Group], original: GeneratorOutput) -> Gen
         merged["routed_experts"] = [g.routed_experts for g in groups]
     if original.get("teacher_ids") is not None:
         merged["teacher_ids"] = [g.teacher_id for g in groups]
+    if original.get("images") is not None:
+        merged["images"] = [g.images for g in groups]
     return merged

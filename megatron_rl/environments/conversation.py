@@ -23,6 +23,12 @@ its own and appended. Where it does not extend (a template that rewrites history
 whose prompt is the fresh rendering. Without a chat template, text is raw: the first prompt is tokenized as is
 (special tokens added) and each observation's text is tokenized and appended: always an extension.
 
+Images (a vision-language checkpoint; ``turn_images.py``): the first prompt and each observation may come with
+images, one placeholder per image in their text; each is expanded to its image tokens when that text is
+tokenized, and every turn keeps the images of its whole prompt (``Turn.images``: earlier turns' first), so its
+row carries every image its tokens show. An extension also needs the earlier images unchanged (an agent that
+resends its history with another picture starts a new step).
+
 Rows (``trajectory_rows``): one per turn in the step-wise layout of ``data/generator_output.py`` (the turn's
 prompt, its sampled ids with loss mask 1 and the sampler's log-probs; the trajectory's reward on its last
 turn). ``data/merge.py`` merges the turns whose prompts extend the previous prompt + response into one
@@ -36,7 +42,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_rl.data.images import ImageError
 from megatron_rl.environments.base import Sample
+from megatron_rl.environments.turn_images import NO_IMAGES, RowImages, TurnImages, joined
 
 Message = dict[str, Any]
 """A chat message: ``{"role": ..., "content": ...}`` (other keys, e.g. ``tool_calls``, go to the template)."""
@@ -55,6 +63,9 @@ class Turn:
     """The prompt is the previous turn's prompt + response + more (False on the first turn and on a new step)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The engine's extras for this call (``Completion.extra``, e.g. ``routed_experts``)."""
+    images: Any = None
+    """The images of ``prompt_ids``, in order (``turn_images.py``: a ``RowImages``, what the engine saw); None
+    without an image encoder."""
 
 
 def weight_versions(episodes: Sequence[Sequence[Turn]]) -> tuple[dict[str, float], dict[int, int]]:
@@ -116,10 +127,13 @@ class Conversation:
     """The token-exact record of one conversation (see the module docstring). ``prompt_ids`` is the prompt of
     the turn to sample next; ``turns`` the turns sampled so far."""
 
-    def __init__(self, tokenizer: Any, first: str | list[Message], tools: list[dict] | None = None) -> None:
+    def __init__(self, tokenizer: Any, first: str | list[Message], tools: list[dict] | None = None, *,
+                 images: TurnImages | None = None, first_images: Sequence[Any] = ()) -> None:
         """``first``: the opening messages, or a string (a user message with a chat template, raw text
         without); ValueError for messages and a tokenizer without a chat template. ``tools``: the tool schemas
-        the template renders (an agent's call; None = none)."""
+        the template renders (an agent's call; None = none). ``images``: the image encoder (a vision-language
+        checkpoint; None: text only, and images are a ValueError); ``first_images``: the images of ``first``'s
+        placeholders, in order (``ImageError`` when one cannot be read or the count does not match)."""
         self.tokenizer = tokenizer
         self.tools = tools
         self.chat = has_chat_template(tokenizer)
@@ -128,44 +142,78 @@ class Conversation:
         self.text = ""
         """The text of ``prompt_ids`` (chat: the rendering the model saw)."""
         self._extends = False
+        self.encoder = images
+        self.image_refs: list[Any] = []
+        """The references of the images of ``prompt_ids``, in order."""
+        self.images: RowImages | None = None
+        """Their patches and URLs (``turn_images.py``), what the engine takes with ``prompt_ids``; None without an
+        encoder."""
         if self.chat:
             self.messages = as_messages(first)
             self.text = self._render(self.messages)
-            self.prompt_ids = self._encode(self.text)
+            self.prompt_ids, self.images = self._encode(self.text, first_images)
         else:
-            self.prompt_ids = list(tokenizer(_raw_text(first))["input_ids"])
+            self.prompt_ids, self.images = self._encode(_raw_text(first), first_images, add_special_tokens=True)
+        self.image_refs = list(first_images)
 
     def add_response(self, token_ids: Sequence[int], logprobs: Sequence[float], finish_reason: str,
                      extra: dict[str, Any] | None = None) -> str:
         """Record the engine's reply to ``prompt_ids``; returns its text (special tokens skipped)."""
         assert len(self.turns) == 0 or self.turns[-1].prompt_ids is not self.prompt_ids, "one reply per prompt"
         self.turns.append(Turn(self.prompt_ids, list(token_ids), list(logprobs), finish_reason, self._extends,
-                               dict(extra or {})))
+                               dict(extra or {}), self.images))
         text = self._decode(token_ids, skip_special_tokens=True)
         if self.chat:
             self.messages.append({"role": "assistant", "content": text})
         return text
 
-    def add_observation(self, observation: str | list[Message]) -> None:
-        """Append the environment's answer to the last reply and make the next prompt (extend or new step)."""
+    def add_observation(self, observation: str | list[Message], images: Sequence[Any] = ()) -> None:
+        """Append the environment's answer to the last reply and make the next prompt (extend or new step);
+        ``images``: those of the observation's placeholders, in order."""
         assert self.turns, "an observation answers a reply: add_response first"
         if self.chat:
-            self.continue_with(self.messages + as_messages(observation), self.tools)
+            self.continue_with(self.messages + as_messages(observation), self.tools, [*self.image_refs, *images])
             return
-        self.prompt_ids = self._seen_ids() + self._encode(_raw_text(observation))
+        ids, new = self._encode(_raw_text(observation), images)
+        self.prompt_ids = self._seen_ids() + ids
+        self.images = joined(self.images, new) if self.images is not None else None
+        self.image_refs += list(images)
         self._extends = True
+        self._check_image_tokens()
 
-    def continue_with(self, messages: list[Message], tools: list[dict] | None = None) -> None:
+    def continue_with(self, messages: list[Message], tools: list[dict] | None = None,
+                      images: Sequence[Any] | None = None) -> None:
         """The next prompt for the whole conversation ``messages`` (the history so far, the last reply's text
         included, plus what follows it): extend or new step. An agent's call hands its own history here, and the
-        call's ``tools``."""
+        call's ``tools``. ``images``: the images of the whole conversation's placeholders, in order (None: the
+        ones so far); it extends only if they begin with the images so far."""
         assert self.chat and self.turns, "continue_with needs a chat template and a reply to continue from"
-        self.tools = tools
+        refs = list(self.image_refs if images is None else images)
+        known = len(self.image_refs)
         text = self._render(messages)
         seen = self.text + self._decode(self.turns[-1].response_ids, skip_special_tokens=False)
-        self._extends = text.startswith(seen)
-        self.prompt_ids = self._seen_ids() + self._encode(text[len(seen):]) if self._extends else self._encode(text)
-        self.messages, self.text = list(messages), text
+        extends = text.startswith(seen) and refs[:known] == self.image_refs
+        if extends:
+            ids, new = self._encode(text[len(seen):], refs[known:])
+            prompt_ids, row_images = self._seen_ids() + ids, joined(self.images, new) if new is not None else None
+        else:
+            prompt_ids, row_images = self._encode(text, refs)
+        self.tools, self._extends, self.prompt_ids, self.images = tools, extends, prompt_ids, row_images
+        self.messages, self.text, self.image_refs = list(messages), text, refs
+        self._check_image_tokens()
+
+    def _check_image_tokens(self) -> None:
+        """ImageError when the prompt holds more image tokens than its images take: a reply sampled the image
+        token (a young model does), and the engines would read it as part of an image (the built-in engine gives
+        each image the row's first image tokens; vLLM counts the image-token runs), so the turn could not be
+        sampled and scored alike: the episode is left out."""
+        if not self.images:
+            return
+        held = self.prompt_ids.count(self.encoder.image_token_id)
+        taken = self.encoder.image_tokens(self.images)
+        if held != taken:
+            raise ImageError(f"the prompt holds {held} image tokens, its {len(self.images)} image(s) take {taken}: "
+                             "a reply sampled the image token, which the engines would read as an image's")
 
     def _seen_ids(self) -> list[int]:
         last = self.turns[-1]
@@ -175,8 +223,15 @@ class Conversation:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, add_generation_prompt=True,
                                                   tokenize=False)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    def _encode(self, text: str, images: Sequence[Any] = (), *, add_special_tokens: bool = False
+                ) -> tuple[list[int], RowImages | None]:
+        """The ids of ``text`` and the images of its placeholders (None without an encoder, which refuses images:
+        ValueError)."""
+        if self.encoder is None:
+            if images:
+                raise ValueError(f"{len(images)} image(s) given, but {NO_IMAGES}")
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), None
+        return self.encoder.encode(self.tokenizer, text, images, add_special_tokens=add_special_tokens)
 
     def _decode(self, ids: Sequence[int], *, skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
@@ -221,4 +276,7 @@ def trajectory_rows(turns: list[Turn], *, reward: float, uid: Hashable, trajecto
     if all("routed_experts" in t.extra for t in turns):  # MoE routing replay R3 (builtin_engine.py)
         for row, t in zip(rows, turns):
             row["routed_experts"] = t.extra["routed_experts"]
+    if all(t.images is not None for t in turns):  # a vision-language model: every image of the turn's prompt
+        for row, t in zip(rows, turns):
+            row["images"] = t.images
     return rows

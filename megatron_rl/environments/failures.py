@@ -201,8 +201,9 @@ def assemble_episodes(episodes: Sequence[EpisodeRows], *, pad_token_id: int, eos
     ``teacher_ids``: uid -> the distillation teacher of the group's data row (``distillation/routing.py``), written
     to every sequence of the group as ``GeneratorOutput['teacher_ids']``; None: no routing."""
     routing = routing_shape([episode.rows for episode in episodes])
-    rows = [episode.rows or [placeholder_row(episode.uid, episode.trajectory_id, pad_token_id, eos_token_id, routing)]
-            for episode in episodes]
+    images = any("images" in row for episode in episodes for row in episode.rows)
+    rows = [episode.rows or [placeholder_row(episode.uid, episode.trajectory_id, pad_token_id, eos_token_id, routing,
+                                             images)] for episode in episodes]
     output = {name: [row[name] for episode_rows in rows for row in episode_rows] for name in rows[0][0]}
     failed = [episode.failed for episode, episode_rows in zip(episodes, rows) for _ in episode_rows]
     try:
@@ -215,17 +216,19 @@ def assemble_episodes(episodes: Sequence[EpisodeRows], *, pad_token_id: int, eos
 
 
 def placeholder_row(uid: Hashable, trajectory_id: Hashable, pad_token_id: int, eos_token_id: int,
-                    routing: tuple[int, ...] | None) -> dict:
+                    routing: tuple[int, ...] | None, images: bool = False) -> dict:
     """The one row of a failed episode that played no turn (a step-API ``reset`` that raised, an agent that made
     no call): ``drop_failed_samples`` needs a row per sample (it keeps one, masked, of a group whose samples all
     failed). A pad token as prompt, the eos as response, reward 0, loss mask 0: never trained on. ``routing``:
     ``(L, k)`` when the played rows carry ``routed_experts`` (MoE routing replay R3 needs them on every row): the
-    placeholder's are all zeros."""
+    placeholder's are all zeros. ``images``: the played rows carry ``images`` (a vision-language model): none."""
     row = {"prompt_token_ids": [pad_token_id], "response_ids": [eos_token_id], "rewards": 0.0, "loss_masks": [0],
            "uids": uid, "rollout_logprobs": [0.0], "trajectory_ids": trajectory_id, "is_last_step": True,
            "stop_reasons": "stop"}
     if routing is not None:
         row["routed_experts"] = np.zeros((2, *routing), dtype=np.int64)
+    if images:
+        row["images"] = []
     return row
 
 

@@ -114,11 +114,8 @@ def _prompt_images(config: Any) -> Any:
     if config.rollout.engine not in ("builtin", "vllm"):
         raise ConfigError(f"data.image_key={config.data.image_key!r} needs rollout.engine=builtin or vllm (got "
                           f"{config.rollout.engine!r}): the engines that take images (docs/VISION.md)")
-    from pathlib import Path
-
-    files = config.data.paths("train_files") + config.data.paths("val_files")
     images = PromptImages(config.data.image_key, config.rl.model.hf_path,  # ConfigError for a text checkpoint
-                          base_dirs=[".", *dict.fromkeys(str(Path(f).parent) for f in files)])
+                          base_dirs=image_dirs(config))
     if config.rollout.engine == "vllm":
         from megatron_rl.hf.families import family_of
 
@@ -130,11 +127,38 @@ def _prompt_images(config: Any) -> Any:
     return images
 
 
-def _text_only(config: Any, what: str) -> None:
-    """ConfigError for ``data.image_key`` in an environment whose turns are text only (docs/VISION.md)."""
+def _turn_images(config: Any) -> Any:
+    """The image encoder of a multi-turn environment (``turn_images.py``): ``data.image_key``'s (checked as for
+    ``single_turn``), else one for any vision-language ``model.hf_path`` whose engine takes images; None otherwise
+    (text only: a step-API class that returns images is then refused at start-up)."""
+    from megatron_rl.environments.turn_images import TurnImages
+
     if config.data.image_key is not None:
-        raise ConfigError(f"data.image_key={config.data.image_key!r}: {what} takes text prompts only (images in "
-                          "the prompt work with job.environment=single_turn); unset data.image_key")
+        prompt = _prompt_images(config)
+        return TurnImages.from_checkpoint(config.rl.model.hf_path, prompt.base_dirs, config.data.image_key,
+                                          encoder=prompt.encoder)
+    from megatron_rl.environments.single_turn.images import is_vision_checkpoint
+
+    hf_path = config.rl.model.hf_path
+    if config.rollout.engine not in ("builtin", "vllm") or not is_vision_checkpoint(hf_path):
+        return None
+    if config.rollout.engine == "vllm":
+        from megatron_rl.hf.families import family_of
+
+        if not family_of(config.rl.model).support.vllm_images:
+            return None
+    return TurnImages.from_checkpoint(hf_path, image_dirs(config))
+
+
+def image_dirs(config: Any) -> list[str]:
+    """Where a relative image path is looked for, in order: the directory the command runs from
+    (``$MEGATRON_RL_CALLER_CWD``, which ``run_megatron.sh`` sets before it changes into the repository: the job's
+    ``job/paths.py: caller_cwd``), then each data file's folder."""
+    import os
+    from pathlib import Path
+
+    files = config.data.paths("train_files") + config.data.paths("val_files")
+    return [os.environ.get("MEGATRON_RL_CALLER_CWD") or ".", *dict.fromkeys(str(Path(f).parent) for f in files)]
 
 
 def turn_prompt_limit(config: Any, context: int) -> int:
@@ -153,13 +177,12 @@ def _step_api(config: Any, *, max_rows: int | None = None) -> Environment:
 
     from megatron_rl.distillation.routing import router
 
-    _text_only(config, f"a step-API class (job.environment={config.environment!r})")
     tokenizer, context = _tokenizer_and_context(config)
     environment = StepApiEnvironment(config.environment, config.data, tokenizer, seed=config.rl.seed,
                                      max_turns=config.job.max_turns,
                                      max_prompt_tokens=turn_prompt_limit(config, context),
                                      episode_timeout_s=config.job.episode_timeout_s,
-                                     teacher_of=router(config.rl.distillation))
+                                     teacher_of=router(config.rl.distillation), images=_turn_images(config))
     check_rows_routing(config, environment.train)
     return environment
 
@@ -170,14 +193,17 @@ def _agent(config: Any, *, max_rows: int | None = None) -> Environment:
 
     from megatron_rl.distillation.routing import router
 
-    _text_only(config, f"an agent (job.agent={config.job.agent!r})")
+    if config.data.image_key is not None:
+        raise ConfigError(f"data.image_key={config.data.image_key!r} with job.agent={config.job.agent!r}: an agent "
+                          "sends its images itself, as image_url parts of its messages (docs/VISION.md section 14); "
+                          "unset data.image_key")
     tokenizer, context = _tokenizer_and_context(config)
     environment = AgentEnvironment(config.job.agent, config.data, tokenizer, seed=config.rl.seed,
                                    max_concurrency=config.job.max_concurrency,
                                    max_prompt_tokens=turn_prompt_limit(config, context),
                                    tool_call_parser_name=config.rollout.tool_call_parser, max_rows=max_rows,
                                    episode_timeout_s=config.job.episode_timeout_s,
-                                   teacher_of=router(config.rl.distillation))
+                                   teacher_of=router(config.rl.distillation), images=_turn_images(config))
     check_rows_routing(config, environment.train)
     return environment
 

@@ -103,8 +103,10 @@ class AgentCalls(Protocol):
     """A ``threading.Event`` set while a call waits for a collective step of the job (no engine serves): the
     environment's loop then runs ``RolloutEngine.admit_replacements`` on every rank."""
 
-    def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, session: str) -> Completion:
-        """One sampled reply; a session's calls may stay on one server (its prefix cache)."""
+    def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, session: str, images: Any = None
+                 ) -> Completion:
+        """One sampled reply; a session's calls may stay on one server (its prefix cache). ``images``: the
+        prompt's images (``inference/vllm/images.py: EngineImages``), passed only for a prompt that has some."""
         ...
 
     def end_session(self, session: str) -> None:

@@ -114,6 +114,9 @@ def test_the_endpoint_answers_only_its_episode_tokens_with_chat_completions_the_
 
         with pytest.raises(openai.BadRequestError, match="stream"):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}], stream=True)
+        picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}  # a text checkpoint
+        with pytest.raises(openai.BadRequestError, match="'image_url' content part, but images need a vision-lan"):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": [picture]}])
         root = url.rsplit("/", 2)[0]
         for wrong in (root + "/not-the-token/v1", root + "/v1"):
             with pytest.raises(openai.AuthenticationError):

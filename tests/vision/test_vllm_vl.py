@@ -13,6 +13,8 @@ TOLERANCE: both fp32, other kernels):
 - before any training: within the bound; planted bug: the trainer scores each sample with the images of the
   other 16 x 16 row (same token layout, other pixels): beyond the bound; the same through
   ``VLLMEngine.generate(images=...)`` (the fleet's routing and grouping: a group is a prompt with its images);
+  and an agent's second call whose observation brought a new picture (``Fleet.complete(images=...)``, the
+  multi-turn path of docs/VISION.md section 14: the reply between the two pictures' runs);
 - ``model.freeze_vision`` (docs/VISION.md section 13): a frozen-tower policy's Adam step synced (its stream has no
   tower: the engine keeps the one it started on, which the frozen tower still equals): within the bound; the sync
   is the tower's bytes (196,224: 49,056 fp32 parameters) lighter than the next full sync's (a sync that still sent
@@ -129,6 +131,23 @@ def _generate(engine, prompts):
     return [(i, c.token_ids, c.logprobs) for i, c in zip(order, completions)]
 
 
+def _agent_turn(engine, prompts, reply, checkpoint):
+    """A second turn of a multi-turn conversation (docs/VISION.md section 14) through an agent's call
+    (``Fleet.complete(images=...)``): row 0's prompt, a reply, and an observation bringing a new picture (row 2's
+    16 x 24); its prompt holds both pictures. ``(prompts, samples)`` of it for ``_diff``."""
+    from megatron_rl.data.images import ImageEncoder, read_image
+    from megatron_rl.inference.engine import SamplingSpec
+    from megatron_rl.inference.vllm.images import EngineImages
+
+    ids, images, urls = prompts[0]
+    picture = read_image(prompts[2][2][0])
+    new, pixels, grids = ImageEncoder.from_checkpoint(checkpoint).encode(f"t7 {IMAGE} t8", [picture])
+    turn = [(ids + list(reply) + new, images + [(pixels, tuple(grids[0].tolist()))], urls + prompts[2][2])]
+    completion = engine.fleet.complete(turn[0][0], SamplingSpec(max_tokens=5, temperature=1.0), seed=7,
+                                       session="agent", images=EngineImages(tuple(turn[0][2]), tiny.IMAGE_TOKEN))
+    return turn, [(0, completion.token_ids, completion.logprobs)]
+
+
 def _no_vision(self, model_chunks, groups):
     """Planted bug: the weight sync's stream without the vision tower (what it sent before this slice)."""
     return iter(())
@@ -151,6 +170,7 @@ def test_vllm_samples_with_images_match_the_trainer_before_and_after_a_sync(grou
         assert _diff(policy, prompts, samples, swapped) > TOLERANCE
 
         assert _diff(policy, prompts, _generate(engine, prompts)) < TOLERANCE
+        assert _diff(policy, *_agent_turn(engine, prompts, samples[0][1], checkpoint)) < TOLERANCE
 
         frozen = adam_policy(checkpoint, groups, freeze_vision=True)  # the sync leaves the engine's tower alone
         _train_and_sync(frozen, engine, prompts, samples)

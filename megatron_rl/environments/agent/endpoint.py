@@ -20,6 +20,13 @@ from (an agent that asks for others is told once, on stderr: ``note_sampling_req
 than the prompt limit is a 400 ``context_length_exceeded``, and so is every later call of that episode (it keeps
 the calls before it). A call the fleet cannot serve is a 503 and stops the step with an ``EngineError``
 (``Session.engine_error``).
+
+Images (a vision-language checkpoint, ``Session.images``; docs/VISION.md section 14): a message's content parts
+``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` (a tool result's screenshot) become
+the checkpoint's image placeholder in its text, and the images go, in order, through the checkpoint's processor
+with the conversation (``turn_images.py``); each call is sampled with every image of its prompt (the fleet's
+``complete(images=EngineImages)``). An image that cannot be read is a 400 naming it, and so are image parts sent to
+a text checkpoint.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from megatron_rl.environments.agent.tool_parsers import ParsedReply, ToolCallParser
+from megatron_rl.data.images import ImageError
 from megatron_rl.environments.conversation import Conversation, Message
+from megatron_rl.environments.turn_images import NO_IMAGES, TurnImages
 from megatron_rl.inference.engine import Completion, SamplingSpec
 
 Complete = Callable[..., Completion]
@@ -55,8 +64,10 @@ class Session:
 
     def __init__(self, name: str, tokenizer: Any, complete: Complete, spec: SamplingSpec, *,
                  seed_of_call: Callable[[int], int], max_prompt_tokens: int, parse: ToolCallParser,
-                 tokenizer_lock: threading.Lock) -> None:
+                 tokenizer_lock: threading.Lock, images: TurnImages | None = None) -> None:
+        """``images``: the checkpoint's image encoder (None: image parts are refused)."""
         self.name, self.tokenizer, self.complete, self.spec = name, tokenizer, complete, spec
+        self.images = images
         self.seed_of_call, self.max_prompt_tokens, self.parse = seed_of_call, max_prompt_tokens, parse
         self.tokenizer_lock = tokenizer_lock
         self.conversation: Conversation | None = None
@@ -72,18 +83,19 @@ class Session:
 
     def chat(self, request: dict[str, Any]) -> dict[str, Any]:
         """A ChatCompletion for ``request`` (the JSON body); RequestError for a call that is refused."""
-        messages, tools, max_tokens = _checked_request(request, self.spec.max_tokens)
+        messages, tools, max_tokens, images = _checked_request(
+            request, self.spec.max_tokens, self.images.placeholder if self.images is not None else None)
         note_sampling_request(request, self.spec)
         with self._lock:
             if self.engine_error:  # the step stops after its episodes: no more calls
                 raise RequestError(503, f"the rollout engine could not serve an earlier call: {self.engine_error}",
                                    "engine_error")
-            prompt_ids = self._render(messages, tools)
+            prompt_ids = self._render(messages, tools, images)
             spec = SamplingSpec(max_tokens=max_tokens, temperature=self.spec.temperature, top_p=self.spec.top_p,
                                 stop_token_ids=self.spec.stop_token_ids)
             seed, self.calls = self.seed_of_call(self.calls), self.calls + 1
             try:
-                completion = self.complete(prompt_ids, spec, seed=seed, session=self.name)
+                completion = self.complete(prompt_ids, spec, seed=seed, session=self.name, **self._engine_images())
             except Exception as err:  # the fleet's EngineError (or a bug): the step stops after the episodes
                 self.engine_error = self.engine_error or f"{type(err).__name__}: {err}"
                 raise RequestError(503, f"the rollout engine could not serve this call: {err}", "engine_error")
@@ -95,15 +107,28 @@ class Session:
         parsed = self.parse(text) if request.get("tool_choice") != "none" else ParsedReply(text)
         return _chat_completion(request, prompt_ids, completion, parsed)
 
-    def _render(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+    def _engine_images(self) -> dict[str, Any]:
+        """``complete``'s ``images`` keyword for a prompt with images (none for a text prompt)."""
+        assert self.conversation is not None
+        if not self.conversation.images:
+            return {}
+        from megatron_rl.inference.vllm.images import EngineImages
+
+        assert self.images is not None
+        return {"images": EngineImages(tuple(self.conversation.images.urls), self.images.image_token_id)}
+
+    def _render(self, messages: list[Message], tools: list[dict] | None, images: list[Any]) -> list[int]:
         if self.context_error:
             raise RequestError(400, self.context_error, "context_length_exceeded")
         with self.tokenizer_lock:
             try:
                 if self.conversation is None:
-                    self.conversation = Conversation(self.tokenizer, messages, tools)
+                    self.conversation = Conversation(self.tokenizer, messages, tools, images=self.images,
+                                                     first_images=images)
                 else:
-                    self.conversation.continue_with(messages, tools)
+                    self.conversation.continue_with(messages, tools, images)
+            except ImageError as err:
+                raise RequestError(400, f"an image of these messages cannot be used: {err}") from None
             except Exception as err:  # noqa: BLE001 - the template's (jinja) errors on these messages
                 raise RequestError(400, f"the chat template could not render these messages: "
                                         f"{type(err).__name__}: {err}") from None
@@ -146,8 +171,11 @@ def note_sampling_request(request: dict[str, Any], spec: SamplingSpec) -> str | 
     return line
 
 
-def _checked_request(request: Any, max_new_tokens: int) -> tuple[list[Message], list[dict] | None, int]:
-    """The messages (normalized for the chat template), the tools and the reply's token cap of a request body."""
+def _checked_request(request: Any, max_new_tokens: int, placeholder: str | None = None
+                     ) -> tuple[list[Message], list[dict] | None, int, list[Any]]:
+    """The messages (normalized for the chat template), the tools, the reply's token cap of a request body and the
+    images of its ``image_url`` parts, in order (each part's place in its text: ``placeholder``, the checkpoint's
+    image placeholder; None: image parts are refused)."""
     if not isinstance(request, dict):
         raise RequestError(400, "the body must be a JSON object")
     if request.get("stream"):
@@ -165,16 +193,20 @@ def _checked_request(request: Any, max_new_tokens: int) -> tuple[list[Message], 
     cap = request.get("max_completion_tokens") or request.get("max_tokens") or max_new_tokens
     if not isinstance(cap, int) or cap < 1:
         raise RequestError(400, f"max_tokens={cap!r} must be a positive integer")
-    return [_template_message(m) for m in messages], tools or None, min(cap, max_new_tokens)
+    images: list[Any] = []
+    return ([_template_message(m, placeholder, images) for m in messages], tools or None, min(cap, max_new_tokens),
+            images)
 
 
-def _template_message(message: dict[str, Any]) -> Message:
+def _template_message(message: dict[str, Any], placeholder: str | None = None, images: list[Any] | None = None
+                      ) -> Message:
     """An OpenAI message as chat templates expect it: content a string ('' when absent or null; text parts
-    joined), tool-call arguments parsed from their JSON string into a dict (as vLLM does before rendering)."""
+    joined, an ``image_url`` part as ``placeholder`` with its URL appended to ``images``), tool-call arguments
+    parsed from their JSON string into a dict (as vLLM does before rendering)."""
     out = dict(message)
     content = out.get("content")
     if isinstance(content, list):
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        content = "".join(_part_text(part, placeholder, images) for part in content if isinstance(part, dict))
     out["content"] = content if isinstance(content, str) else ""
     if out.get("tool_calls"):
         calls = []
@@ -190,6 +222,20 @@ def _template_message(message: dict[str, Any]) -> Message:
             calls.append(call)
         out["tool_calls"] = calls
     return out
+
+
+def _part_text(part: dict[str, Any], placeholder: str | None, images: list[Any] | None) -> str:
+    """A content part's text: a text part's text, an image part's ``placeholder`` (its URL kept in ``images``)."""
+    if part.get("type") not in ("image_url", "image"):
+        return part.get("text", "")
+    if placeholder is None or images is None:
+        raise RequestError(400, f"an {part.get('type')!r} content part, but {NO_IMAGES}")
+    url = part.get("image_url", part.get("image"))
+    url = url.get("url") if isinstance(url, dict) else url
+    if not isinstance(url, str):
+        raise RequestError(400, f"an {part.get('type')!r} content part without a URL: {str(part)[:80]!r}")
+    images.append(url)
+    return placeholder
 
 
 def _chat_completion(request: dict[str, Any], prompt_ids: list[int], completion: Completion,

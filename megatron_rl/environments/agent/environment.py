@@ -45,6 +45,7 @@ from megatron_rl.environments.episodes import run_episodes
 from megatron_rl.environments.failures import EpisodeRows, SampleFailure, assemble_episodes, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
+from megatron_rl.environments.turn_images import TurnImages
 from megatron_rl.environments.user_code import load_object
 from megatron_rl.inference.engine import RolloutEngine, SamplingSpec
 
@@ -79,12 +80,13 @@ def call_seed(seed: int, row: int, sample: int, call: int) -> int:
 class AgentEnvironment:
     def __init__(self, spec: str, data: DataConfig, tokenizer: Any, *, seed: int, max_concurrency: int,
                  max_prompt_tokens: int, tool_call_parser_name: str, max_rows: int | None = None,
-                 episode_timeout_s: float = 900.0, teacher_of: Callable[[Mapping[str, Any]], int] | None = None
-                 ) -> None:
+                 episode_timeout_s: float = 900.0, teacher_of: Callable[[Mapping[str, Any]], int] | None = None,
+                 images: TurnImages | None = None) -> None:
         """``max_rows``: read only the first rows of each data file (the pre-flight's check). ``teacher_of``: a
         data row -> its distillation teacher (``distillation/routing.py: router``), written to
-        ``GeneratorOutput['teacher_ids']`` for every call of the row's episodes; None: no routing."""
-        self.episode_timeout_s, self.teacher_of = episode_timeout_s, teacher_of
+        ``GeneratorOutput['teacher_ids']`` for every call of the row's episodes; None: no routing. ``images``:
+        the checkpoint's image encoder, for the ``image_url`` parts of the agent's messages (None: refused)."""
+        self.episode_timeout_s, self.teacher_of, self.images = episode_timeout_s, teacher_of, images
         self._episode_lock = threading.Lock()
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
@@ -211,7 +213,7 @@ class AgentEnvironment:
             ep.session = Session(f"agent-{seed}-{ep.uid}-{ep.sample}", self.tokenizer, fleet.complete, spec,
                                  seed_of_call=lambda call, ep=ep: call_seed(seed, ep.uid, ep.sample, call),
                                  max_prompt_tokens=self.max_prompt_tokens, parse=self.parse,
-                                 tokenizer_lock=self._tokenizer_lock)
+                                 tokenizer_lock=self._tokenizer_lock, images=self.images)
         run_episodes(episodes, lambda ep: self._run(ep, fleet), concurrency=self.max_concurrency,
                      timeout_s=self.episode_timeout_s, on_timeout=lambda ep, seconds: self._give_up(ep, fleet),
                      describe=lambda ep: f"row {ep.index} (sample {ep.sample})", what=f"{KEY} episode(s)",

@@ -33,7 +33,9 @@ class DataConfig(ConfigSection):
     the prompt (Qwen2.5-VL: its image pad token between vision start and end, as its chat template writes),
     encoded by the image processor of ``model.hf_path`` (a vision-language checkpoint). A row whose image is missing or unreadable (or whose
     placeholders do not match its images) is a failed row: counted, named in the log, left out, never a crash.
-    ``rollout.engine``: builtin or vllm (docs/VISION.md section 9). None = text prompts."""
+    ``rollout.engine``: builtin or vllm (docs/VISION.md section 9). With a step-API class: the first prompt's images
+    (an unreadable one fails that episode; docs/VISION.md section 14); refused with ``job.agent``. None = text
+    prompts."""
     shuffle: bool = True
     """Visit the training rows in a new order every epoch, drawn from the run's seed (False: file order)."""
 

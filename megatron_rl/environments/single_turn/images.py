@@ -45,6 +45,18 @@ def png_url(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
+def is_vision_checkpoint(hf_path: str | None) -> bool:
+    """``model.hf_path`` is a vision-language checkpoint: its config.json has a vision tower and an image token (read
+    as JSON: a model type transformers does not know is no vision-language checkpoint here)."""
+    import json
+
+    path = Path(hf_path) / "config.json" if hf_path is not None else None
+    if path is None or not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    return config.get("vision_config") is not None and config.get("image_token_id") is not None
+
+
 def check_vision_checkpoint(hf_path: str | None, image_key: str) -> None:
     """ConfigError unless ``model.hf_path`` is a vision-language checkpoint (its config has a vision tower and an
     image token)."""

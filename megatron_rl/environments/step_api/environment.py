@@ -18,6 +18,12 @@ where every episode failed stops the run (``AllSamplesFailed``). An episode that
 (``reset`` raised, or its first prompt is too long) has no turn to stand for it: it gets one placeholder row
 (``failures.py: assemble_episodes``, shared with the agent), dropped or masked like any failed episode's rows.
 
+Images (a vision-language checkpoint, ``images``: ``turn_images.py``): the first prompt's come from the row's
+``data.image_key`` column and ``reset``, each observation's from ``step`` (``user_class.py``); every turn goes to the
+engine with all the images of its prompt, and its training row carries them (``GeneratorOutput['images']``). An
+image that cannot be read, or placeholders that do not match the images, fail that episode (counted, the file
+named), never the run.
+
 Determinism (the contract of ``base.py``): rows come from ``PromptOrder`` (its ``consumed`` is the checkpointed
 state), replies from the engine with the step's seed, so episodes are a function of (seed, step) as long as the
 class is a function of its row and the replies (a class that draws random numbers seeds them from its row).
@@ -39,11 +45,13 @@ from megatron_rl.environments.conversation import (
     trajectory_rows,
     weight_versions,
 )
+from megatron_rl.data.images import ImageError
 from megatron_rl.environments.episodes import EpisodeTimeout, call_within
 from megatron_rl.environments.failures import EpisodeRows, SampleFailure, assemble_episodes, failure
 from megatron_rl.environments.single_turn.config import DataConfig
 from megatron_rl.environments.single_turn.data import PromptOrder, read_rows
 from megatron_rl.environments.step_api.user_class import KEY, EpisodeError, UserClass
+from megatron_rl.environments.turn_images import TurnImages
 from megatron_rl.inference.engine import Completion, RolloutEngine, SamplingSpec
 
 END_REASONS = ("done", "max_turns", "context")
@@ -77,18 +85,20 @@ class Episode:
 class StepApiEnvironment:
     def __init__(self, spec: str, data: DataConfig, tokenizer: Any, *, seed: int, max_turns: int,
                  max_prompt_tokens: int, episode_timeout_s: float = 900.0,
-                 teacher_of: Callable[[Mapping[str, Any]], int] | None = None) -> None:
+                 teacher_of: Callable[[Mapping[str, Any]], int] | None = None, images: TurnImages | None = None
+                 ) -> None:
         """``teacher_of``: a data row -> its distillation teacher (``distillation/routing.py: router``), written to
-        ``GeneratorOutput['teacher_ids']`` for every turn of the row's episodes; None: no routing."""
+        ``GeneratorOutput['teacher_ids']`` for every turn of the row's episodes; None: no routing. ``images``: the
+        checkpoint's image encoder (a vision-language model; None: text only)."""
         from megatron_rl.hf.tokenizer import pad_token_id, stop_token_ids
 
         self.user = UserClass(spec)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.images = tokenizer, images
         self.pad_token_id = pad_token_id(tokenizer)
         self.stop_token_ids = stop_token_ids(tokenizer)
         self.train = read_rows(data.paths("train_files"), "data.train_files")
         self.val = read_rows(data.paths("val_files"), "data.val_files") if data.paths("val_files") else None
-        self.user.check_on_row(self.train[0], tokenizer, "row 0 of data.train_files")
+        self.user.check_on_row(self.train[0], tokenizer, "row 0 of data.train_files", images)
         self.order = PromptOrder(len(self.train), seed=seed, shuffle=data.shuffle)
         self.max_turns, self.max_prompt_tokens = max_turns, max_prompt_tokens
         self.episode_timeout_s = episode_timeout_s
@@ -99,6 +109,9 @@ class StepApiEnvironment:
         rows = f"train: {len(self.train)} rows" + (f"; val: {len(self.val)} rows" if self.val else "")
         text = ("the tokenizer's chat template (strings are user messages)" if has_chat_template(self.tokenizer)
                 else "raw text (the tokenizer has no chat template)")
+        if self.images is not None:
+            text += "; turns may bring images" + (f" (the first prompt's: column {self.images.image_key!r})"
+                                                  if self.images.image_key else "")
         return (f"step-API environment {self.user.name} ({self.user.spec}): {rows}; {text}; at most "
                 f"{self.max_turns} turns (job.max_turns) and {self.max_prompt_tokens} prompt tokens per turn")
 
@@ -142,7 +155,12 @@ class StepApiEnvironment:
             running = [ep for ep in episodes if ep.end is None]
             if not running:
                 break
-            completions = engine.generate([ep.conversation.prompt_ids for ep in running], spec, seed=seed)
+            prompts = [ep.conversation.prompt_ids for ep in running]
+            images = [ep.conversation.images for ep in running]  # every image of each prompt (None: text only)
+            if any(images):  # (text prompts of a VL model: the engine's text path, e.g. the KV cache)
+                completions = engine.generate(prompts, spec, seed=seed, images=images)  # type: ignore[call-arg]
+            else:
+                completions = engine.generate(prompts, spec, seed=seed)
             for ep, completion in zip(running, completions):
                 self._advance(ep, completion, last_turn=turn == self.max_turns - 1)
             self._agree_on_failures(episodes)
@@ -206,7 +224,12 @@ class StepApiEnvironment:
     def _start(self, ep: Episode) -> None:
         try:
             ep.env = self._timed(ep, "__init__(**row)", lambda: self.user.new(ep.row))
-            ep.conversation = Conversation(self.tokenizer, self._timed(ep, "reset()", lambda: self.user.reset(ep.env)))
+            first, images = self._timed(ep, "reset()", lambda: self.user.reset(ep.env))
+            row_images = self.images.row_images(dict(ep.row)) if self.images is not None else []
+            ep.conversation = Conversation(self.tokenizer, first, images=self.images,
+                                           first_images=[*row_images, *images])
+        except ImageError as err:
+            return self._fail(ep, f"{self.user.name}.reset(): the first prompt's images{self._column()}: {err}", err)
         except (EpisodeError, ValueError) as err:
             return self._fail(ep, str(err), err)
         if len(ep.conversation.prompt_ids) > self.max_prompt_tokens:
@@ -225,14 +248,22 @@ class StepApiEnvironment:
             if result.done or last_turn:
                 ep.end = "done" if result.done else "max_turns"
                 return
-            conversation.add_observation(result.observation)
+            conversation.add_observation(result.observation, result.images)
         except EpisodeError as err:
             return self._fail(ep, str(err), err)
+        except ImageError as err:
+            return self._fail(ep, f"{self.user.name}.step(response): the next prompt's images cannot be used: {err}",
+                              err)
         except ValueError as err:  # messages without a chat template
             return self._fail(ep, f"{self.user.name}.step(response) returned an observation that cannot be "
                                   f"rendered: {err}", err)
         if len(conversation.prompt_ids) > self.max_prompt_tokens:
             ep.end = "context"
+
+    def _column(self) -> str:
+        """Where the first prompt's images come from, beside ``reset()``."""
+        key = self.images.image_key if self.images is not None else None
+        return f" (column {key!r} and reset()'s)" if key else ""
 
     def _fail(self, ep: Episode, message: str, raised: BaseException | None = None) -> None:
         ep.end, ep.error, ep.raised = "failed", message, raised

@@ -12,6 +12,11 @@ group) and every turn of every episode of a step-API environment (``environment.
 after the reply (roles ``user`` or ``tool``), a string (a user message; raw text when the tokenizer has no chat
 template), or None when ``done``. ``reward``: a finite number (the episode's reward is the sum over its turns).
 
+Images (a vision-language checkpoint; docs/VISION.md section 14): ``reset()`` may return ``(first, images)`` and
+``step`` ``(observation, reward, done, images)`` (or the dict's ``images``): a list of images (PIL images, paths,
+bytes, ``data:`` URLs), one per image placeholder of that text, in order. The first prompt's images are the data
+row's ``data.image_key`` column's, then those ``reset`` returns.
+
 A mistake in the class is one line naming the class and the call: a ``ConfigError`` at start-up (a missing
 method, a constructor, ``reset`` or ``step`` that raises or returns the wrong shape on the first row), an
 ``EpisodeError`` during the run (``environment.py`` counts the episode as failed and leaves it out).
@@ -22,11 +27,13 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_rl.config import ConfigError
+from megatron_rl.data.images import ImageError
 from megatron_rl.environments.conversation import Conversation, Message, as_messages
+from megatron_rl.environments.turn_images import TurnImages
 from megatron_rl.environments.user_code import load_object
 
 KEY = "job.environment"
@@ -43,6 +50,8 @@ class StepResult:
     observation: str | list[Message] | None
     reward: float
     done: bool
+    images: list[Any] = field(default_factory=list)
+    """The observation's images, in order (docstring above)."""
 
 
 class UserClass:
@@ -63,15 +72,20 @@ class UserClass:
         """``Class(**row)``: one episode."""
         return self._call(f"{self.name}(**row)", self.cls, **row)
 
-    def reset(self, env: Any) -> str | list[Message]:
+    def reset(self, env: Any) -> tuple[str | list[Message], list[Any]]:
+        """The first messages (or string) and their images."""
         first = self._call(f"{self.name}.reset()", env.reset)
+        where = f"{self.name}.reset() returned {_shown(first)}"
+        images: list[Any] = []
+        if isinstance(first, tuple) and len(first) == 2:
+            first, images = first[0], _images(first[1], where)
         if isinstance(first, str):
-            return first
+            return first, images
         try:
-            return as_messages(first)
+            return as_messages(first), images
         except ValueError as err:
-            raise EpisodeError(f"{self.name}.reset() returned {_shown(first)}: it must return a string or a list "
-                               f"of chat messages ({err})") from None
+            raise EpisodeError(f"{where}: it must return a string or a list of chat messages, or (that, images) "
+                               f"({err})") from None
 
     def step(self, env: Any, response: str) -> StepResult:
         result = self._call(f"{self.name}.step(response)", env.step, response)
@@ -81,28 +95,42 @@ class UserClass:
             if missing:
                 raise EpisodeError(f"{where}: a dict needs the keys observation, reward and done (missing "
                                    f"{sorted(missing)})")
-            result = (result.get("observation"), result["reward"], result["done"])
-        if not isinstance(result, (tuple, list)) or len(result) != 3:
-            raise EpisodeError(f"{where}: it must return (observation, reward, done) or a dict with those keys")
-        observation, reward, done = result
+            result = (result.get("observation"), result["reward"], result["done"], result.get("images") or [])
+        if not isinstance(result, (tuple, list)) or len(result) not in (3, 4):
+            raise EpisodeError(f"{where}: it must return (observation, reward, done), (observation, reward, done, "
+                               "images) or a dict with those keys")
+        observation, reward, done, images = (*result, [])[:4]
         checked = StepResult(self._observation(observation, where), self._reward(reward, where),
-                             self._done(done, where))
+                             self._done(done, where), _images(images, where))
         if checked.observation is None and not checked.done:
             raise EpisodeError(f"{where}: the observation is None but done is False; return the next observation, "
                                "or done=True")
         return checked
 
-    def check_on_row(self, row: Mapping[str, Any], tokenizer: Any, what: str) -> None:
+    def check_on_row(self, row: Mapping[str, Any], tokenizer: Any, what: str, images: TurnImages | None = None
+                     ) -> None:
         """Construct, reset, render and step once (``response=''``) on ``row`` (``what`` names it): every mistake
-        a ConfigError naming the class and the call."""
+        a ConfigError naming the class and the call. ``images``: the image encoder (None: text only; images
+        returned are then a ConfigError); an image that cannot be read is no mistake of the class here (a failed
+        episode during the run, counted)."""
         try:
             env = self.new(row)
-            Conversation(tokenizer, self.reset(env))
+            first, first_images = self.reset(env)
+            row_images = images.row_images(dict(row)) if images is not None else []
+            Conversation(tokenizer, first, images=images, first_images=[*row_images, *first_images])
             result = self.step(env, "")
             if result.observation is not None and not result.done:
-                conversation = Conversation(tokenizer, "")
+                conversation = Conversation(tokenizer, "", images=images)
                 conversation.add_response([], [], "stop")
-                conversation.add_observation(result.observation)
+                try:
+                    conversation.add_observation(result.observation, result.images)
+                except ValueError as err:
+                    if isinstance(err, ImageError):
+                        raise
+                    raise EpisodeError(f"{self.name}.step(response) returned an observation that cannot be "
+                                       f"rendered: {err}") from err
+        except ImageError:
+            return
         except (EpisodeError, ValueError) as err:
             raise ConfigError(f"{KEY}={self.spec!r}: {err} (checked at start-up: {self.name}(**row), reset() and "
                               f"step('') on {what}, whose columns are {sorted(row)})") from err
@@ -135,6 +163,18 @@ class UserClass:
         if isinstance(value, (bool, int)):
             return bool(value)
         raise EpisodeError(f"{where}: done must be a bool, got {_shown(value)}")
+
+
+def _images(value: Any, where: str) -> list[Any]:
+    """A returned image list (one image alone: a list of it); EpisodeError for anything else."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, bytearray)) or hasattr(value, "convert"):  # a path / URL / bytes / PIL image
+        return [value]
+    raise EpisodeError(f"{where}: images must be a list of images (PIL images, paths, bytes or data: URLs), got "
+                       f"{_shown(value)}")
 
 
 def _shown(value: Any) -> str:

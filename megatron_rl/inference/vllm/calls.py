@@ -99,12 +99,13 @@ class FleetCalls:
                         else:
                             self.mark_down(slot, f"no progress for {timeout:.0f} s (rollout.request_timeout_s)")
 
-    def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, session: str) -> Completion:
+    def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, session: str,
+                 images: EngineImages | None = None) -> Completion:
         """One request of an agent session (rank 0 only, not collective, thread-safe): the session's calls stay
         on one engine while it serves (its prefix cache); an engine that fails is marked down and the call goes
         to another with the same seed. When no engine serves, the call waits for a replacement (it serves once
         the caller's loop has admitted it: ``calls_waiting``), at most ``rollout.start_timeout_s``; EngineError
-        when none can come back or that passes."""
+        when none can come back or that passes. ``images``: the prompt's images (an engine that takes them)."""
         waiting_since = None
         while True:
             with self.lock:
@@ -124,7 +125,8 @@ class FleetCalls:
             slot = self.slots[engine]
             try:
                 return slot.server.complete(prompt, spec, seed=seed, timeout_s=self.config.request_timeout_s,
-                                            model=self.model, versioned=self.config.partial_rollouts)
+                                            model=self.model, versioned=self.config.partial_rollouts,
+                                            **({} if images is None else {"images": images}))
             except EngineDown as err:
                 self.mark_down(slot, str(err))
 

@@ -321,9 +321,10 @@ class EngineServer:
             return payload.decode(errors="replace")
 
     def complete(self, prompt: list[int], spec: SamplingSpec, *, seed: int, timeout_s: float,
-                 model: str = MODEL_NAME, versioned: bool = False) -> Completion:
+                 model: str = MODEL_NAME, versioned: bool = False, images: EngineImages | None = None) -> Completion:
         """One sampled response to ``prompt`` (token ids), reproducible from ``seed``: ``sample`` with ``n=1``."""
-        return self.sample(prompt, spec, seed=seed, n=1, timeout_s=timeout_s, model=model, versioned=versioned)[0]
+        return self.sample(prompt, spec, seed=seed, n=1, timeout_s=timeout_s, model=model, versioned=versioned,
+                           images=images)[0]
 
     def sample(self, prompt: list[int], spec: SamplingSpec, *, seed: int, n: int, timeout_s: float,
                model: str = MODEL_NAME, versioned: bool = False, images: EngineImages | None = None) -> list[Completion]:
