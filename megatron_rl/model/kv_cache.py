@@ -53,6 +53,26 @@ class CachedPackParams(PackedRopeParams):
     """Per packed sequence: its cache key (global row), or None for a DP/micro-batch dummy (never cached)."""
     new_lens: list[int] = field(default_factory=list)
     """Per packed sequence: its real new tokens (the pack's align padding after them is not cached)."""
+    layout: "_Layout | None" = field(default=None, init=False, repr=False, compare=False)
+    """Set by the forward's first attention layer (``KVCache.attend``), read by the others."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a forward's new tokens go in the cache and what each attends to: the same in every layer, so the
+    forward's first layer computes it once (one host sync of ``cu_seqlens_q`` a forward instead of one a layer
+    on a GPU, and the index tensors built once)."""
+
+    bounds: list[int]
+    slots: list[int]
+    past: list[int]
+    width: list[int]
+    slot_t: torch.Tensor | None = None
+    """Decoding (every sequence ``m`` new tokens): ``[b]`` the rows' cache slots."""
+    pos: torch.Tensor | None = None
+    """``[b, m]`` the new tokens' cache positions."""
+    visible: torch.Tensor | None = None
+    """``[b, m, span]`` bool: what each new token attends to."""
 
 
 VISION_FIELDS = ("mrope_section", "mrope_interleaved", "pixel_values", "image_grid_thw", "image_mask")
@@ -153,23 +173,19 @@ class KVCache:
         attend causally to its cached keys and its new ones, which are written to the cache (a row's length only
         advances by its real new tokens: align padding is overwritten later). ``sdpa(q, k, v, mask, causal)``
         is the attention module's ``[s, b, h, hn]`` kernel (boolean mask: True = attend)."""
-        bounds = params.cu_seqlens_q.tolist()
+        if params.layout is None:
+            params.layout = self._layout(params, key.device)
+        layout = params.layout
+        bounds, slots, past, width = layout.bounds, layout.slots, layout.past, layout.width
         starts, ends = bounds[:-1], bounds[1:]
-        keys = [params.rows[i] if i < len(params.rows) and params.rows[i] is not None else ("dummy", i)
-                for i in range(len(starts))]
-        slots = [self._slot(k) for k in keys]
-        past = [self.lengths.get(k, 0) if isinstance(k, int) else 0 for k in keys]
-        width = [e - s for s, e in zip(starts, ends)]
         k_buf, v_buf = self._buffer(layer_number, key, max(p + m for p, m in zip(past, width)))
-        if len(set(width)) == 1 and width[0] > 0:  # decoding: m new tokens per sequence, one batched call
+        if layout.slot_t is not None:  # decoding: m new tokens per sequence, one batched call
             b, m = len(width), width[0]
-            slot_t = torch.tensor(slots, device=key.device)
-            pos = torch.tensor(past, device=key.device)[:, None] + torch.arange(m, device=key.device)  # [b, m]
+            slot_t, pos, visible = layout.slot_t, layout.pos, layout.visible
             k_buf[slot_t[:, None], pos] = key[: b * m].view(b, m, *key.shape[1:])
             v_buf[slot_t[:, None], pos] = value[: b * m].view(b, m, *value.shape[1:])
-            span = int(pos.max()) + 1
+            span = visible.shape[-1]
             k_all, v_all = k_buf[slot_t, :span], v_buf[slot_t, :span]  # [b, span, ng, hn]
-            visible = torch.arange(span, device=key.device)[None, None, :] <= pos[:, :, None]  # [b, m, span]
             q = query[: b * m].view(b, m, *query.shape[1:])
             out = sdpa(q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1), visible[:, None],
                        causal=False)  # [m, b, np*hn]
@@ -188,6 +204,21 @@ class KVCache:
         if bounds[-1] < total:
             outs.append(query.new_zeros(total - bounds[-1], query.shape[1] * query.shape[2]))
         return torch.cat(outs, dim=0)
+
+    def _layout(self, params: CachedPackParams, device: torch.device) -> _Layout:
+        bounds = params.cu_seqlens_q.tolist()
+        starts, ends = bounds[:-1], bounds[1:]
+        keys = [params.rows[i] if i < len(params.rows) and params.rows[i] is not None else ("dummy", i)
+                for i in range(len(starts))]
+        slots = [self._slot(k) for k in keys]
+        past = [self.lengths.get(k, 0) if isinstance(k, int) else 0 for k in keys]
+        width = [e - s for s, e in zip(starts, ends)]
+        if not (len(set(width)) == 1 and width[0] > 0):  # prefill: one call per sequence
+            return _Layout(bounds, slots, past, width)
+        pos = torch.tensor(past, device=device)[:, None] + torch.arange(width[0], device=device)  # [b, m]
+        span = max(past) + width[0]
+        visible = torch.arange(span, device=device)[None, None, :] <= pos[:, :, None]  # [b, m, span]
+        return _Layout(bounds, slots, past, width, torch.tensor(slots, device=device), pos, visible)
 
     def _slot(self, key: object) -> int:
         if key not in self._slots:

@@ -87,3 +87,18 @@ def test_decoding_step_is_one_micro_batch(policy, monkeypatch) -> None:
     decoder.prefill(PROMPTS)
     decoder.extend([1] * len(PROMPTS))
     assert counts == [3, 1]
+
+
+def test_a_forward_lays_out_its_tokens_once_for_all_layers(policy, monkeypatch) -> None:
+    """``KVCache.attend``'s layout (where the new tokens go, what they attend to: one ``cu_seqlens_q.tolist()``, a
+    host sync on a GPU) is computed by a forward's first layer and reused by the others (2 layers here): one per
+    micro-batch forward, not one per layer."""
+    from megatron_rl.model.kv_cache import KVCache
+
+    calls = []
+    real = KVCache._layout
+    monkeypatch.setattr(KVCache, "_layout", lambda self, params, device: calls.append(1) or real(self, params, device))
+    decoder = PolicyDecoder(policy, pad_token_id=0)
+    decoder.prefill(PROMPTS)  # 3 micro-batches
+    decoder.extend([1] * len(PROMPTS))  # 1
+    assert len(calls) == 4
