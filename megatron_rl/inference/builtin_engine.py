@@ -216,6 +216,9 @@ class PolicyDecoder:
         self.policy, self.pad_token_id = policy, pad_token_id
         self.cache = None
         self.num_rows = 0
+        self.step_plan = None
+        """The plan of a decoding step (``MegatronPolicy.plan_next_tokens``), made at the first and reused by
+        the others with their tokens (``model/plan.py: with_tokens``): the rows and their lengths never change."""
 
     def prefill(self, prompts: Sequence[Sequence[int]], images: Sequence[Any] | None = None) -> torch.Tensor:
         """The prompts through the whole model (with ``images``: each row's, the vision tower run once here;
@@ -223,7 +226,7 @@ class PolicyDecoder:
         from megatron_rl.data.mrope import batch_images
         from megatron_rl.model.kv_cache import KVCache  # the policy's module; tests use stand-ins
 
-        self.cache, self.num_rows = KVCache(), len(prompts)
+        self.cache, self.num_rows, self.step_plan = KVCache(), len(prompts), None
         sequences, mask = left_padded(prompts, self.pad_token_id)
         pictures = None if images is None else batch_images(list(images))
         return self.policy.next_token_logprobs(sequences, mask, kv_cache=self.cache, images=pictures).float().cpu()
@@ -231,9 +234,14 @@ class PolicyDecoder:
     def extend(self, tokens: Sequence[int]) -> torch.Tensor:
         assert self.cache is not None and len(tokens) == self.num_rows, (len(tokens), self.num_rows)
         sequences = torch.tensor(list(tokens), dtype=torch.long)[:, None]  # [n, 1]
-        budget = -(-self.num_rows // self.policy.groups.dp_size) * self.policy.align  # every row of a DP shard
-        return self.policy.next_token_logprobs(sequences, torch.ones_like(sequences), kv_cache=self.cache,
-                                               max_tokens_per_micro_batch=budget).float().cpu()
+        from megatron_rl.model.plan import with_tokens
+
+        mask = torch.ones_like(sequences)
+        if self.step_plan is None:
+            budget = -(-self.num_rows // self.policy.groups.dp_size) * self.policy.align  # every row of a DP shard
+            self.step_plan = self.policy.plan_next_tokens(sequences, mask, max_tokens_per_micro_batch=budget)
+        return self.policy.next_token_logprobs(sequences, mask, kv_cache=self.cache,
+                                               call=with_tokens(self.step_plan, sequences)).float().cpu()
 
 
 def policy_image_logprobs(policy, pad_token_id: int) -> ImageLogprobs:

@@ -16,6 +16,7 @@ The packs keep Python-int ``max_seqlen``, so nothing inside the model needs ``.i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,30 @@ def plan_call(
         seq_length=seq_length // groups.cp_size,
         num_tokens=int(sum(lengths[: len(batch)])),
     )
+
+
+def with_tokens(call: CallPlan, sequences: torch.Tensor) -> CallPlan:
+    """``call``, a plan of one token per row (a decoding step: ``MegatronPolicy.plan_next_tokens``), for the rows'
+    next tokens ``sequences`` ``[n, 1]``: the same rows, packs and shapes (they do not depend on the tokens), each
+    real row's token put where its pack holds it (its sequence's start); DP-padding rows keep theirs. New
+    micro-batch objects: ``call`` stays a template (the KV cache's ``attach`` replaces a micro-batch's pack)."""
+    if any(item.cp_local is not None for item in call.microbatches):
+        raise ValueError("with_tokens: a plan split for context parallelism (the KV cache does not support CP)")
+    microbatches = []
+    for item in call.microbatches:
+        real = [i for i, r in enumerate(item.rows) if r < call.num_rows]
+        if not real:
+            microbatches.append(dataclasses.replace(item))
+            continue
+        packed = item.packed
+        tokens = sequences[[item.rows[i] for i in real], 0].to(packed.input_ids.device)
+        input_ids = packed.input_ids.clone()
+        input_ids[0, packed.cu_seqlens[real]] = tokens  # one token per row: the row's sequence starts there
+        rows_tokens = item.tensors["sequences"].clone()
+        rows_tokens[real, -1] = tokens.to(rows_tokens.device)
+        microbatches.append(dataclasses.replace(item, packed=dataclasses.replace(packed, input_ids=input_ids),
+                                                tensors={**item.tensors, "sequences": rows_tokens}))
+    return dataclasses.replace(call, microbatches=microbatches)
 
 
 def build_microbatch(

@@ -175,7 +175,7 @@ class MegatronPolicy:
     def next_token_logprobs(self, sequences: torch.Tensor, attention_mask: torch.Tensor, *,
                             record_routing: bool = False, kv_cache: KVCache | None = None,
                             max_tokens_per_micro_batch: int | None = None,
-                            images: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            images: tuple[torch.Tensor, torch.Tensor] | None = None, call: CallPlan | None = None,
                             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Log-softmax over the vocabulary of the token after each row's last valid token: ``[n, V]`` fp32.
 
@@ -192,14 +192,13 @@ class MegatronPolicy:
         (a decoding step's one token per row fits one micro-batch).
         ``images``: the rows' ``(pixel_values [n, P, F], image_grid_thw [n, K, 3])`` (a ``VisionLanguagePolicy``;
         ``data/mrope.py: batch_images``).
+        ``call``: this call's plan, made before for rows of the same lengths (a decoding step's: ``model/plan.py:
+        with_tokens`` of ``plan_next_tokens``'s plan), instead of planning it again.
         """
         n = len(sequences)
-        no_responses = torch.zeros((n, 0), dtype=attention_mask.dtype)  # R = 0: validation and DP padding need it
-        tensors = {"sequences": sequences, "attention_mask": attention_mask, "response_mask": no_responses}
-        if images is not None:
-            tensors["pixel_values"], tensors["image_grid_thw"] = images
-        batch = TrainingBatch(tensors, [None] * n, [None] * n, [True] * n)
-        call = self.plan_call(batch, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        batch = next_token_batch(sequences, attention_mask, images)
+        if call is None:
+            call = self.plan_call(batch, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
         if kv_cache is not None:
             if self.groups.cp_size > 1:
                 raise ValueError("next_token_logprobs(kv_cache=...) does not support context parallelism "
@@ -217,6 +216,13 @@ class MegatronPolicy:
             stacked = restore_order([s["next_token_logprobs"] for s in stores], call.plan, call.first_row)  # [n/dp, V]
         logprobs = schedule.gather_rows(call, stacked, (self.config.model.vocab_size,), self.groups)  # [n, V]
         return (logprobs, routing) if record_routing else logprobs
+
+    def plan_next_tokens(self, sequences: torch.Tensor, attention_mask: torch.Tensor, *,
+                         max_tokens_per_micro_batch: int | None = None) -> CallPlan:
+        """The plan ``next_token_logprobs`` makes for these rows (text only), to reuse for rows of the same lengths
+        (``model/plan.py: with_tokens``)."""
+        return self.plan_call(next_token_batch(sequences, attention_mask, None),
+                              max_tokens_per_micro_batch=max_tokens_per_micro_batch)
 
     def forward_backward(
         self, batch: TrainingBatch, loss_fn: LossFn, loss_config: Any, *, compute_entropy: bool = False,
@@ -354,3 +360,14 @@ def _prepared(term: schedule.LogitsTerm | None, call: CallPlan, groups: Parallel
         yield
     finally:
         term.close()
+
+
+def next_token_batch(sequences: torch.Tensor, attention_mask: torch.Tensor,
+                     images: tuple[torch.Tensor, torch.Tensor] | None) -> TrainingBatch:
+    """The rows of ``next_token_logprobs`` as a ``TrainingBatch`` without responses."""
+    n = len(sequences)
+    no_responses = torch.zeros((n, 0), dtype=attention_mask.dtype)  # R = 0: validation and DP padding need it
+    tensors = {"sequences": sequences, "attention_mask": attention_mask, "response_mask": no_responses}
+    if images is not None:
+        tensors["pixel_values"], tensors["image_grid_thw"] = images
+    return TrainingBatch(tensors, [None] * n, [None] * n, [True] * n)

@@ -102,3 +102,16 @@ def test_a_forward_lays_out_its_tokens_once_for_all_layers(policy, monkeypatch) 
     decoder.prefill(PROMPTS)  # 3 micro-batches
     decoder.extend([1] * len(PROMPTS))  # 1
     assert len(calls) == 4
+
+
+def test_decoding_steps_reuse_the_first_steps_plan(policy, monkeypatch) -> None:
+    """A decoding step's rows and lengths never change: the first step's plan is reused by the others with
+    their tokens (``model/plan.py: with_tokens``; the exactness tests above would fail on a wrong token)."""
+    calls = []
+    real = type(policy).plan_call
+    monkeypatch.setattr(type(policy), "plan_call", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    decoder = PolicyDecoder(policy, pad_token_id=0)
+    decoder.prefill(PROMPTS)
+    for token in (1, 2, 3):
+        decoder.extend([token] * len(PROMPTS))
+    assert len(calls) == 2  # the prefill's and the first step's
