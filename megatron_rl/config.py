@@ -242,8 +242,7 @@ class ModelConfig(ConfigSection):
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters (``model.lora.*``; docs/LORA.md); off by default."""
     freeze_vision: bool = False
-    """A vision-language checkpoint's tower is not trained (no gradient, no optimizer state, not in the grad norm)
-    and not in the vLLM weight sync; the export and checkpoints keep it (docs/VISION.md section 13)."""
+    """The vision tower is not trained nor synced to vLLM; export and checkpoints keep it (docs/VISION.md s. 13)."""
 
     def _check_rules(self) -> None:
         mlp_targets = [name for name in self.lora.target_modules if name in ("gate_proj", "up_proj", "down_proj")]

@@ -232,10 +232,10 @@ class PolicyDecoder:
         return self.policy.next_token_logprobs(sequences, mask, kv_cache=self.cache, images=pictures).float().cpu()
 
     def extend(self, tokens: Sequence[int]) -> torch.Tensor:
+        from megatron_rl.model.plan import with_tokens  # the policy's module; tests use stand-ins
+
         assert self.cache is not None and len(tokens) == self.num_rows, (len(tokens), self.num_rows)
         sequences = torch.tensor(list(tokens), dtype=torch.long)[:, None]  # [n, 1]
-        from megatron_rl.model.plan import with_tokens
-
         mask = torch.ones_like(sequences)
         if self.step_plan is None:
             budget = -(-self.num_rows // self.policy.groups.dp_size) * self.policy.align  # every row of a DP shard
@@ -306,10 +306,10 @@ class BuiltinEngine:
     def __init__(self, next_token_logprobs: NextTokenLogprobs, routed_experts: RoutedExperts | None = None,
                  decoder: Callable[[], Decoder] | None = None, image_logprobs: ImageLogprobs | None = None) -> None:
         self.next_token_logprobs = next_token_logprobs
+        """The full-forward path (no cache): used when ``decoder`` is None."""
         self.image_logprobs = image_logprobs
         """Set (a vision-language policy): ``generate(images=...)`` samples through it (full forwards) unless
         ``decoder`` is set (its prefill takes the images)."""
-        """The full-forward path (no cache): used when ``decoder`` is None."""
         self.decoder = decoder
         """Set: each ``generate`` decodes incrementally through a fresh ``decoder()`` (the KV-cache path)."""
         self.routed_experts = routed_experts
