@@ -8,10 +8,12 @@
 # The venv: $VENV if set; else .venv for the automatic pick and .venv-py3.X when $PYTHON names one, so both
 # ends of the range coexist (e.g. PYTHON=python3.11 bash scripts/setup.sh -> .venv-py3.11 with 0.16.1).
 #   bash scripts/setup.sh --venv   prints the venv path it would use and installs nothing.
+#   bash scripts/setup.sh --needs-gb   prints the disk space (GiB) it would still take, 0 when the venv is ready.
 # torch is pinned first: Python 3.11 gets the local CPU wheel; Python 3.12 has no CPU wheel here and gets the
 # registry's CUDA build (~5 GB, ~1.5 min; it runs on CPU). An unpinned torch could pull another multi-GB build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/setup_common.sh
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
 # --venv: the venv's path does not depend on which Python makes it unless PYTHON is set (then .venv-pyX.Y): answer
@@ -50,9 +52,12 @@ if [ "${1:-}" = "--venv" ]; then echo "$venv"; exit 0; fi
 
 stamp=$venv/.megatron_rl_setup
 want="$( (cat setup.py scripts/setup.sh; echo "$PY_VERSION $MCORE_VERSION $TORCH_VERSION") | sha1sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-  exit 0
-fi
+ready() { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }
+# --needs-gb: the disk space (GiB) this set-up would still take: 0 when the venv is ready (scripts/test.sh sums it).
+gb=6; [ "$PY_VERSION" = 3.11 ] && gb=2
+if [ "${1:-}" = "--needs-gb" ]; then if ready; then echo 0; else echo "$gb"; fi; exit 0; fi
+if ready; then exit 0; fi
+need_space setup "$gb" "$venv"
 echo "setup: Python $PY_VERSION ($PY) -> megatron-core $MCORE_VERSION, torch $TORCH_VERSION, in $venv" \
   "(first run takes ~1-2 minutes; Python 3.12 downloads a ~5 GB CUDA torch build)"
 if [ -x "$venv/bin/python" ] && [ "$("$venv/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')" != "$PY_VERSION" ]; then

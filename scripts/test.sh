@@ -6,6 +6,10 @@
 # Exit code is pytest's: non-zero on any failure, and 5 (also a failure) when no test ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/setup_common.sh
+# Both venvs are made at once (below): the disk must hold both before either starts
+need=$(( $(bash scripts/setup.sh --needs-gb) + $(bash scripts/setup_engine.sh --needs-gb) ))
+[ "$need" = 0 ] || need_space test "$need" "the venvs still to be made"
 # The inference engine's own environment (vLLM, .venv-engine; ~6-7 min the first time): the engine tests
 # (tests/inference, marker `engine`) run the real engine and fail instead of skipping when it is missing. It is
 # set up beside the trainer's venv, at the same time (each pip install is mostly one core unpacking wheels).
