@@ -73,6 +73,10 @@ class _Layout:
     """``[b, m]`` the new tokens' cache positions."""
     visible: torch.Tensor | None = None
     """``[b, m, span]`` bool: what each new token attends to."""
+    token_slot: torch.Tensor | None = None
+    """A first prefill (nothing cached, sequences of different lengths): ``[bounds[-1]]`` each token's slot."""
+    token_pos: torch.Tensor | None = None
+    """... and its cache position."""
 
 
 VISION_FIELDS = ("mrope_section", "mrope_interleaved", "pixel_values", "image_grid_thw", "image_mask")
@@ -168,11 +172,13 @@ class KVCache:
         self._pending_deltas.clear()
 
     def attend(self, layer_number: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               params: CachedPackParams, sdpa) -> torch.Tensor:
+               params: CachedPackParams, attention) -> torch.Tensor:
         """q ``[T, np, hn]``, k/v ``[T, ng, hn]`` of the new tokens -> ``[T, np*hn]``: each sequence's new queries
         attend causally to its cached keys and its new ones, which are written to the cache (a row's length only
-        advances by its real new tokens: align padding is overwritten later). ``sdpa(q, k, v, mask, causal)``
-        is the attention module's ``[s, b, h, hn]`` kernel (boolean mask: True = attend)."""
+        advances by its real new tokens: align padding is overwritten later). ``attention``: the layer's
+        ``PackedDotProductAttention``, whose ``_sdpa(q, k, v, mask, causal)`` (``[s, b, h, hn]``, boolean mask:
+        True = attend) and ``packed_causal`` (a first prefill: nothing cached yet) do the arithmetic."""
+        sdpa = attention._sdpa
         if params.layout is None:
             params.layout = self._layout(params, key.device)
         layout = params.layout
@@ -190,7 +196,11 @@ class KVCache:
             out = sdpa(q.transpose(0, 1), k_all.transpose(0, 1), v_all.transpose(0, 1), visible[:, None],
                        causal=False)  # [m, b, np*hn]
             outs = [out.transpose(0, 1).reshape(b * m, -1)]
-        else:  # prefill (sequences of different lengths): one call per sequence
+        elif layout.token_slot is not None:  # a first prefill: each sequence causal over its own new tokens
+            k_buf[layout.token_slot, layout.token_pos] = key[: bounds[-1]]
+            v_buf[layout.token_slot, layout.token_pos] = value[: bounds[-1]]
+            outs = [attention.packed_causal(query, key, value, bounds)]
+        else:  # prefill after cached tokens (sequences of different lengths): one call per sequence
             outs = []
             for s, e, slot, p in zip(starts, ends, slots, past):
                 if e == s:
@@ -213,8 +223,13 @@ class KVCache:
         slots = [self._slot(k) for k in keys]
         past = [self.lengths.get(k, 0) if isinstance(k, int) else 0 for k in keys]
         width = [e - s for s, e in zip(starts, ends)]
-        if not (len(set(width)) == 1 and width[0] > 0):  # prefill: one call per sequence
-            return _Layout(bounds, slots, past, width)
+        if not (len(set(width)) == 1 and width[0] > 0):  # prefill
+            if any(past):  # after cached tokens: one call per sequence
+                return _Layout(bounds, slots, past, width)
+            token_slot = torch.repeat_interleave(torch.tensor(slots), torch.tensor(width))  # [bounds[-1]]
+            token_pos = torch.cat([torch.arange(n) for n in width])
+            return _Layout(bounds, slots, past, width, token_slot=token_slot.to(device),
+                           token_pos=token_pos.to(device))
         pos = torch.tensor(past, device=device)[:, None] + torch.arange(width[0], device=device)  # [b, m]
         span = max(past) + width[0]
         visible = torch.arange(span, device=device)[None, None, :] <= pos[:, :, None]  # [b, m, span]
