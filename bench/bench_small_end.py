@@ -248,9 +248,10 @@ def main() -> int:
                         help="run the systems this many times, alternating (round 1: a, b; round 2: a, b; ...): "
                              "each ratio to TRL is taken within its round, and their range is printed")
     args = parser.parse_args()
-    systems = ((["before"] if args.before else []) + [s for s in args.systems.split(",") if s]
-               + (["tokens"] if args.tokens else []) + (["vllm"] if args.vllm else [])
-               + (["vllm_tokens"] if args.vllm and args.tokens else []))
+    systems = list(dict.fromkeys(  # each once (a system named twice would share its output folder)
+        (["before"] if args.before else []) + [s for s in args.systems.split(",") if s]
+        + (["tokens"] if args.tokens else []) + (["vllm"] if args.vllm else [])
+        + (["vllm_tokens"] if args.vllm and args.tokens else [])))
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_small_end_") as tmp:
         root = Path(tmp)

@@ -1,6 +1,7 @@
 """PackedDotProductAttention's kernels and RMSNorm's by device, and the attention-backend choice.
 
-CPU: the exact per-sequence SDPA path stays the CPU path; the CUDA (varlen) plumbing - causal keyword, GQA
+CPU: the exact SDPA path stays the CPU path (one padded call over short sequences, else one call per sequence,
+both against plain per-sequence calls); the CUDA (varlen) plumbing - causal keyword, GQA
 native or by expanding k/v, int32 cu_seqlens, output layout - is checked on CPU by standing in a loop
 reference for ``varlen_attn``. GPU (``gpu`` marker, skipped without CUDA): the flash kernel itself against
 the per-sequence path, and ``F.rms_norm`` against the elementwise chain, in bf16.
@@ -91,6 +92,34 @@ def test_varlen_plumbing_matches_per_sequence_path(groups, monkeypatch, has_gqa)
     fast = attn(q, k, v, None, packed_seq_params=_params())
     assert fast.shape == reference.shape == (sum(LENGTHS), HEADS * HEAD_DIM)
     torch.testing.assert_close(fast, reference, rtol=0, atol=1e-6)  # fp32, same math in another grouping
+
+
+@pytest.mark.parametrize("lengths", [[5, 1, 9, 3], [4, 0, 7, 7, 2], [300, 10, 10]])
+def test_packed_causal_matches_per_sequence_calls(groups, lengths):
+    """The padded one-call path (short sequences, an empty one) and the per-sequence path (long unequal
+    sequences: padding would more than double the work) give each sequence its own causal attention: outputs
+    and gradients against one plain SDPA call per sequence, fp32 (the padded call differs by rounding only:
+    its kernel's row reductions run over the padded width, ~5e-7 at these sizes; a key of another sequence or
+    a padded key seen moves outputs by O(0.1)). Rows after the last sequence are 0."""
+    attn = _attention(groups)
+    gen = torch.Generator().manual_seed(0)
+    total = sum(lengths) + 3  # + an unused tail (align padding)
+    q = torch.randn(total, HEADS, HEAD_DIM, generator=gen, requires_grad=True)
+    k, v = (torch.randn(total, GROUPS, HEAD_DIM, generator=gen, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                             max_seqlen_kv=max(lengths))  # fmt: skip
+    out = attn(q, k, v, None, packed_seq_params=params)
+    reference = torch.cat([_loop_varlen(q, k, v, cu, cu, max(lengths), max(lengths), scale=attn.softmax_scale,
+                                        window_size=(-1, 0), enable_gqa=True).reshape(sum(lengths), -1),
+                           torch.zeros(3, HEADS * HEAD_DIM)])  # fmt: skip
+    torch.testing.assert_close(out, reference, rtol=0, atol=2e-6)
+    grad = torch.randn(out.shape, generator=gen)
+    for mine, ref in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(reference, (q, k, v), grad)):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=2e-6)
+    assert attention_module._batchable(lengths) == (max(lengths) <= attention_module.BATCH_PADDED_LEN)
 
 
 def test_varlen_signature_errors_are_clear():
