@@ -55,7 +55,7 @@ from megatron_rl.environments.registry import make_environment
 from megatron_rl.inference.builtin_engine import rollout_seed
 from megatron_rl.inference.engine import EngineError, EngineStartError, RolloutEngine, SamplingSpec
 from megatron_rl.inference.registry import engine_entry
-from megatron_rl.job import startup
+from megatron_rl.job import gate, startup
 from megatron_rl.job.config import JobConfig, dump_job_config, load_job_config
 from megatron_rl.job.paths import base_config, resolve_config
 from megatron_rl.job.pipeline import RolloutPipeline
@@ -111,6 +111,9 @@ class Job:
 # (expected on CPU; the README says TE/Apex are optional) and that a cuda-graph default is deprecated (we use no
 # cuda graphs). Silenced so the job's own output stays readable; every other warning is kept.
 def main(argv: list[str] | None = None) -> int:
+    stop = gate.wait()  # the pre-flight's verdict when the launcher runs it beside the ranks (job/gate.py)
+    if stop is not None:
+        return stop
     args = parse_args(argv)
     preemption.watch_rank()  # SIGUSR1/SIGTERM: save at the next step boundary, exit code 3
     from megatron_rl.distributed.bootstrap import destroy_distributed, initialize_distributed

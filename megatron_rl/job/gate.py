@@ -1,0 +1,50 @@
+"""The ranks start while the pre-flight runs, and wait here for its verdict before doing anything of the run.
+
+Place in the data flow: ``job/start.py`` (the launcher) runs the pre-flight in a thread while torchrun starts the
+ranks, then writes its verdict to the file ``$MEGATRON_RL_PREFLIGHT_GATE`` names (``open_gate``); ``job/main.py``
+calls ``wait`` first in ``main``: after the module imports that take a rank's first seconds (torch), before it
+reads the config, prints a line or touches a file. Verdict 0: the run goes on. Anything else: the rank returns 0
+at once and says nothing (the launcher has printed the pre-flight's line and exits with its code), so a refused
+run still makes nothing of its own. Why: the pre-flight (~2 s: the checkpoint's config read through transformers,
+the data and reward checks) and a rank's torch import (~2 s) ran one after the other (issue 53, start-up).
+
+Without the variable (plain torchrun, Ray's actors, a library user) ``wait`` returns at once. A rank whose
+launcher is gone (its parent changed) stops waiting with code 1; Ctrl-C while waiting is code 130, no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+GATE_ENV = "MEGATRON_RL_PREFLIGHT_GATE"
+POLL_S = 0.02
+
+
+def open_gate(path: str | Path, code: int) -> None:
+    """The launcher's verdict: the pre-flight's exit code (0: go), written whole (temp file + rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{code}\n")
+    tmp.replace(path)
+
+
+def wait() -> int | None:
+    """None: go on with the run. A number: return it from ``main`` now (0: the pre-flight refused the run)."""
+    path = os.environ.get(GATE_ENV)
+    if not path:
+        return None
+    parent = os.getppid()
+    try:
+        while True:
+            try:
+                verdict = Path(path).read_text().strip()
+            except FileNotFoundError:
+                if os.getppid() != parent:
+                    return 1
+                time.sleep(POLL_S)
+                continue
+            return None if verdict == "0" else 0
+    except KeyboardInterrupt:
+        return 130
