@@ -54,8 +54,8 @@ while IFS= read -r c; do configs+=("$c"); config_args+=(--config "$c"); done <<<
 # run the engine host instead of torchrun (megatron_rl/launch/placement.py). A contradiction: one line, exit 2.
 plan=$("$PY" -m megatron_rl.launch.plan "${config_args[@]}" "$@") || exit $?
 eval "$plan"
-# parallel.device (docs/DESIGN.md section 11) is applied by megatron_rl/job/start.py from the config the pre-flight
-# resolved (no YAML read here): cpu hides the GPUs from the ranks; otherwise NCCL needs one visible GPU per rank.
+# parallel.device (docs/DESIGN.md section 11) is applied by megatron_rl/job/start.py from the config layers (no YAML
+# read here): cpu hides the GPUs from the ranks; otherwise NCCL needs one visible GPU per rank.
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
@@ -84,9 +84,9 @@ echo "run_megatron.sh: $NPROC process(es) per node x $NNODES node(s), $threads, 
 # Pre-flight on this node (no model, no process group): config valid for this world size, output and checkpoint
 # directories writable, free space, a resume target of this model and algorithm; it prints the output and
 # checkpoint directories of the config as resolved (overrides included). A failure is one line on stderr and
-# exit code 2, before any rank starts.
+# exit code 2, before any rank reads the config (the ranks import torch meanwhile and wait for its verdict).
 world=(); [[ "$NPROC$NNODES" =~ ^[0-9]+$ ]] && world=(--world-size "$((NPROC * NNODES))")  # elastic MIN:MAX: skip
-# The pre-flight (megatron_rl.job.preflight: exit 2 and one line when the run cannot start), then torchrun through
+# The pre-flight (megatron_rl.job.preflight: exit 2 and one line when the run cannot start), beside torchrun through
 # megatron_rl.distributed.launch (an error the ranks report, a config or checkpoint mistake, is one line and its
 # exit code instead of torchrun's failure report), in one process (megatron_rl/job/start.py: one torch import).
 [ -z "$early_stop" ] || export MEGATRON_RL_EARLY_STOP=$early_stop

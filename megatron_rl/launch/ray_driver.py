@@ -51,7 +51,8 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 def preflight(argv: Sequence[str], world: int) -> int:
-    """The pre-flight ``job/start.py`` runs before torchrun (exit 2 and one line when the run cannot start)."""
+    """The pre-flight ``job/start.py`` runs beside torchrun, here before the actors (exit 2 and one line when the
+    run cannot start)."""
     from megatron_rl.job.preflight import load_job_rl_config
     from megatron_rl.preflight import main as preflight_main
 
