@@ -62,15 +62,17 @@ class _Preflight:
         self.argv, self.code, self.zygote = list(argv), 2, None
 
     def run(self, gate: str) -> None:
+        before = dict(os.environ)
         try:
             code, jobs = _preflight(self.argv)
             if not code and jobs and jobs[-1].rollout.engine == "vllm":  # CPU engines forked from a zygote
                 from megatron_rl.inference.vllm.job_zygote import start_for  # importing vLLM meanwhile
 
-                self.zygote = start_for(jobs[-1])
+                self.zygote = start_for(jobs[-1])  # its socket in $MEGATRON_RL_ENGINE_ZYGOTE, for the ranks
             self.code = code
         finally:  # an unexpected error (its traceback is the thread's) closes the gate too: code 2
-            open_gate(gate, self.code)
+            set_here = {k: v for k, v in os.environ.items() if before.get(k) != v}
+            open_gate(gate, self.code, set_here)
 
 
 def _preflight(argv: Sequence[str]) -> tuple[int, list]:

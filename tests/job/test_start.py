@@ -45,14 +45,18 @@ def test_the_device_comes_from_the_config_layers():
 
 @pytest.mark.parametrize("verdict, expected", [(0, None), (2, 0)])
 def test_a_rank_waits_for_the_preflight_verdict(tmp_path, monkeypatch, verdict, expected):
-    """0 opens the gate (the run goes on); a refusal makes the rank return 0 at once, saying nothing."""
+    """0 opens the gate (the run goes on, with the variables the launcher set meanwhile, e.g. the engine zygote's
+    socket); a refusal makes the rank return 0 at once, saying nothing."""
     path = tmp_path / "verdict"
     monkeypatch.setenv(gate.GATE_ENV, str(path))
-    opener = threading.Timer(0.3, gate.open_gate, args=(path, verdict))
+    monkeypatch.delenv("MEGATRON_RL_TEST_GATE_VAR", raising=False)
+    opener = threading.Timer(0.3, gate.open_gate, args=(path, verdict, {"MEGATRON_RL_TEST_GATE_VAR": "set"}))
     started = time.monotonic()
     opener.start()
     assert gate.wait() == expected
     assert time.monotonic() - started >= 0.25
+    assert os.environ.get("MEGATRON_RL_TEST_GATE_VAR") == ("set" if verdict == 0 else None)
+    monkeypatch.delenv("MEGATRON_RL_TEST_GATE_VAR", raising=False)
     monkeypatch.delenv(gate.GATE_ENV)
     assert gate.wait() is None  # no launcher gate (plain torchrun, Ray): at once
 
