@@ -79,6 +79,19 @@ def config_paths(path: str | Path | Sequence[str | Path] | None) -> list[Path]:
     return [Path(path)] if isinstance(path, (str, Path)) else [Path(p) for p in path]
 
 
+def config_arguments(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(config files, overrides)`` of a launcher's ``--config A --config B ... key=value ...`` (other options and
+    their values, e.g. ``--world-size 2``, left out)."""
+    files, overrides, rest = [], [], list(argv)
+    while rest:
+        item = rest.pop(0)
+        if item == "--config" and rest:
+            files.append(rest.pop(0))
+        elif "=" in item and not item.startswith("-"):
+            overrides.append(item)
+    return files, overrides
+
+
 def read_overrides(path: str | Path | Sequence[str | Path] | None, overrides: Sequence[str] = (), *,
                    renames: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``{dotted key: raw value}`` from the YAML file(s) at ``path`` (several: each one over the ones before),

@@ -104,17 +104,10 @@ def configured_device(argv: Sequence[str]) -> str | None:
     """``parallel.device`` of the pre-flight arguments' config layers and overrides (YAML only, as
     ``job/threads.py`` reads them), its default when unset; None when they cannot be read."""
     from megatron_rl.config import ParallelConfig
-    from megatron_rl.config_files import ConfigError, read_overrides
+    from megatron_rl.config_files import ConfigError, config_arguments, read_overrides
 
-    files, overrides, rest = [], [], list(argv)
-    while rest:
-        item = rest.pop(0)
-        if item == "--config" and rest:
-            files.append(rest.pop(0))
-        elif "=" in item and not item.startswith("-"):
-            overrides.append(item)
     try:
-        device = read_overrides(files, overrides).get("parallel.device", ParallelConfig.device)
+        device = read_overrides(*config_arguments(argv)).get("parallel.device", ParallelConfig.device)
     except (ConfigError, ValueError, OSError):
         return None
     return device if device in ("auto", "cuda", "cpu") else None

@@ -110,17 +110,11 @@ def describe(nproc: int, flat: dict, env: dict | None = None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m megatron_rl.job.threads NPROC [--config FILE ...] [key=value ...]``: prints ``describe``."""
-    from megatron_rl.config_files import ConfigError, read_overrides
+    from megatron_rl.config_files import ConfigError, config_arguments, read_overrides
 
     args = list(sys.argv[1:] if argv is None else argv)
     nproc = int(args[0]) if args and args[0].isdigit() else 1
-    files, overrides, rest = [], [], args[1:]
-    while rest:
-        item = rest.pop(0)
-        if item == "--config" and rest:
-            files.append(rest.pop(0))
-        elif "=" in item and not item.startswith("-"):
-            overrides.append(item)
+    files, overrides = config_arguments(args[1:])
     try:
         print(describe(nproc, read_overrides(files, overrides)))
     except (ValueError, ConfigError) as err:
