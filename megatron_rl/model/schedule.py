@@ -80,10 +80,11 @@ def run_schedule(
     Process groups are explicit (``pg_collection``), which megatron-core pairs with an explicit p2p communicator.
     A forward-only call on one pipeline stage skips the schedule (``_forward_only``).
     """
+    step = partial(forward_step, head=head, moe_tokens=moe_tokens, replay=replay)
     if forward_only and groups.pp_size == 1:
-        return _forward_only(model, call, partial(forward_step, head=head, moe_tokens=moe_tokens, replay=replay))
+        return _forward_only(model, call, step)
     return get_forward_backward_func()(
-        forward_step_func=partial(forward_step, head=head, moe_tokens=moe_tokens, replay=replay),
+        forward_step_func=step,
         data_iterator=iter(call.microbatches),
         model=[model],
         num_microbatches=len(call.microbatches),
